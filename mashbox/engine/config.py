@@ -1,0 +1,34 @@
+"""Engine configuration: fixed at construction, checked in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    ``ctx`` is the context length of every slot (``None``: the model's
+    default), ``slots`` the number of requests decoded together,
+    ``chunk_tokens`` the most prompt tokens prefilled in one device call,
+    ``batch_invariant`` makes a greedy request's tokens independent of what
+    runs beside it (fixed-shape matmul tiles; a little slower alone).
+    """
+
+    model: str = "smollm2-135m"
+    ctx: int | None = None
+    slots: int = 16
+    device: str | None = None
+    dtype: str | None = None
+    chunk_tokens: int = 256
+    batch_invariant: bool = True
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ctx is not None and self.ctx < 16:
+            raise ValueError(f"ctx: must be >= 16 (got {self.ctx})")
+        if not 1 <= self.slots <= 1024:
+            raise ValueError(f"slots: must be between 1 and 1024 (got {self.slots})")
+        if self.chunk_tokens < 16:
+            raise ValueError(f"chunk_tokens: must be >= 16 (got {self.chunk_tokens})")

@@ -1,0 +1,137 @@
+"""The engine loop: one thread that owns the scheduler and the device.
+
+Each step is three verbs: ``plan = scheduler.schedule()``,
+``tokens = runner.run(plan)``, ``scheduler.update(plan, tokens)``; new
+tokens then pass through each request's text state machines into events.
+Requests and aborts arrive through an inbox and join at the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from mashbox.engine.channel import Channel
+from mashbox.engine.detokenizer import Detokenizer
+from mashbox.engine.events import Event, Finish, TextDelta, Timings, Usage
+from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.sequence import Sequence, Status
+from mashbox.engine.stop import StopMatcher
+
+log = logging.getLogger("mashbox.engine")
+
+
+@dataclass(slots=True)
+class Stream:
+    """One request's way out: its text state machines and its channel."""
+
+    seq: Sequence
+    detok: Detokenizer
+    stop: StopMatcher
+    channel: Channel[Event] = field(default_factory=Channel)
+
+    def text(self, text: str) -> None:
+        if text:
+            self.channel.put(TextDelta(text))
+
+    def finish(self, error: str | None = None) -> None:
+        if self.stop.matched is None:
+            self.text(self.stop.push(self.detok.flush()) + self.stop.flush())
+        seq = self.seq
+        reason = seq.finish_reason or "error"
+        self.channel.put(Finish(reason, _usage(seq), _timings(seq), self.stop.matched, error))
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.streams: dict[str, Stream] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> Channel[Event]:
+        stream = Stream(seq, Detokenizer(self.tokenizer, seq.prompt_ids[-4:]), StopMatcher(seq.sampling.stop))
+        self._inbox.put(("add", stream))
+        return stream.channel
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(("close", None))
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while self._drain(block=not self.scheduler.has_work):
+            if self.scheduler.has_work:
+                self.step()
+        for stream in list(self.streams.values()):
+            self._end(stream, Status.FINISHED_ABORT, "engine closed")
+
+    def _drain(self, block: bool) -> bool:
+        """Handle inbox messages; False once asked to close."""
+        while True:
+            try:
+                kind, payload = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "close":
+                return False
+            if kind == "add":
+                self.streams[payload.seq.id] = payload
+                self.scheduler.add(payload.seq)
+            elif kind == "abort" and payload in self.streams:
+                self._end(self.streams[payload], Status.FINISHED_ABORT)
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        try:
+            tokens = self.runner.run(plan)
+        except Exception as exc:  # a device fault fails the requests it ran, not the engine
+            log.exception("device step failed")
+            for seq in {w.seq.id: w.seq for w in plan.work}.values():
+                self._end(self.streams[seq.id], Status.FINISHED_ERROR, f"device step failed: {exc}")
+            return
+        for seq, token in self.scheduler.update(plan, tokens):
+            self._emit(self.streams[seq.id], token)
+        for seq in {w.seq.id: w.seq for w in plan.work}.values():
+            if seq.status.is_finished and seq.id in self.streams:
+                self.streams.pop(seq.id).finish()
+
+    def _emit(self, stream: Stream, token: int) -> None:
+        if token in stream.seq.eos_ids:
+            return
+        stream.text(stream.stop.push(stream.detok.push(token)))
+        if stream.stop.matched is not None:
+            self.scheduler.finish(stream.seq, Status.FINISHED_STOP)
+
+    def _end(self, stream: Stream, status: Status, error: str | None = None) -> None:
+        self.scheduler.finish(stream.seq, status)
+        self.streams.pop(stream.seq.id, None)
+        stream.finish(error)
+
+
+def _usage(seq: Sequence) -> Usage:
+    return Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached)
+
+
+def _timings(seq: Sequence) -> Timings:
+    started = seq.started or seq.arrived
+    first = seq.first_token or started
+    return Timings(
+        prompt_n=len(seq.prompt_ids) - seq.num_cached,
+        prompt_ms=(first - started) * 1000,
+        predicted_n=len(seq.output_ids),
+        predicted_ms=((seq.last_token or first) - first) * 1000,
+        cache_n=seq.num_cached,
+        queue_ms=(started - seq.arrived) * 1000,
+    )

@@ -1,0 +1,267 @@
+"""``Engine``: the product. Four typed protocol methods over one continuously
+batched engine, usable from plain code, a notebook or a server.
+
+``stream(EngineRequest)`` yields the engine's events; ``chat``, ``complete``,
+``respond`` and ``message`` translate a protocol request into that, and the
+events back into the protocol's response (or, with ``stream=True``, an
+iterator of its stream events). ``achat`` ... are the async twins.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any
+
+from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
+from mashbox.api.base import parse
+from mashbox.engine.config import EngineConfig
+from mashbox.engine.core import EngineCore
+from mashbox.engine.events import Event, Finish
+from mashbox.engine.loader import LoadedModel, load
+from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.request import EngineRequest
+from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.sequence import Sequence
+from mashbox.engine.template import ChatTemplate
+from mashbox.errors import ContextLengthError, MashboxError
+
+log = logging.getLogger("mashbox")
+
+
+class IgnoredFieldsWarning(UserWarning):
+    """A request carried fields mashbox accepts but does not act on."""
+
+
+@dataclass(slots=True, frozen=True)
+class Protocol:
+    module: ModuleType
+    request: type
+
+
+PROTOCOLS = {
+    "chat": Protocol(openai_chat, openai_chat.ChatRequest),
+    "complete": Protocol(openai_completions, openai_completions.CompletionRequest),
+    "respond": Protocol(openai_responses, openai_responses.ResponsesRequest),
+    "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest),
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    id: str
+    ctx: int
+    slots: int
+    weights: str
+    bpw: float
+    gb: float
+    device: str
+    dtype: str
+
+
+class Engine:
+    """One model, answering many requests at once.
+
+    >>> with Engine() as engine:
+    ...     engine.chat(messages=[{"role": "user", "content": "Hi"}]).choices[0].message.content
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
+        config = config or EngineConfig()
+        config = replace(config, **options, **({"model": model} if model else {}))
+        loaded = load(config.model, device=config.device, dtype=config.dtype, quiet=config.quiet)
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.ctx = config.ctx or loaded.ctx_default
+        self.info = _info(loaded, self.ctx, config.slots)
+        self.eos_ids = _eos_ids(loaded)
+        self._template: ChatTemplate | None = None
+        runner = ModelRunner(loaded.model, config.slots, self.ctx, config.batch_invariant)
+        scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens)
+        self._core = EngineCore(scheduler, runner, self.tokenizer)
+
+    @property
+    def model_id(self) -> str:
+        return self.info.id
+
+    @property
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            self._template = ChatTemplate(self.tokenizer)
+        return self._template
+
+    # -- the core: canonical requests in, engine events out ---------------
+
+    def encode(self, request: EngineRequest) -> list[int]:
+        """The prompt tokens ``request`` runs on (after the chat template)."""
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        text = self.template.render(request.messages, request.tools, request.enable_thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, request: EngineRequest) -> Iterator[Event]:
+        """Submit ``request``; iterate its events, ending with one ``Finish``.
+
+        Errors in the request raise here, before any work. Closing the
+        iterator early aborts the request and frees its slot.
+        """
+        return self._events(self._sequence(request))
+
+    def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        return self._aevents(self._sequence(request))
+
+    def generate(self, request: EngineRequest) -> list[Event]:
+        return list(self.stream(request))
+
+    def _sequence(self, request: EngineRequest) -> Sequence:
+        ids = self.encode(request)
+        room = self.ctx - len(ids)
+        if room < 1:
+            field = "prompt" if request.prompt is not None else "messages"
+            raise ContextLengthError(
+                field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx"
+            )
+        max_new = min(request.sampling.max_tokens or room, room)
+        return Sequence(request.id, ids, request.sampling, max_new, self.eos_ids)
+
+    def _events(self, seq: Sequence) -> Iterator[Event]:
+        channel = self._core.submit(seq)
+        finished = False
+        try:
+            while not finished:
+                event = channel.get()
+                finished = isinstance(event, Finish)
+                yield event
+        finally:
+            if not finished:
+                self._core.abort(seq.id)
+
+    async def _aevents(self, seq: Sequence) -> AsyncIterator[Event]:
+        channel = self._core.submit(seq)
+        finished = False
+        try:
+            while not finished:
+                event = await channel.aget()
+                finished = isinstance(event, Finish)
+                yield event
+        finally:
+            if not finished:
+                self._core.abort(seq.id)
+
+    # -- the four protocols ----------------------------------------------
+
+    def chat(self, request: Any = None, /, **fields: Any) -> Any:
+        """OpenAI Chat Completions: a ChatCompletion, or chunks with stream=True."""
+        return self._call("chat", request, fields)
+
+    def complete(self, request: Any = None, /, **fields: Any) -> Any:
+        """OpenAI Completions: a Completion, or Completion chunks with stream=True."""
+        return self._call("complete", request, fields)
+
+    def respond(self, request: Any = None, /, **fields: Any) -> Any:
+        """OpenAI Responses: a Response, or Responses stream events with stream=True."""
+        return self._call("respond", request, fields)
+
+    def message(self, request: Any = None, /, **fields: Any) -> Any:
+        """Anthropic Messages: a Message, or Messages stream events with stream=True."""
+        return self._call("message", request, fields)
+
+    async def achat(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("chat", request, fields)
+
+    async def acomplete(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("complete", request, fields)
+
+    async def arespond(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("respond", request, fields)
+
+    async def amessage(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("message", request, fields)
+
+    def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
+        """Anthropic count_tokens: prompt tokens a Messages request would use."""
+        req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields))
+        return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
+
+    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Sequence]:
+        protocol = PROTOCOLS[name]
+        req = parse(protocol.request, _merge(request, fields))
+        if ignored := req.ignored_fields():
+            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=3)
+        translator = protocol.module.Translator(req, self.model_id)
+        return req, translator, self._sequence(protocol.module.to_engine(req))
+
+    def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
+        req, translator, seq = self._prepare(name, request, fields)
+        events = self._events(seq)
+        if req.stream:
+            return _translated(translator, events)
+        for event in events:
+            translator.feed(event)
+        return translator.response()
+
+    async def _acall(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
+        req, translator, seq = self._prepare(name, request, fields)
+        events = self._aevents(seq)
+        if req.stream:
+            return _atranslated(translator, events)
+        async for event in events:
+            translator.feed(event)
+        return translator.response()
+
+    # -- lifetime -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine thread and release the model and its KV cache."""
+        self._core.close()
+        self._core.runner = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
+    yield from translator.start()
+    try:
+        for event in events:
+            yield from translator.feed(event)
+    finally:
+        events.close()  # type: ignore[attr-defined]
+
+
+async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIterator[Any]:
+    for item in translator.start():
+        yield item
+    try:
+        async for event in events:
+            for item in translator.feed(event):
+                yield item
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _merge(request: Any, fields: dict[str, Any]) -> Any:
+    if request is None:
+        return fields
+    if fields:
+        raise MashboxError("pass a request object or keyword fields, not both")
+    return request
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids = {loaded.tokenizer.eos_token_id}
+    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return frozenset(i for i in ids if i is not None)
+
+
+def _info(loaded: LoadedModel, ctx: int, slots: int) -> ModelInfo:
+    return ModelInfo(
+        loaded.id, ctx, slots, loaded.weights, loaded.bpw, loaded.gb, str(loaded.device), str(loaded.dtype).removeprefix("torch.")
+    )

@@ -1,0 +1,93 @@
+"""The engine's one event stream: what every protocol translates from.
+
+A request yields deltas (text, reasoning, tool-call pieces) and ends with
+exactly one ``Finish``. Protocol modules in ``mashbox.api`` turn these into
+their own responses and stream events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+@dataclass(slots=True, frozen=True)
+class TextDelta:
+    text: str
+    type: Literal["text"] = "text"
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningDelta:
+    text: str
+    type: Literal["reasoning"] = "reasoning"
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+    type: Literal["tool_call_start"] = "tool_call_start"
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallDelta:
+    index: int
+    arguments: str
+    type: Literal["tool_call_delta"] = "tool_call_delta"
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallEnd:
+    index: int
+    type: Literal["tool_call_end"] = "tool_call_end"
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those spent thinking
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class Timings:
+    """llama-server style timings (milliseconds)."""
+
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    cache_n: int
+    queue_ms: float
+
+    @property
+    def prompt_per_second(self) -> float | None:
+        return self.prompt_n / self.prompt_ms * 1000 if self.prompt_ms > 0 else None
+
+    @property
+    def predicted_per_second(self) -> float | None:
+        if self.predicted_ms <= 0 or self.predicted_n < 2:
+            return None
+        return (self.predicted_n - 1) / self.predicted_ms * 1000
+
+
+@dataclass(slots=True, frozen=True)
+class Finish:
+    reason: FinishReason
+    usage: Usage
+    timings: Timings
+    stop_sequence: str | None = None
+    error: str | None = None
+    type: Literal["finish"] = "finish"
+
+
+Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

@@ -1,0 +1,103 @@
+"""Runs a plan on the device: one forward over every scheduled token.
+
+The runner reads the weights of a Llama-family transformers model (Llama,
+Mistral, Qwen2, Qwen3) and runs its own forward over fixed KV slots
+allocated once. Prompt chunks and decode rows of all running requests go
+through every layer together; attention runs per request over exactly its
+own keys. It makes no policy decisions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mashbox.engine import sampler
+from mashbox.engine.kv_cache import KVCache
+from mashbox.engine.scheduler import Plan, Work
+from mashbox.engine.weights import Weights, linear
+
+
+@dataclass(slots=True)
+class Batch:
+    """Device tensors of one plan."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    offsets: list[int]
+    sample_rows: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_slots: int, ctx: int, batch_invariant: bool = True) -> None:
+        self.weights = Weights.from_model(model, ctx, tile=16 if batch_invariant else 0)
+        self.device = self.weights.embed.device
+        self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, self.weights.embed.dtype, self.device)
+        self.generators: list[torch.Generator | None] = [None] * num_slots
+
+    @torch.inference_mode()
+    def run(self, plan: Plan) -> list[int]:
+        """Forward every token of ``plan``; one sampled token per sampling work item."""
+        batch = self._batch(plan)
+        hidden = self.forward(plan.work, batch)
+        logits = linear(hidden[batch.sample_rows], self.weights.lm_head, self.weights.tile)
+        sampling = [w for w in plan.work if w.sample]
+        return sampler.sample(
+            logits,
+            [w.seq.sampling for w in sampling],
+            [(w.seq.prompt_ids, w.seq.output_ids) for w in sampling],
+            [self._generator(w) for w in sampling],
+        )
+
+    def forward(self, work: list[Work], batch: Batch) -> torch.Tensor:
+        w = self.weights
+        x = w.embed[batch.ids]
+        cos, sin = w.cos[batch.positions], w.sin[batch.positions]
+        for i, layer in enumerate(w.layers):
+            q, k, v = layer.qkv(w.rms_norm(x, layer.ln_attn), cos, sin, w.tile)
+            self.kv.write(i, work, batch.offsets, k, v)
+            attn = self._attention(i, work, batch.offsets, q)
+            x = x + linear(attn, layer.o, w.tile)
+            x = x + layer.mlp(w.rms_norm(x, layer.ln_mlp), w.tile)
+        return w.rms_norm(x, w.norm)
+
+    def _attention(self, layer: int, work: list[Work], offsets: list[int], q: torch.Tensor) -> torch.Tensor:
+        out = []
+        for item, start in zip(work, offsets):
+            n = len(item.token_ids)
+            keys, values = self.kv.read(layer, item.slot, item.position + n)
+            query = q[start : start + n].transpose(0, 1).unsqueeze(0)
+            mask = None
+            if n > 1:
+                rows = torch.arange(item.position, item.position + n, device=q.device)[:, None]
+                mask = torch.arange(item.position + n, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(
+                query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True,
+                scale=self.weights.spec.scale,
+            )
+            out.append(o.squeeze(0).transpose(0, 1).reshape(n, -1))
+        return torch.cat(out)
+
+    def _batch(self, plan: Plan) -> Batch:
+        ids, positions, offsets, rows = [], [], [], []
+        for item in plan.work:
+            offsets.append(len(ids))
+            ids.extend(item.token_ids)
+            positions.extend(range(item.position, item.position + len(item.token_ids)))
+            if item.sample:
+                rows.append(len(ids) - 1)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return Batch(as_tensor(ids), as_tensor(positions), offsets, as_tensor(rows))
+
+    def _generator(self, item: Work) -> torch.Generator | None:
+        if item.seq.sampling.greedy:
+            return None
+        if item.fresh or self.generators[item.slot] is None:
+            seed = item.seq.sampling.seed
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed if seed is not None else random.getrandbits(63))
+            self.generators[item.slot] = g
+        return self.generators[item.slot]

@@ -1,0 +1,109 @@
+"""The canonical internal request: what every protocol translates into.
+
+Nothing here knows HTTP or any protocol's JSON. Configs are frozen after
+construction and check themselves in ``__post_init__``, raising ``ValueError``
+whose message starts with the field name.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name}: must be {rule} (got {value!r})")
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        _check(math.isfinite(t) and 0 <= t <= 4, "temperature", "between 0 and 4", t)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", ">= 0", self.top_k)
+        _check(0 <= self.min_p < 1, "min_p", "in [0, 1)", self.min_p)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, "between -2 and 2", value)
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """A call the assistant made: ``arguments`` is a JSON string."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass(slots=True, frozen=True)
+class Tool:
+    """A function the model may call, described by a JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Message:
+    """One turn of a conversation, in the shape chat templates expect."""
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+
+
+ToolChoice = Literal["auto", "none", "required"] | str  # a plain name forces that tool
+
+
+@dataclass(slots=True, frozen=True)
+class EngineRequest:
+    """One generation: a chat (``messages``) or a raw ``prompt``, never both."""
+
+    messages: tuple[Message, ...] | None = None
+    prompt: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    enable_thinking: bool | None = None
+    thinking_budget: int | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("messages: give either messages or prompt, not both or neither")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: must not be empty")

@@ -1,0 +1,124 @@
+"""Which tokens run in the next device call. Pure policy: no torch here.
+
+Every call advances all running requests: one decode token for each request
+past its prompt, plus prompt chunks of new ones up to ``chunk_tokens``.
+Chunks start at multiples of ``chunk_tokens`` so a prompt is cut the same
+way whatever else runs (batch invariance).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mashbox.engine.sequence import Sequence, Status
+from mashbox.engine.slots import SlotTable
+
+
+@dataclass(slots=True, frozen=True)
+class Work:
+    """Tokens of one request to run at ``position`` in its slot."""
+
+    seq: Sequence
+    token_ids: tuple[int, ...]
+    position: int
+    sample: bool
+    fresh: bool
+
+    @property
+    def slot(self) -> int:
+        assert self.seq.slot is not None
+        return self.seq.slot
+
+
+@dataclass(slots=True)
+class Plan:
+    """The scheduler's only contract with the runner."""
+
+    work: list[Work] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.work)
+
+    def __bool__(self) -> bool:
+        return bool(self.work)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, ctx: int, chunk_tokens: int) -> None:
+        self.slots = SlotTable(num_slots)
+        self.ctx = ctx
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq.prompt_ids) >= self.ctx:
+            raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit ctx {self.ctx}")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: Status) -> None:
+        """End ``seq`` now (stop string, abort, error) and free its slot."""
+        seq.finish(status)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.slots.free(seq.slot)
+
+    def schedule(self) -> Plan:
+        plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
+        budget = self.chunk_tokens
+        for seq in [s for s in self.running if s.in_prefill]:
+            budget -= self._prefill(plan, seq, budget)
+        while self.waiting and self.slots.num_free and budget > 0:
+            seq = self.waiting[0]
+            if self._chunk_len(seq) > budget and plan:
+                break
+            self.waiting.popleft()
+            seq.start(self.slots.allocate())
+            self.running.append(seq)
+            budget -= self._prefill(plan, seq, budget)
+        return plan
+
+    def update(self, plan: Plan, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Record what ran; ``sampled`` holds one token per sampling work item."""
+        tokens = iter(sampled)
+        new: list[tuple[Sequence, int]] = []
+        for w in plan.work:
+            w.seq.num_computed += len(w.token_ids)
+            if w.sample and not w.seq.status.is_finished:
+                token = next(tokens)
+                w.seq.append(token)
+                new.append((w.seq, token))
+                self._check_limits(w.seq, token)
+        return new
+
+    def _check_limits(self, seq: Sequence, token: int) -> None:
+        if token in seq.eos_ids:
+            self.finish(seq, Status.FINISHED_STOP)
+        elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.ctx:
+            self.finish(seq, Status.FINISHED_LENGTH)
+
+    def _decode(self, seq: Sequence) -> Work:
+        return Work(seq, (seq.output_ids[-1],), seq.num_tokens - 1, sample=True, fresh=False)
+
+    def _chunk_len(self, seq: Sequence) -> int:
+        done = seq.num_computed
+        return min(len(seq.prompt_ids) - done, self.chunk_tokens - done % self.chunk_tokens)
+
+    def _prefill(self, plan: Plan, seq: Sequence, budget: int) -> int:
+        n = self._chunk_len(seq)
+        if n > budget and plan:
+            return 0
+        start = seq.num_computed
+        end = start + n
+        last = end == len(seq.prompt_ids)
+        fresh = start == seq.num_cached
+        plan.work.append(Work(seq, tuple(seq.prompt_ids[start:end]), start, sample=last, fresh=fresh))
+        return n

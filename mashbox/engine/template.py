@@ -1,0 +1,72 @@
+"""Renders a conversation with the model's own chat template.
+
+System and developer messages, wherever they appear, join the one system
+prompt at the start. Assistant tool calls and tool results render back in
+the form the template knows, or as ``<tool_call>`` text when it knows none.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mashbox.engine.request import Message, Tool, ToolCall
+from mashbox.errors import InvalidRequestError
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template; use a plain prompt (complete)")
+        self.tokenizer = tokenizer
+        self.source: str = tokenizer.chat_template
+        self.knows_tools = "tool_calls" in self.source
+
+    def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None) -> str:
+        kwargs: dict[str, Any] = {}
+        if tools and self.knows_tools:
+            kwargs["tools"] = [_tool(t) for t in tools]
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        return self.tokenizer.apply_chat_template(
+            self.conversation(messages), tokenize=False, add_generation_prompt=True, **kwargs
+        )
+
+    def conversation(self, messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+        system = "\n\n".join(m.content for m in messages if m.role == "system" and m.content)
+        turns = [self._turn(m) for m in messages if m.role != "system"]
+        return ([{"role": "system", "content": system}] if system else []) + turns
+
+    def _turn(self, m: Message) -> dict[str, Any]:
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.role == "assistant" and m.reasoning:
+            turn["reasoning_content"] = m.reasoning
+        if m.tool_calls:
+            if self.knows_tools:
+                turn["tool_calls"] = [_call(c) for c in m.tool_calls]
+            else:
+                turn["content"] = "\n".join([m.content, *map(_call_text, m.tool_calls)]).strip()
+        if m.role == "tool" and m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        return turn
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        return call.arguments
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": _arguments(call)}}
+
+
+def _call_text(call: ToolCall) -> str:
+    payload = json.dumps({"name": call.name, "arguments": _arguments(call)}, ensure_ascii=False)
+    return f"<tool_call>\n{payload}\n</tool_call>"
+
+
+def _tool(tool: Tool) -> dict[str, Any]:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return {"type": "function", "function": function}

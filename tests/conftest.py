@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny random Llama built here (fast, exact), and the real
+embedded SmolLM2 (slow to load, so loaded once per test session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_config
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from mashbox import Engine
+from mashbox.engine.catalog import resolve
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    source = resolve("smollm2-135m")
+    return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A randomly initialised 2-layer Llama with the SmolLM2 tokenizer, saved as an HF directory."""
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(tiny_config(len(smol_tokenizer))).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    with Engine(str(tiny_model_dir), ctx=512, slots=16, quiet=True) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def smol_engine():
+    with Engine("smollm2-135m", ctx=2048, slots=16, quiet=True) as engine:
+        yield engine

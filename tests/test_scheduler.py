@@ -1,0 +1,112 @@
+"""Scheduler and slot policy, driven with fake runner results: no model, no device."""
+
+import pytest
+
+from mashbox.engine.request import SamplingParams
+from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.sequence import Sequence, Status
+from mashbox.engine.slots import SlotTable
+
+EOS = 0
+
+
+def seq(name: str, prompt_len: int, max_new: int = 8) -> Sequence:
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(), max_new, frozenset({EOS}))
+
+
+def step(s: Scheduler, token: int = 7):
+    plan = s.schedule()
+    sampled = [token] * sum(w.sample for w in plan.work)
+    s.update(plan, sampled)
+    return plan
+
+
+def test_slot_table_hands_out_and_takes_back():
+    table = SlotTable(3)
+    got = [table.allocate() for _ in range(3)]
+    assert got == [0, 1, 2] and table.num_free == 0
+    with pytest.raises(RuntimeError):
+        table.allocate()
+    table.free(1)
+    assert table.allocate() == 1
+    with pytest.raises(ValueError):
+        table.free(5)
+
+
+def test_new_request_joins_running_batch_at_next_step():
+    s = Scheduler(num_slots=4, ctx=128, chunk_tokens=64)
+    a = seq("a", 10)
+    s.add(a)
+    first = step(s)
+    assert [(w.seq.id, len(w.token_ids), w.sample) for w in first.work] == [("a", 10, True)]
+    s.add(seq("b", 5))
+    second = s.schedule()
+    assert [(w.seq.id, len(w.token_ids), w.position) for w in second.work] == [("a", 1, 10), ("b", 5, 0)]
+
+
+def test_long_prompt_is_chunked_at_fixed_boundaries_while_others_decode():
+    s = Scheduler(num_slots=2, ctx=512, chunk_tokens=64)
+    s.add(seq("short", 4, max_new=50))
+    step(s)
+    s.add(seq("long", 150))
+    shapes = [[(w.seq.id, w.position, len(w.token_ids), w.sample) for w in step(s).work] for _ in range(3)]
+    assert shapes == [
+        [("short", 4, 1, True), ("long", 0, 64, False)],
+        [("short", 5, 1, True), ("long", 64, 64, False)],
+        [("short", 6, 1, True), ("long", 128, 22, True)],
+    ]
+
+
+def test_waiting_requests_wait_for_a_free_slot():
+    s = Scheduler(num_slots=1, ctx=64, chunk_tokens=32)
+    a, b = seq("a", 3, max_new=2), seq("b", 3, max_new=2)
+    s.add(a)
+    s.add(b)
+    assert [w.seq.id for w in step(s).work] == ["a"]
+    assert [w.seq.id for w in step(s).work] == ["a"]
+    assert a.status == Status.FINISHED_LENGTH and s.slots.num_free == 1
+    assert [w.seq.id for w in step(s).work] == ["b"]
+
+
+def test_eos_finishes_with_stop_and_frees_slot():
+    s = Scheduler(num_slots=1, ctx=64, chunk_tokens=32)
+    a = seq("a", 3)
+    s.add(a)
+    step(s, token=EOS)
+    assert a.status == Status.FINISHED_STOP and a.finish_reason == "stop"
+    assert s.slots.num_free == 1 and not s.has_work
+
+
+def test_end_of_context_finishes_with_length():
+    s = Scheduler(num_slots=1, ctx=8, chunk_tokens=32)
+    a = seq("a", 6, max_new=100)
+    s.add(a)
+    while s.has_work:
+        step(s)
+    assert a.status == Status.FINISHED_LENGTH and a.num_tokens == 8
+
+
+def test_prompt_longer_than_context_is_refused():
+    s = Scheduler(num_slots=1, ctx=8, chunk_tokens=32)
+    with pytest.raises(ValueError):
+        s.add(seq("a", 8))
+
+
+def test_abort_frees_slot_for_the_next_request():
+    s = Scheduler(num_slots=1, ctx=64, chunk_tokens=32)
+    a, b = seq("a", 3, max_new=50), seq("b", 3)
+    s.add(a)
+    s.add(b)
+    step(s)
+    s.finish(a, Status.FINISHED_ABORT)
+    assert a.finish_reason == "abort"
+    assert [w.seq.id for w in s.schedule().work] == ["b"]
+
+
+def test_finished_state_is_not_overwritten():
+    a = seq("a", 3)
+    a.finish(Status.FINISHED_STOP)
+    a.finish(Status.FINISHED_ABORT)
+    assert a.status == Status.FINISHED_STOP and a.status.is_finished
+    with pytest.raises(ValueError):
+        a.finish(Status.RUNNING)
