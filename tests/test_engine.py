@@ -1,0 +1,194 @@
+"""The Engine without HTTP, on a tiny random model: batching, seeds, stop
+strings, UTF-8, limits, cancellation, async, and request validation."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from mashbox import ContextLengthError, EngineRequest, Finish, InvalidRequestError, Message, SamplingParams, TextDelta
+from mashbox.engine.detokenizer import Detokenizer
+
+
+def run(engine, prompt, **sampling):
+    events = list(engine.stream(EngineRequest(prompt=prompt, sampling=SamplingParams(**sampling))))
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
+
+
+def run_concurrently(fn, args):
+    results = [None] * len(args)
+
+    def worker(i):
+        results[i] = fn(*args[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+PROMPTS = [f"Request number {i} says" + " hello" * i for i in range(16)]
+
+
+def test_sixteen_concurrent_greedy_equal_each_alone(tiny_engine):
+    alone = [run(tiny_engine, p, max_tokens=12)[0] for p in PROMPTS]
+    together = run_concurrently(lambda p: run(tiny_engine, p, max_tokens=12)[0], [(p,) for p in PROMPTS])
+    assert together == alone
+    assert len(set(alone)) > 8
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny_engine):
+    first = run(tiny_engine, "Pick words:", temperature=1.0, seed=11, max_tokens=16)[0]
+    again = run(tiny_engine, "Pick words:", temperature=1.0, seed=11, max_tokens=16)[0]
+    other = run(tiny_engine, "Pick words:", temperature=1.0, seed=12, max_tokens=16)[0]
+    crowd = [("Pick words:", 11)] + [(p, i) for i, p in enumerate(PROMPTS[:7])]
+    batched = run_concurrently(lambda p, s: run(tiny_engine, p, temperature=1.0, seed=s, max_tokens=16)[0], crowd)
+    assert first == again == batched[0]
+    assert first != other
+
+
+def test_max_tokens_gives_length(tiny_engine):
+    _, finish = run(tiny_engine, "Count:", max_tokens=5)
+    assert finish.reason == "length" and finish.usage.completion_tokens == 5
+
+
+def test_end_of_context_gives_length(tiny_engine):
+    prompt = "word " * 500
+    n = len(tiny_engine.tokenizer.encode(prompt))
+    _, finish = run(tiny_engine, prompt, max_tokens=100)
+    assert finish.reason == "length"
+    assert finish.usage.prompt_tokens + finish.usage.completion_tokens == tiny_engine.ctx == 512
+    assert finish.usage.prompt_tokens == n
+
+
+def test_stop_string_split_across_tokens(tiny_engine):
+    events = list(tiny_engine.stream(EngineRequest(prompt="Once upon", sampling=SamplingParams(max_tokens=24))))
+    deltas = [e.text for e in events if isinstance(e, TextDelta)]
+    i = next(i for i in range(1, len(deltas)) if len(deltas[i - 1]) >= 2 and len(deltas[i]) >= 2)
+    stop = deltas[i - 1][-2:] + deltas[i][:2]
+    full = "".join(deltas)
+    text, finish = run(tiny_engine, "Once upon", max_tokens=24, stop=[stop])
+    assert text == full[: full.index(stop)]
+    assert finish.reason == "stop" and finish.stop_sequence == stop
+
+
+def test_timings_and_usage_on_finish(tiny_engine):
+    _, finish = run(tiny_engine, "Timing test", max_tokens=6)
+    t, u = finish.timings, finish.usage
+    assert u.completion_tokens == t.predicted_n == 6
+    assert u.prompt_tokens == t.prompt_n + t.cache_n
+    assert t.prompt_ms > 0 and t.predicted_ms > 0 and t.queue_ms >= 0
+
+
+@pytest.mark.parametrize(("text", "splits"), [("héllo wörld", False), ("数学 世界 🎉🚀 naïve café", True),
+                                            ("emoji 👩‍👩‍👧 ok", True)])
+def test_detokenizer_never_splits_utf8(smol_tokenizer, text, splits):
+    ids = smol_tokenizer.encode(text, add_special_tokens=False)
+    detok = Detokenizer(smol_tokenizer)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == text
+    assert (len(ids) > len([p for p in pieces if p])) == splits, "a split character is held back, whole"
+
+
+def test_prompt_longer_than_context_is_refused_before_work(tiny_engine):
+    with pytest.raises(ContextLengthError) as err:
+        tiny_engine.stream(EngineRequest(prompt="word " * 600))
+    assert err.value.param == "prompt" and "512" in str(err.value)
+    with pytest.raises(ContextLengthError) as err:
+        tiny_engine.chat(messages=[{"role": "user", "content": "word " * 600}])
+    assert err.value.param == "messages"
+
+
+def test_dropped_stream_frees_its_slot(tiny_engine):
+    slots = tiny_engine._core.scheduler.slots
+    events = tiny_engine.stream(EngineRequest(prompt="Go on and on", sampling=SamplingParams(max_tokens=400)))
+    next(events)
+    assert slots.num_free == slots.size - 1
+    events.close()
+    deadline = time.time() + 10
+    while slots.num_free != slots.size and time.time() < deadline:
+        time.sleep(0.01)
+    assert slots.num_free == slots.size
+
+
+def test_async_twins_run_concurrently(tiny_engine):
+    async def main():
+        calls = [tiny_engine.achat(messages=[{"role": "user", "content": p}], max_tokens=8) for p in PROMPTS[:4]]
+        answers = await asyncio.gather(*calls)
+        chunks = [c async for c in await tiny_engine.achat(messages=[{"role": "user", "content": "hi"}],
+                                                              max_tokens=4, stream=True)]
+        sync_inside_loop = tiny_engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        return answers, chunks, sync_inside_loop
+
+    answers, chunks, sync_answer = asyncio.run(main())
+    assert [a.choices[0].message.content for a in answers] == [
+        tiny_engine.chat(messages=[{"role": "user", "content": p}], max_tokens=8).choices[0].message.content
+        for p in PROMPTS[:4]
+    ]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sync_answer.choices[0].finish_reason == "length"
+
+
+def test_engine_request_checks_itself():
+    with pytest.raises(ValueError, match="messages"):
+        EngineRequest()
+    with pytest.raises(ValueError, match="messages"):
+        EngineRequest(messages=(Message("user", "a"),), prompt="b")
+
+
+BAD = [
+    ("temperature", {"temperature": 4.5}),
+    ("temperature", {"temperature": -0.1}),
+    ("top_p", {"top_p": 0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -1}),
+    ("min_p", {"min_p": 1.0}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
+    ("frequency_penalty", {"frequency_penalty": 2.5}),
+    ("presence_penalty", {"presence_penalty": -2.5}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_completion_tokens", {"max_completion_tokens": 0}),
+    ("n", {"n": 2}),
+    ("stop", {"stop": ["ok", ""]}),
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"top_logprobs": 3}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("messages.0.content.0", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}),
+]
+
+
+@pytest.mark.parametrize(("param", "fields"), BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
+def test_bad_chat_parameters_name_the_field(tiny_engine, param, fields):
+    request = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.chat(request)
+    assert err.value.param.startswith(param)
+    assert param.split(".")[0] in str(err.value)
+
+
+@pytest.mark.parametrize(("method", "request_body", "param"), [
+    ("complete", {"prompt": "a", "logprobs": 2}, "logprobs"),
+    ("complete", {"prompt": ["a", "b"]}, "prompt"),
+    ("complete", {"prompt": "a", "temperature": 9}, "temperature"),
+    ("message", {"max_tokens": 8, "messages": [{"role": "user", "content": "a"}], "top_p": 0}, "top_p"),
+    ("message", {"messages": [{"role": "user", "content": "a"}], "output_config": {"format": {"type": "json_schema"}}},
+     "output_config"),
+    ("respond", {"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("respond", {"input": "a", "text": {"format": {"type": "json_object"}}}, "text"),
+    ("respond", {"input": "a", "include": ["message.output_text.logprobs"]}, "include"),
+    ("respond", {"input": "a", "top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_parameters_on_other_protocols_name_the_field(tiny_engine, method, request_body, param):
+    with pytest.raises(InvalidRequestError) as err:
+        getattr(tiny_engine, method)(request_body)
+    assert err.value.param.startswith(param)
+
+
+def test_unlisted_fields_are_reported_as_ignored(tiny_engine):
+    with pytest.warns(UserWarning, match="frobnicate"):
+        tiny_engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2, frobnicate=1)
