@@ -20,7 +20,7 @@ class KVCache:
     @classmethod
     def allocate(cls, spec: Spec, slots: int, ctx: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         shape = (spec.num_layers, slots, spec.num_kv_heads, ctx, spec.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,3 @@
+from mashbox.cli import main
+
+raise SystemExit(main())

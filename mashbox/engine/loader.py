@@ -1,0 +1,242 @@
+"""Load a model (catalog id, HF model directory or ``.gguf`` file) with transformers, offline.
+
+``load()`` resolves the argument through the catalog, picks the device (CUDA + bfloat16 when a GPU
+is there, else CPU + float32), reads tokenizer and weights with ``local_files_only=True`` and shows
+a transient rich progress bar on a terminal. transformers' own logging, warnings and tqdm bars are
+silenced during the load.
+
+Reading a GGUF with transformers is slow (parsing metadata and dequantizing: ~20 s for SmolLM2 on
+2 CPU cores), so the first load of a GGUF saves the dequantized model as an HF directory under
+``<cache>/converted/`` (keyed by file path, size, mtime and dtype); later loads read that (~3 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a model hub
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from mashbox.engine.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
+from mashbox.errors import ModelLoadError  # noqa: E402
+
+CTX_CAP = 8192
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_DONE = "complete"  # marker file in a converted directory, written last
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: eval mode, on ``device``, in ``dtype``."""
+
+    id: str
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    weights: str
+    bpw: float
+    gb: float
+    ctx_default: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load(model: str, *, device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None, quiet: bool = False) -> LoadedModel:
+    """Load ``model`` (catalog id, HF directory or .gguf path); raise ModelLoadError if it can't."""
+    source = resolve(model)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    converted = converted_dir(source, dt)
+    cold = converted is not None and not (converted / _DONE).is_file()
+    show = not quiet and sys.stderr.isatty()
+    with _progress(source.id, show, total=4 if cold else 3) as step, _hush():
+        read = source if cold or converted is None else _as_hf(source, converted)
+        step("reading tokenizer")
+        tokenizer = _load_tokenizer(read)
+        step("reading weights, building model")
+        net = _load_model(read, dt)
+        if cold:
+            step("saving converted weights for faster loads")
+            _save_converted(net, tokenizer, converted)
+        step(f"moving to {dev}")
+        net = net.to(dev).eval()
+    return LoadedModel(source.id, net, tokenizer, str(source.path), _bpw(source, net),
+                       _weight_bytes(net) / 1e9, _ctx_default(source, net), dev, dt)
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    """The given device, else ``cuda`` when torch sees a GPU, else ``cpu``."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"Device '{device}' was asked for but torch sees no CUDA GPU. "
+                             "Leave the device unset or use 'cpu'.")
+    return dev
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The given dtype, else bfloat16 on CUDA and float32 elsewhere."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.lower().removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"Unknown dtype '{dtype}'. Use one of: {', '.join(_DTYPES)}.")
+    return _DTYPES[name]
+
+
+@contextlib.contextmanager
+def _progress(model_id: str, show: bool, total: int) -> Iterator[Callable[[str], None]]:
+    if not show:
+        yield lambda _what: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    # Bind the real stderr now: _hush() redirects sys.stderr to swallow tqdm bars.
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
+        task = bar.add_task(model_id, total=total)
+        done = iter(range(total))
+
+        def step(what: str) -> None:
+            bar.update(task, description=f"{model_id}: {what}", completed=next(done, total))
+
+        yield step
+
+
+@contextlib.contextmanager
+def _hush() -> Iterator[None]:
+    """Silence transformers' logging, Python warnings and stray tqdm bars; restore afterwards."""
+    tlog = transformers.utils.logging
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+
+
+def _load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    if source.kind == "hf":
+        return _hf_call(source, AutoTokenizer.from_pretrained, str(source.path))
+    tokenizer = _gguf_call(source, AutoTokenizer.from_pretrained)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = gguf_chat_template(source.path)
+    return tokenizer
+
+
+def _load_model(source: ModelSource, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    if source.kind == "hf":
+        return _hf_call(source, AutoModelForCausalLM.from_pretrained, str(source.path), dtype=dtype)
+    return _gguf_call(source, AutoModelForCausalLM.from_pretrained, dtype=dtype)
+
+
+def _gguf_call(source: ModelSource, fn: Callable, **kwargs):
+    path = source.path
+    try:
+        return fn(str(path.parent), gguf_file=path.name, local_files_only=True, **kwargs)
+    except Exception as err:  # the gguf reader and transformers raise many kinds
+        raise ModelLoadError(corrupt_message(path, f"{type(err).__name__}: {err}",
+                                             source.install)) from err
+
+
+def _hf_call(source: ModelSource, fn: Callable, *args, **kwargs):
+    try:
+        return fn(*args, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(
+            f"Cannot load the HF model directory '{source.path}' ({type(err).__name__}: {err}). It "
+            "needs config.json, the weights (*.safetensors) and the tokenizer files, as "
+            "save_pretrained writes them.") from err
+
+
+def converted_dir(source: ModelSource, dtype: torch.dtype) -> Path | None:
+    """Where the dequantized copy of a GGUF source lives in the cache; None for HF sources."""
+    if source.kind != "gguf":
+        return None
+    stat = source.path.stat()
+    key = f"{source.path}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    name = f"{source.path.stem}-{hashlib.sha256(key).hexdigest()[:12]}-{str(dtype).split('.')[-1]}"
+    return cache_dir() / "converted" / name
+
+
+def _as_hf(source: ModelSource, converted: Path) -> ModelSource:
+    return ModelSource(source.id, "hf", converted, source.ctx_default, source.bpw, source.install)
+
+
+def _save_converted(net: transformers.PreTrainedModel,
+                    tokenizer: transformers.PreTrainedTokenizerBase, dest: Path) -> None:
+    """Save a GGUF-loaded model as an HF directory (best effort: a failure only costs speed)."""
+    from safetensors.torch import save_model
+
+    config = copy.deepcopy(net.config)
+    config.__dict__.pop("quantization_config", None)  # the weights are dequantized now
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + "."))
+    except OSError:
+        return
+    try:
+        config.save_pretrained(tmp)
+        net.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(net, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / _DONE).write_text("ok\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gguf_chat_template(path: Path) -> str | None:
+    """The ``tokenizer.chat_template`` string from a GGUF file's metadata, if it has one."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    return None if field is None else str(field.contents())
+
+
+def _weight_bytes(net: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
+def _bpw(source: ModelSource, net: torch.nn.Module) -> float:
+    if source.bpw is not None:
+        return source.bpw
+    files = [source.path] if source.path.is_file() else [
+        p for p in source.path.iterdir() if p.suffix in (".safetensors", ".bin")]
+    params = sum(p.numel() for p in net.parameters())
+    return round(sum(p.stat().st_size for p in files) * 8 / max(params, 1), 2)
+
+
+def _ctx_default(source: ModelSource, net: transformers.PreTrainedModel) -> int:
+    if source.ctx_default is not None:
+        return source.ctx_default
+    trained = getattr(net.config, "max_position_embeddings", None) or CTX_CAP
+    return min(int(trained), CTX_CAP)

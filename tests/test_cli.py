@@ -1,0 +1,30 @@
+"""The ``mashbox`` command, run as a real process."""
+
+import subprocess
+import sys
+
+PLANETS = ("mercury", "venus", "earth", "mars", "jupiter", "saturn", "uranus", "neptune")
+
+
+def mashbox(*args, stdin=""):
+    return subprocess.run([sys.executable, "-m", "mashbox", *args], input=stdin, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_chat_answers_each_line_of_stdin_with_the_embedded_model():
+    done = mashbox("chat", "--max-tokens", "32", stdin="Name three planets.\n\nThanks!\n")
+    assert done.returncode == 0, done.stderr
+    assert any(p in done.stdout.lower() for p in PLANETS)
+    assert len([line for line in done.stdout.splitlines() if line.strip()]) >= 2
+
+
+def test_unknown_model_is_one_clear_error():
+    done = mashbox("chat", "no-such-model")
+    assert done.returncode == 1
+    assert "Unknown model 'no-such-model'" in done.stderr and "smollm2-135m" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_models_lists_the_catalog():
+    done = mashbox("models")
+    assert done.returncode == 0 and "smollm2-135m" in done.stdout and "qwen2.5-coder-0.5b" in done.stdout

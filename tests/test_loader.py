@@ -1,0 +1,170 @@
+"""Catalog resolution, model loading and the split-GGUF assembly. No network, no hub."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mashbox.engine import catalog
+from mashbox.engine.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
+from mashbox.engine.loader import LoadedModel, converted_dir, load
+from mashbox.errors import ModelLoadError
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory):
+    """A private cache folder for this module (the converted GGUF copy lands there)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("cache")
+        mp.setenv("MASHBOX_CACHE", str(path))
+        yield path
+    shutil.rmtree(path, ignore_errors=True)  # the converted copy is ~540 MB
+
+
+@pytest.fixture(scope="module")
+def smol(cache: Path) -> LoadedModel:
+    return load("smollm2-135m", quiet=True)
+
+
+def test_catalog_lists_both_models() -> None:
+    entries = catalog.catalog()
+    assert {"smollm2-135m", "qwen2.5-coder-0.5b"} <= set(entries)
+    assert entries["smollm2-135m"].ctx == 8192
+    assert entries["qwen2.5-coder-0.5b"].ctx == 32768
+
+
+def test_embedded_model_loads(smol: LoadedModel) -> None:
+    assert smol.id == "smollm2-135m"
+    assert isinstance(smol.model, LlamaForCausalLM)
+    assert not smol.model.training
+    assert smol.weights.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert smol.device == torch.device("cpu") and smol.dtype == torch.float32
+    assert smol.ctx_default == 8192
+    assert 0.5 < smol.gb < 0.6 and 5 < smol.bpw < 6
+    assert smol.tokenizer.is_fast
+
+
+def test_embedded_chat_template_is_chatml(smol: LoadedModel) -> None:
+    text = smol.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nHi<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_second_load_reads_converted_copy_with_same_logits(smol: LoadedModel) -> None:
+    assert (converted_dir(resolve("smollm2-135m"), torch.float32) / "complete").is_file()
+    again = load("smollm2-135m", quiet=True)
+    ids = smol.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(smol.model(ids).logits, again.model(ids).logits)
+    assert again.tokenizer.chat_template == smol.tokenizer.chat_template
+
+
+def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:
+    config = LlamaConfig(vocab_size=len(smol.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=16384)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    smol.tokenizer.save_pretrained(tmp_path)
+    tiny = load(str(tmp_path), quiet=True)
+    assert tiny.id == tmp_path.name
+    assert isinstance(tiny.model, LlamaForCausalLM)
+    assert tiny.ctx_default == 8192  # capped
+    assert "<|im_start|>" in tiny.tokenizer.apply_chat_template(CHAT, tokenize=False)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda tmp: "no-such-model", ["Unknown model", "smollm2-135m", "qwen2.5-coder-0.5b", "path"]),
+    (lambda tmp: str(tmp / "missing.gguf"), ["does not exist", ".gguf", "config.json"]),
+    (lambda tmp: str(tmp), ["without config.json", "save_pretrained"]),
+])
+def test_bad_argument_says_what_to_do(tmp_path: Path, make, words: list[str]) -> None:
+    with pytest.raises(ModelLoadError) as err:
+        load(make(tmp_path), quiet=True)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize("head", [b"", b"GGUF\x03\x00\x00\x00"])
+def test_corrupt_gguf_is_named(cache: Path, tmp_path: Path, head: bytes) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(head + os.urandom(4096))
+    with pytest.raises(ModelLoadError) as err:
+        load(str(bad), quiet=True)
+    assert "broken.gguf" in str(err.value) and "corrupt" in str(err.value)
+
+
+def test_split_model_not_installed_gives_pip_command(tmp_path: Path) -> None:
+    if all(catalog.package_file(p) for p in catalog.catalog()["qwen2.5-coder-0.5b"].source.parts):
+        pytest.skip("qwen parts are installed here")
+    with pytest.raises(ModelLoadError) as err:
+        resolve("qwen2.5-coder-0.5b", cache=tmp_path)
+    assert "not installed" in str(err.value) and "pip install" in str(err.value)
+    assert "mashbox[qwen]" in str(err.value)
+
+
+def _fake_parts(root: Path, chunks: list[bytes]) -> tuple[PackageFile, ...]:
+    """Packages fake_part1..N on sys.path, each holding data/partNN.bin."""
+    refs = []
+    for n, chunk in enumerate(chunks, 1):
+        pkg = root / f"fake_part{n}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+        (pkg / "data" / f"part{n:02d}.bin").write_bytes(chunk)
+        refs.append(PackageFile(f"fake_part{n}", f"data/part{n:02d}.bin"))
+    return tuple(refs)
+
+
+@pytest.fixture
+def parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple[PackageFile, ...], bytes]:
+    chunks = [b"GGUF" + os.urandom(1000), os.urandom(777), os.urandom(5)]
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return _fake_parts(tmp_path / "site", chunks), b"".join(chunks)
+
+
+def test_split_assembles_once(parts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    refs, whole = parts
+    split = SplitFile(refs, "joined.gguf", len(whole), hashlib.sha256(whole).hexdigest())
+    first = assemble_split(split, tmp_path / "cache")
+    assert first is not None and first.read_bytes() == whole
+    stamp = first.stat().st_mtime_ns
+
+    def boom(*args, **kwargs):
+        raise AssertionError("joined again")
+
+    monkeypatch.setattr(catalog, "assemble", boom)
+    assert assemble_split(split, tmp_path / "cache") == first
+    assert first.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in first.parent.iterdir()) == ["joined.gguf", "joined.gguf.verified"]
+
+
+def test_split_hash_mismatch_leaves_nothing(parts, tmp_path: Path) -> None:
+    refs, whole = parts
+    split = SplitFile(refs, "joined.gguf", len(whole), "0" * 64)
+    with pytest.raises(ModelLoadError) as err:
+        assemble_split(split, tmp_path / "cache", install="pip install 'mashbox[qwen]'")
+    assert "sha256" in str(err.value) and "mashbox[qwen]" in str(err.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_split_missing_part_is_not_installed(parts, tmp_path: Path) -> None:
+    refs, whole = parts
+    split = SplitFile(refs + (PackageFile("fake_absent_part", "data/x.bin"),), "joined.gguf",
+                      len(whole), hashlib.sha256(whole).hexdigest())
+    assert assemble_split(split, tmp_path / "cache") is None
+
+
+def test_assemble_wrong_size(tmp_path: Path) -> None:
+    part = tmp_path / "p.bin"
+    part.write_bytes(b"abc")
+    with pytest.raises(ModelLoadError, match="size 3 vs 4"):
+        assemble([part], tmp_path / "out" / "x.gguf", size=4,
+                 sha256=hashlib.sha256(b"abc").hexdigest())
+    assert list((tmp_path / "out").iterdir()) == []
