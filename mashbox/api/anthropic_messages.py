@@ -1,0 +1,217 @@
+"""Anthropic Messages (and count_tokens): request models and ``to_engine``.
+
+The response side (Message, stream events, the Translator) is in ``anthropic_output.py`` and
+re-exported here, so callers import one module per protocol.
+
+``thinking``: ``enabled`` -> on, with ``budget_tokens`` as the budget; ``disabled`` -> off;
+``adaptive`` (Claude Code) or absent -> the model's default.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from mashbox.api.base import (
+    STRUCTURED,
+    Part,
+    RequestModel,
+    SamplingFields,
+    UnsupportedPart,
+    engine_request,
+)
+from mashbox.api.anthropic_output import AnthropicMessage, StreamEvent, TokenCount, Translator
+from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
+
+__all__ = [
+    "AnthropicMessage",
+    "CountTokensRequest",
+    "MessagesRequest",
+    "StreamEvent",
+    "TokenCount",
+    "Translator",
+    "to_engine",
+]
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+class TextBlock(Part):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(Part):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Part):
+    type: Literal["redacted_thinking"]
+
+
+class ToolUseBlock(Part):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class MediaBlock(UnsupportedPart):
+    type: Literal["image", "document", "audio", "file"]
+
+
+ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(Part):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ResultPart] = ""
+    is_error: bool | None = None
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "\n".join(
+            b.text for b in self.content if isinstance(b, TextBlock)
+        )
+        return f"Error: {text}" if self.is_error else text
+
+
+ContentBlock = Annotated[
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | MediaBlock,
+    Field(discriminator="type"),
+]
+
+
+class InputMessage(Part):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class AnthropicTool(Part):
+    type: str | None = None
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+    def usable(self) -> bool:
+        return self.type in (None, "custom")
+
+
+class ToolChoice(Part):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class ThinkingConfig(Part):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+
+    def enabled(self) -> bool | None:
+        return {"enabled": True, "disabled": False}.get(self.type)
+
+
+class OutputConfig(Part):
+    effort: str | None = None
+    format: Any = None
+
+    @field_validator("format")
+    @classmethod
+    def _no_format(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(STRUCTURED)
+        return value
+
+
+class CountTokensRequest(RequestModel):
+    """POST /v1/messages/count_tokens."""
+
+    model: str | None = None
+    messages: Annotated[list[InputMessage], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    def _more_ignored(self) -> list[str]:
+        return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()]
+
+
+class MessagesRequest(CountTokensRequest, SamplingFields):
+    """POST /v1/messages."""
+
+    accepted_ignored = ("metadata",)
+
+    stream: bool = False
+    prompt_cache_key: str | None = None
+    metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+
+    def _more_ignored(self) -> list[str]:
+        effort = self.output_config is not None and self.output_config.effort is not None
+        return super()._more_ignored() + (["output_config.effort"] if effort else [])
+
+
+def to_engine(req: CountTokensRequest) -> EngineRequest:
+    thinking = req.thinking
+    return engine_request(
+        messages=(*_system(req.system), *(m for msg in req.messages for m in _messages(msg))),
+        sampling=req.sampling() if isinstance(req, SamplingFields) else SamplingParams(),
+        tools=tuple(
+            Tool(t.name, t.description or "", t.input_schema or {}) for t in req.tools or () if t.usable()
+        ),
+        tool_choice=_tool_choice(req.tool_choice),
+        enable_thinking=thinking.enabled() if thinking is not None else None,
+        thinking_budget=thinking.budget_tokens if thinking is not None and thinking.enabled() else None,
+    )
+
+
+def _system(system: str | list[TextBlock] | None) -> tuple[Message, ...]:
+    if isinstance(system, list):
+        system = "\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER))
+    return (Message("system", system),) if system else ()
+
+
+def _tool_choice(choice: ToolChoice | None) -> str:
+    if choice is None or choice.type == "auto":
+        return "auto"
+    if choice.type == "tool":
+        return choice.name or "required"
+    return {"any": "required", "none": "none"}[choice.type]
+
+
+def _messages(msg: InputMessage) -> list[Message]:
+    if isinstance(msg.content, str):
+        return [Message(msg.role, msg.content)]
+    if msg.role == "assistant":
+        return [_assistant(msg.content)]
+    out: list[Message] = []
+    texts: list[str] = []
+    for block in msg.content:
+        if isinstance(block, ToolResultBlock):
+            out += _flush(msg.role, texts)
+            out.append(Message("tool", block.text(), tool_call_id=block.tool_use_id))
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+    return out + _flush(msg.role, texts)
+
+
+def _flush(role: Literal["user", "system"], texts: list[str]) -> list[Message]:
+    if not texts:
+        return []
+    message = Message(role, "\n".join(texts))
+    texts.clear()
+    return [message]
+
+
+def _assistant(blocks: list[Any]) -> Message:
+    text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+    calls = tuple(
+        ToolCall(b.id, b.name, json.dumps(b.input)) for b in blocks if isinstance(b, ToolUseBlock)
+    )
+    return Message("assistant", text, tool_calls=calls, reasoning=thinking or None)
+

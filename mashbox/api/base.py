@@ -1,0 +1,240 @@
+"""What the four protocol modules share: the extra-field policy, parsing, sampling fields.
+
+Extra fields are accepted and reported, never silently dropped: ``ignored_fields()`` lists them
+(the server logs them and sets ``x-mashbox-ignored-fields``). ``parse`` turns a pydantic
+``ValidationError`` into ``InvalidRequestError`` whose ``param`` is the dotted path of the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
+
+from mashbox.engine.request import EngineRequest, SamplingParams
+from mashbox.errors import InvalidRequestError
+
+NO_LOGPROBS = "log probabilities are not supported"
+TEXT_ONLY = "is not supported: this server runs a text-only model; send text parts only"
+STRUCTURED = "structured output is not supported; only {'type': 'text'} is accepted"
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Part(BaseModel):
+    """A nested object of a request: unknown keys are kept, not reported."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class RequestModel(Part):
+    """A whole request body. Unknown top-level keys are reported by ``ignored_fields``."""
+
+    accepted_ignored: ClassVar[tuple[str, ...]] = ()
+
+    def ignored_fields(self) -> list[str]:
+        names = set(self.model_extra or {})
+        names.update(n for n in self.accepted_ignored if getattr(self, n, None) is not None)
+        names.update(self._more_ignored())
+        return sorted(names)
+
+    def _more_ignored(self) -> list[str]:
+        return []
+
+
+class OutModel(BaseModel):
+    """A response object. ``None`` fields are left out unless named in ``keep_none``."""
+
+    model_config = ConfigDict(extra="forbid")
+    keep_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        # No return annotation: with one, pydantic would replace the JSON schema by ``dict``.
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k in self.keep_none}
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class UnsupportedPart(Part):
+    """Image, audio and file parts: recognised so that the 400 names them clearly."""
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, value: str) -> str:
+        raise ValueError(f"content part type {value!r} {TEXT_ONLY}")
+
+
+Temperature = Annotated[float, Field(ge=0, le=4, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+MaxTokens = Annotated[int, Field(ge=1)]
+
+
+class SamplingFields(BaseModel):
+    """The sampling table every generating route shares (server-api.md)."""
+
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
+    seed: int | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    stop: str | list[str] | None = None
+    stop_sequences: list[str] | None = None
+    n: int | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_is_one(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("must be 1: one answer per request")
+        return value
+
+    @field_validator("stop", "stop_sequences")
+    @classmethod
+    def _stop_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
+        values = [value] if isinstance(value, str) else value or []
+        if not all(values):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = self.stop if self.stop is not None else self.stop_sequences
+        return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+    def sampling(self) -> SamplingParams:
+        given = {
+            name: getattr(self, name)
+            for name in (
+                "temperature", "top_p", "top_k", "min_p", "seed",
+                "repetition_penalty", "frequency_penalty", "presence_penalty",
+            )
+            if getattr(self, name) is not None
+        }
+        return SamplingParams(**given, max_tokens=self.max_new_tokens(), stop=self.stop_strings())
+
+
+class ErrorBody(OutModel):
+    """The ``error`` a Chat or Completions stream ends with when it fails after starting."""
+
+    message: str
+    type: str = "server_error"
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """Tool-call arguments as an object; ``{}`` when they are not a JSON object."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def refuse_logprobs(value: Any) -> Any:
+    if value is not None and value is not False:
+        raise ValueError(NO_LOGPROBS)
+    return value
+
+
+def engine_request(**fields: Any) -> EngineRequest:
+    """Build an EngineRequest; its own checks become 400s naming the field."""
+    try:
+        return EngineRequest(**fields)
+    except ValueError as exc:
+        param, _, message = str(exc).partition(": ")
+        raise InvalidRequestError(param, message or str(exc)) from None
+
+
+def type_of(value: Any, default: str = "") -> str:
+    """The ``type`` of a raw or parsed object: what callable discriminators look at."""
+    found = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return found if isinstance(found, str) else default
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def prefixed(prefix: str, base: str) -> str:
+    return base if base.startswith(prefix) else prefix + base
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def parse(model_cls: type[M], data: dict[str, Any] | BaseModel) -> M:
+    """Validate a request body; errors become InvalidRequestError naming the field."""
+    if isinstance(data, model_cls):
+        return data
+    if isinstance(data, BaseModel):
+        data = data.model_dump(by_alias=True, exclude_unset=True)
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc, data) from None
+
+
+def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
+    errors = exc.errors()
+    paths = [_path(err, data) for err in errors]
+    best = max(range(len(errors)), key=lambda i: len(paths[i]))
+    err, path = errors[best], paths[best]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequestError):
+        return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message)
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "union_tag_invalid":
+        message = f"unknown type {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
+    return InvalidRequestError(".".join(path), message)
+
+
+def _path(err: Any, data: Any) -> list[str]:
+    """The error's location, keeping only the keys that are really in the body."""
+    loc = err["loc"]
+    if err["type"] == "missing" and loc:
+        return [*_walk(loc[:-1], data), str(loc[-1])]
+    parts = _walk(loc, data)
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        name = str(err["ctx"]["discriminator"]).strip("'")
+        parts.append("type" if name.endswith("()") else name)
+    return parts
+
+
+def _walk(loc: tuple[Any, ...], node: Any) -> list[str]:
+    """Longest path of body keys along ``loc``; pydantic's union tags are skipped."""
+    if not loc:
+        return []
+    skip = _walk(loc[1:], node)
+    if not _holds(node, loc[0]):
+        return skip
+    take = [str(loc[0]), *_walk(loc[1:], node[loc[0]])]
+    return take if len(take) > len(skip) else skip
+
+
+def _holds(node: Any, key: Any) -> bool:
+    if isinstance(node, dict):
+        return key in node
+    return isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node)

@@ -1,0 +1,290 @@
+"""OpenAI Chat Completions: the request model, ``to_engine`` and the Translator.
+
+The answer's models (ChatCompletion, ChatCompletionChunk, usage, timings) are in
+``chat_output.py`` and re-exported here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from mashbox.api.base import (
+    ErrorBody,
+    STRUCTURED,
+    Part,
+    RequestModel,
+    SamplingFields,
+    UnsupportedPart,
+    engine_request,
+    new_id,
+    now,
+    prefixed,
+    refuse_logprobs,
+)
+from mashbox.api.blocks import Block, BlockTracker, Change
+from mashbox.api.chat_output import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatFinishReason,
+    ChatTimings,
+    ChatUsage,
+    ChunkChoice,
+    ChunkDelta,
+    FunctionOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
+)
+from mashbox.engine.events import Event, Finish
+from mashbox.engine.request import EngineRequest, Message, Role, Tool, ToolCall
+from mashbox.errors import InvalidRequestError
+
+__all__ = ["ChatCompletion", "ChatCompletionChunk", "ChatRequest", "Translator", "to_engine"]
+
+class TextPart(Part):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(Part):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MediaPart(UnsupportedPart):
+    type: Literal["image_url", "input_audio", "file", "image", "audio"]
+
+
+ContentPart = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+
+
+class FunctionCall(Part):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ChatToolCall(Part):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Part):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(Part):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(Part):
+    type: str = "function"
+    function: FunctionDef | None = None
+
+    @model_validator(mode="after")
+    def _function_given(self) -> ChatTool:
+        if self.type == "function" and self.function is None:
+            raise InvalidRequestError("function", "a function tool needs its function (name, parameters)")
+        return self
+
+
+class NamedFunction(Part):
+    name: str
+
+
+class NamedToolChoice(Part):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(Part):
+    include_usage: bool | None = None
+
+
+class ChatRequest(RequestModel, SamplingFields):
+    accepted_ignored = ("merge", "store")
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+    merge: bool | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+    _no_logprobs = field_validator("logprobs", "top_logprobs")(refuse_logprobs)
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(STRUCTURED)
+        return value
+
+    def _more_ignored(self) -> list[str]:
+        kwargs = self.chat_template_kwargs or {}
+        skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
+        return skipped + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
+
+    def thinking(self) -> bool | None:
+        kwargs = self.chat_template_kwargs or {}
+        return kwargs.get("enable_thinking", self.enable_thinking)
+
+
+def to_engine(req: ChatRequest) -> EngineRequest:
+    return engine_request(
+        messages=tuple(_message(m) for m in req.messages),
+        sampling=req.sampling(),
+        tools=tuple(
+            Tool(t.function.name, t.function.description or "", t.function.parameters or {})
+            for t in req.tools or ()
+            if t.function is not None and t.type == "function"
+        ),
+        tool_choice=_tool_choice(req.tool_choice),
+        enable_thinking=req.thinking(),
+    )
+
+
+_ROLES: dict[str, Role] = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+    "tool": "tool", "function": "tool",
+}
+_FINISH: dict[str, ChatFinishReason] = {"length": "length", "tool_calls": "tool_calls"}
+
+
+def _message(m: ChatMessage) -> Message:
+    return Message(
+        role=_ROLES[m.role],
+        content=_text(m.content),
+        tool_calls=tuple(_tool_call(c) for c in m.tool_calls or ()),
+        tool_call_id=m.tool_call_id,
+        reasoning=m.reasoning_content or m.reasoning,
+    )
+
+
+def _text(content: str | list[Any] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
+
+
+def _tool_call(call: ChatToolCall) -> ToolCall:
+    args = call.function.arguments
+    return ToolCall(call.id, call.function.name, args if isinstance(args, str) else json.dumps(args))
+
+
+def _tool_choice(choice: str | NamedToolChoice | None) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return choice.function.name
+    return choice or "auto"
+
+
+def finish_reason(finish: Finish) -> ChatFinishReason:
+    return _FINISH.get(finish.reason, "stop")
+
+
+def tool_call_id(block: Block) -> str:
+    return prefixed("call_", block.tool_id)
+
+
+class Translator:
+    """Engine events -> Chat Completions chunks, and the whole ChatCompletion."""
+
+    def __init__(self, request: ChatRequest, model: str) -> None:
+        self._request = request
+        self._model = model
+        self._id = new_id("chatcmpl-")
+        self._created = now()
+        self._blocks = BlockTracker()
+
+    def start(self) -> list[ChatCompletionChunk]:
+        return [self._chunk(ChunkDelta(role="assistant", content=""))]
+
+    def feed(self, event: Event) -> list[ChatCompletionChunk]:
+        return [c for change in self._blocks.feed(event) for c in self._on(change)]
+
+    def error(self, message: str) -> list[ChatCompletionChunk]:
+        return [ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=[],
+            error=ErrorBody(message=message),
+        )]
+
+    def response(self) -> ChatCompletion:
+        finish = self._blocks.done()
+        blocks = self._blocks
+        calls = [ToolCallOut(id=tool_call_id(b), function=FunctionOut(name=b.name, arguments=b.text or "{}"))
+                 for b in blocks.tools()]
+        reasoning = blocks.reasoning() or None
+        message = AssistantMessage(
+            content=blocks.text() or (None if calls else ""),
+            reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls or None,
+        )
+        return ChatCompletion(
+            id=self._id, created=self._created, model=self._model,
+            choices=[ChatChoice(message=message, finish_reason=finish_reason(finish))],
+            usage=ChatUsage.of(finish.usage), timings=ChatTimings.of(finish.timings),
+        )
+
+    def _on(self, change: Change) -> list[ChatCompletionChunk]:
+        block = change.block
+        if change.kind == "finish":
+            return self._end()
+        if block is None or change.kind == "close":
+            return []
+        if block.kind == "tool":
+            return [self._chunk(ChunkDelta(tool_calls=[self._tool_delta(change, block)]))]
+        if change.kind != "delta":
+            return []
+        if block.kind == "text":
+            return [self._chunk(ChunkDelta(content=change.text))]
+        return [self._chunk(ChunkDelta(reasoning_content=change.text, reasoning=change.text))]
+
+    def _tool_delta(self, change: Change, block: Block) -> ToolCallDeltaOut:
+        if change.kind == "open":
+            return ToolCallDeltaOut(
+                index=block.tool_ordinal, id=tool_call_id(block), type="function",
+                function=FunctionOut(name=block.name, arguments=""),
+            )
+        return ToolCallDeltaOut(index=block.tool_ordinal, function=FunctionOut(arguments=change.text))
+
+    def _end(self) -> list[ChatCompletionChunk]:
+        finish = self._blocks.done()
+        if finish.reason == "error":
+            return self.error(finish.error or "generation failed")
+        timings = ChatTimings.of(finish.timings)
+        last = self._chunk(ChunkDelta(), finish_reason(finish), timings)
+        options = self._request.stream_options
+        if not (options and options.include_usage):
+            return [last]
+        usage = ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=[],
+            usage=ChatUsage.of(finish.usage), timings=timings,
+        )
+        return [last, usage]
+
+    def _chunk(
+        self, delta: ChunkDelta, reason: ChatFinishReason | None = None, timings: ChatTimings | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model,
+            choices=[ChunkChoice(delta=delta, finish_reason=reason)], timings=timings,
+        )

@@ -1,0 +1,185 @@
+"""Responses tools: what the model can call, and how its calls map back to Responses items.
+
+Function tools pass through. A ``namespace`` tool (Codex) contributes its inner tools, under
+their own names unless another tool has taken the name (then ``<namespace>__<name>``); calls keep
+their namespace. A ``custom`` tool takes one string ``input``; ``local_shell`` takes a command
+list. Hosted tools (web_search, file_search, ...) are skipped and reported as ``tools[<type>]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from mashbox.api.base import Part, type_of
+from mashbox.engine.request import Tool
+
+
+class FunctionTool(Part):
+    type: Literal["function"] = "function"
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class CustomTool(Part):
+    type: Literal["custom"] = "custom"
+    name: str
+    description: str | None = None
+    format: dict[str, Any] | None = None
+
+
+InnerTool = Annotated[FunctionTool | CustomTool, Field(discriminator="type")]
+
+
+class NamespaceTool(Part):
+    type: Literal["namespace"] = "namespace"
+    name: str
+    description: str = ""
+    tools: list[InnerTool] = Field(default_factory=list)
+
+
+class LocalShellTool(Part):
+    type: Literal["local_shell"] = "local_shell"
+
+
+class HostedTool(Part):
+    """A tool that runs on OpenAI's side: this server cannot run it."""
+
+    type: str
+
+
+_USABLE = ("function", "custom", "namespace", "local_shell")
+
+
+def _tool_tag(value: Any) -> str:
+    kind = type_of(value, "function")
+    return kind if kind in _USABLE else "hosted"
+
+
+ResponsesTool = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[CustomTool, Tag("custom")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[LocalShellTool, Tag("local_shell")]
+    | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(_tool_tag),
+]
+
+LOCAL_SHELL = "local_shell"
+LOCAL_SHELL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "array", "items": {"type": "string"}, "description": "argv of the command"},
+        "workdir": {"type": "string", "description": "working directory"},
+        "timeout_ms": {"type": "integer", "description": "time limit in milliseconds"},
+    },
+    "required": ["command"],
+}
+CUSTOM_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "the raw input of the tool"}},
+    "required": ["input"],
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ToolRef:
+    """What a name the model calls stands for."""
+
+    kind: Literal["function", "custom", "local_shell"]
+    name: str
+    namespace: str | None = None
+
+
+class ToolMap:
+    """The engine's tools for a request, and the way back from a called name to its item."""
+
+    def __init__(self, tools: list[Any] | None) -> None:
+        self.tools: list[Tool] = []
+        self._refs: dict[str, ToolRef] = {}
+        for tool in tools or ():
+            self._add(tool)
+
+    def ref(self, called: str) -> ToolRef:
+        return self._refs.get(called, ToolRef("function", called))
+
+    def visible(self, name: str, namespace: str | None = None) -> str:
+        """The name the model knows a (namespace, name) tool by."""
+        for called, ref in self._refs.items():
+            if ref.name == name and ref.namespace == namespace:
+                return called
+        return name
+
+    def _add(self, tool: Any, namespace: str | None = None) -> None:
+        if isinstance(tool, NamespaceTool):
+            for inner in tool.tools:
+                self._add(inner, tool.name)
+        elif isinstance(tool, FunctionTool):
+            self._register(ToolRef("function", tool.name, namespace), tool.description, tool.parameters)
+        elif isinstance(tool, CustomTool):
+            ref = ToolRef("custom", tool.name, namespace)
+            self._register(ref, _custom_description(tool), CUSTOM_PARAMETERS)
+        elif isinstance(tool, LocalShellTool):
+            description = "Run a command on the user's machine and return its output."
+            self._register(ToolRef("local_shell", LOCAL_SHELL), description, LOCAL_SHELL_PARAMETERS)
+
+    def _register(self, ref: ToolRef, description: str | None, parameters: dict[str, Any] | None) -> None:
+        called = ref.name
+        if called in self._refs and ref.namespace:
+            called = f"{ref.namespace}__{ref.name}"
+        self._refs[called] = ref
+        self.tools.append(Tool(called, description or "", parameters or {}))
+
+
+def _custom_description(tool: CustomTool) -> str:
+    description = tool.description or ""
+    fmt = tool.format or {}
+    if fmt.get("type") != "grammar":
+        return description
+    syntax = fmt.get("syntax", "grammar")
+    return f"{description}\n\nThe input must follow this {syntax} grammar:\n{fmt.get('definition', '')}"
+
+
+def echo_tool(tool: Any) -> dict[str, Any]:
+    """A request tool as the response repeats it; function tools keep their null fields."""
+    return tool.model_dump(mode="json", exclude_none=not isinstance(tool, FunctionTool))
+
+
+def skipped(tools: list[Any] | None) -> list[str]:
+    return [f"tools[{t.type}]" for t in tools or () if isinstance(t, HostedTool)]
+
+
+class ToolChoiceObject(Part):
+    type: str
+    name: str | None = None
+    function: dict[str, Any] | None = None
+    mode: Literal["auto", "required"] | None = None
+
+    def named(self) -> str | None:
+        return self.name or (self.function or {}).get("name")
+
+
+ToolChoice = Literal["auto", "none", "required"] | ToolChoiceObject
+
+
+def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> str:
+    if choice is None or isinstance(choice, str):
+        return choice or "auto"
+    name = choice.named()
+    if name is not None:
+        return tools.visible(name)
+    return choice.mode or "auto"
+
+
+def echo_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
+    """The request's tool_choice in the Responses shape the response carries."""
+    if choice is None or isinstance(choice, str):
+        return choice or "auto"
+    name = choice.named()
+    if name is not None and choice.type in ("function", "custom"):
+        return {"type": choice.type, "name": name}
+    return choice.model_dump(exclude_none=True)

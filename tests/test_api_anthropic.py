@@ -1,0 +1,218 @@
+"""Anthropic Messages: request -> EngineRequest, engine events -> stream events and Message."""
+
+from __future__ import annotations
+
+import anthropic.types as sdk
+import pytest
+from pydantic import TypeAdapter
+
+from mashbox.api.anthropic_messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCount,
+    Translator,
+    to_engine,
+)
+from mashbox.api.base import parse
+from mashbox.engine.events import (
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    Timings,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from mashbox.engine.request import Message, ToolCall
+
+USER = [{"role": "user", "content": "hi"}]
+TIMINGS = Timings(prompt_n=7, prompt_ms=14.0, predicted_n=5, predicted_ms=20.0, cache_n=3, queue_ms=0.5)
+USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3)
+ANSWER = [
+    ReasoningDelta("let me see"),
+    TextDelta("Hi"),
+    TextDelta("!"),
+    ToolCallStart(0, "abc", "Read"),
+    ToolCallDelta(0, '{"file_path":'),
+    ToolCallDelta(0, ' "a"}'),
+    ToolCallEnd(0),
+    Finish("tool_calls", USAGE, TIMINGS),
+]
+SDK_EVENT = TypeAdapter(sdk.RawMessageStreamEvent)
+
+
+def _request(**fields) -> MessagesRequest:
+    return parse(MessagesRequest, {"model": "claude-x", "messages": USER, **fields})
+
+
+def _stream(request: MessagesRequest, events=ANSWER) -> tuple[Translator, list[dict]]:
+    translator = Translator(request, "qwen")
+    out = translator.start()
+    for event in events:
+        out += translator.feed(event)
+    return translator, [e.dump() for e in out]
+
+
+def test_system_blocks_drop_the_billing_header():
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1"},
+              {"type": "text", "text": "You are helpful."}, {"type": "text", "text": "Be brief."}]
+    engine = to_engine(_request(system=system))
+    assert engine.messages[0] == Message("system", "You are helpful.\nBe brief.")
+    assert to_engine(_request(system="S")).messages[0] == Message("system", "S")
+
+
+def test_conversation_with_tools_and_thinking():
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "system", "content": "late system text"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "mashbox-local"},
+            {"type": "redacted_thinking", "data": "xx"},
+            {"type": "text", "text": "Reading."},
+            {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"p": 1}},
+            {"type": "tool_use", "id": "toolu_2", "name": "Bash", "input": {}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "file"},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+             "content": [{"type": "text", "text": "no such"}]},
+            {"type": "text", "text": "go on"},
+        ]},
+    ]
+    engine = to_engine(_request(messages=messages))
+    assert engine.messages == (
+        Message("user", "a\nb"),
+        Message("system", "late system text"),
+        Message("assistant", "Reading.", reasoning="hmm",
+                tool_calls=(ToolCall("toolu_1", "Read", '{"p": 1}'), ToolCall("toolu_2", "Bash", "{}"))),
+        Message("tool", "file", tool_call_id="toolu_1"),
+        Message("tool", "Error: no such", tool_call_id="toolu_2"),
+        Message("user", "go on"),
+    )
+
+
+def test_tools_skip_server_tools():
+    tools = [{"name": "Read", "description": "d", "input_schema": {"type": "object"}},
+             {"type": "custom", "name": "Bash", "input_schema": {}},
+             {"type": "web_search_20250305", "name": "web_search"}]
+    request = _request(tools=tools)
+    assert [t.name for t in to_engine(request).tools] == ["Read", "Bash"]
+    assert request.ignored_fields() == ["tools[web_search_20250305]"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [(None, "auto"), ({"type": "auto"}, "auto"), ({"type": "any"}, "required"),
+     ({"type": "tool", "name": "Read"}, "Read"), ({"type": "none"}, "none")],
+)
+def test_tool_choice(choice, expected):
+    assert to_engine(_request(tool_choice=choice)).tool_choice == expected
+
+
+@pytest.mark.parametrize(
+    ("thinking", "enable", "budget"),
+    [(None, None, None), ({"type": "enabled", "budget_tokens": 2048}, True, 2048),
+     ({"type": "disabled", "budget_tokens": 10}, False, None), ({"type": "adaptive"}, None, None)],
+)
+def test_thinking(thinking, enable, budget):
+    engine = to_engine(_request(thinking=thinking))
+    assert (engine.enable_thinking, engine.thinking_budget) == (enable, budget)
+
+
+def test_sampling_and_optional_max_tokens():
+    assert to_engine(_request()).sampling.max_tokens is None
+    s = to_engine(_request(max_tokens=64, stop_sequences=["\n\nHuman:"], temperature=1.0, top_k=5)).sampling
+    assert (s.max_tokens, s.stop, s.temperature, s.top_k) == (64, ("\n\nHuman:",), 1.0, 5)
+
+
+def test_ignored_fields():
+    request = _request(metadata={"user_id": "u"}, output_config={"effort": "high"}, context_management={})
+    assert request.ignored_fields() == ["context_management", "metadata", "output_config.effort"]
+
+
+def test_count_tokens_request():
+    request = parse(CountTokensRequest, {"messages": USER, "system": "S", "max_tokens": 5})
+    engine = to_engine(request)
+    assert [m.role for m in engine.messages] == ["system", "user"]
+    assert engine.sampling.max_tokens is None
+    assert request.ignored_fields() == ["max_tokens"]
+    assert TokenCount(input_tokens=12).dump() == {"input_tokens": 12}
+    assert sdk.MessageTokensCount.model_validate({"input_tokens": 12}).input_tokens == 12
+
+
+def test_stream_events_validate_under_the_sdk():
+    _, events = _stream(_request())
+    for event in events:
+        if event["type"] != "ping":
+            SDK_EVENT.validate_python(event)
+
+
+def test_stream_order():
+    _, events = _stream(_request())
+    kinds = [e["type"] + (":" + e["delta"]["type"] if e["type"] == "content_block_delta" else "") for e in events]
+    assert kinds == [
+        "message_start", "ping",
+        "content_block_start", "content_block_delta:thinking_delta", "content_block_delta:signature_delta",
+        "content_block_stop",
+        "content_block_start", "content_block_delta:text_delta", "content_block_delta:text_delta",
+        "content_block_stop",
+        "content_block_start", "content_block_delta:input_json_delta", "content_block_delta:input_json_delta",
+        "content_block_stop",
+        "message_delta", "message_stop",
+    ]
+    start = events[0]["message"]
+    assert (start["stop_reason"], start["stop_sequence"], start["content"]) == (None, None, [])
+    assert start["model"] == "claude-x" and start["id"].startswith("msg_")
+    assert events[4]["delta"] == {"type": "signature_delta", "signature": "mashbox-local"}
+    assert events[10]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "Read", "input": {}}
+    assert [e["index"] for e in events[2:14]] == [0] * 4 + [1] * 4 + [2] * 4
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2]["usage"] == {"input_tokens": 7, "output_tokens": 5, "cache_creation_input_tokens": 0,
+                                   "cache_read_input_tokens": 3}
+
+
+def test_whole_message_validates_under_the_sdk():
+    translator, _ = _stream(_request())
+    body = translator.response().dump()
+    assert "stop_sequence" in body and body["stop_sequence"] is None
+    message = sdk.Message.model_validate(body)
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].signature == "mashbox-local"
+    assert message.content[1].text == "Hi!"
+    assert (message.content[2].id, message.content[2].input) == ("toolu_abc", {"file_path": "a"})
+    assert message.usage.input_tokens == 7 and message.usage.cache_read_input_tokens == 3
+    assert message.model == "claude-x"
+
+
+def test_model_defaults_to_the_served_id():
+    translator, _ = _stream(parse(MessagesRequest, {"messages": USER}), [Finish("stop", USAGE, TIMINGS)])
+    assert translator.response().model == "qwen"
+
+
+@pytest.mark.parametrize(
+    ("finish", "reason", "sequence"),
+    [(Finish("stop", USAGE, TIMINGS), "end_turn", None),
+     (Finish("stop", USAGE, TIMINGS, stop_sequence="END"), "stop_sequence", "END"),
+     (Finish("length", USAGE, TIMINGS), "max_tokens", None),
+     (Finish("tool_calls", USAGE, TIMINGS), "tool_use", None),
+     (Finish("abort", USAGE, TIMINGS), "end_turn", None)],
+)
+def test_stop_reasons(finish, reason, sequence):
+    translator, events = _stream(_request(), [TextDelta("x"), finish])
+    assert events[-2]["delta"] == {"stop_reason": reason, "stop_sequence": sequence}
+    body = translator.response().dump()
+    assert (body["stop_reason"], body["stop_sequence"]) == (reason, sequence)
+
+
+def test_invalid_tool_arguments_give_an_empty_input():
+    events = [ToolCallStart(0, "t", "Read"), ToolCallDelta(0, "not json"), Finish("tool_calls", USAGE, TIMINGS)]
+    translator, _ = _stream(_request(), events)
+    assert translator.response().dump()["content"][0]["input"] == {}
+
+
+def test_error_event():
+    translator, events = _stream(_request(), [TextDelta("x"), Finish("error", USAGE, TIMINGS, error="oom")])
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "oom"}}
+    assert translator.error("gone")[0].dump()["error"]["message"] == "gone"
+    sdk.ErrorResponse.model_validate(events[-1])

@@ -1,0 +1,123 @@
+"""The shared pieces of mashbox.api: parse errors, the extra-field policy, output dumps, blocks."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from mashbox.api.base import OutModel, RequestModel, engine_request, parse
+from mashbox.api.blocks import BlockTracker
+from mashbox.api.openai_chat import ChatRequest
+from mashbox.engine.events import (
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    Timings,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from mashbox.errors import InvalidRequestError
+
+USER = [{"role": "user", "content": "hi"}]
+FINISH = Finish("stop", Usage(10, 4, 2), Timings(8, 5.0, 4, 6.0, 2, 0.5))
+
+
+def test_parse_passes_a_parsed_request_through():
+    request = parse(ChatRequest, {"messages": USER})
+    assert parse(ChatRequest, request) is request
+
+
+def test_parse_takes_another_model_as_its_fields():
+    class Body(RequestModel):
+        messages: list[dict]
+
+    assert parse(ChatRequest, Body(messages=USER)).messages[0].content == "hi"
+
+
+def test_parse_error_is_invalid_request_with_readable_message():
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatRequest, {"messages": USER, "top_p": 0})
+    assert err.value.param == "top_p"
+    assert "greater than 0" in err.value.message
+    assert str(err.value).startswith("top_p: ")
+
+
+def test_parse_of_a_non_object_body():
+    with pytest.raises(InvalidRequestError, match="valid dictionary"):
+        parse(ChatRequest, ["not", "an", "object"])  # type: ignore[arg-type]
+
+
+def test_ignored_fields_lists_extras_and_accepted_ignored_fields():
+    request = parse(ChatRequest, {"messages": USER, "store": False, "merge": True, "user": "u", "zeta": 1})
+    assert request.ignored_fields() == ["merge", "store", "user", "zeta"]
+
+
+def test_ignored_fields_skips_nested_extras():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]
+    assert parse(ChatRequest, {"messages": messages}).ignored_fields() == []
+
+
+class _Out(OutModel):
+    keep_none: ClassVar[frozenset[str]] = frozenset({"kept"})
+    kept: int | None = None
+    dropped: int | None = None
+    nested: _Out | None = None
+
+
+def test_out_model_drops_none_unless_kept():
+    dumped = _Out(nested=_Out(dropped=1)).dump()
+    assert dumped == {"kept": None, "nested": {"kept": None, "dropped": 1}}
+
+
+def test_engine_request_errors_name_the_field():
+    with pytest.raises(InvalidRequestError) as err:
+        engine_request(messages=())
+    assert err.value.param == "messages"
+
+
+def _trace(events) -> str:
+    tracker = BlockTracker()
+    changes = [c for e in events for c in tracker.feed(e)]
+    return " ".join(f"{c.kind}:{c.block.kind}" if c.block else c.kind for c in changes)
+
+
+@pytest.mark.parametrize(
+    ("events", "trace"),
+    [
+        ([TextDelta("a"), TextDelta("b"), FINISH], "open:text delta:text delta:text close:text finish"),
+        ([TextDelta(""), FINISH], "finish"),
+        (
+            [ReasoningDelta("r"), TextDelta("t"), ReasoningDelta("r2"), FINISH],
+            "open:reasoning delta:reasoning close:reasoning open:text delta:text close:text "
+            "open:reasoning delta:reasoning close:reasoning finish",
+        ),
+        (
+            [TextDelta("t"), ToolCallStart(0, "c", "f"), ToolCallDelta(0, "{}"), ToolCallEnd(0), FINISH],
+            "open:text delta:text close:text open:tool delta:tool close:tool finish",
+        ),
+        ([ToolCallStart(0, "c", "f"), FINISH], "open:tool close:tool finish"),
+        ([ToolCallStart(0, "c", "f"), ToolCallEnd(0), ToolCallDelta(0, "x"), FINISH], "open:tool close:tool finish"),
+    ],
+)
+def test_block_tracker_opens_a_block_when_the_kind_changes(events, trace):
+    assert _trace(events) == trace
+
+
+def test_block_tracker_keeps_the_answer():
+    tracker = BlockTracker()
+    events = [ReasoningDelta("hm"), TextDelta("Hel"), TextDelta("lo"), ToolCallStart(3, "id1", "read"),
+              ToolCallDelta(3, '{"a"'), ToolCallDelta(3, ": 1}"), ToolCallEnd(3), FINISH]
+    for event in events:
+        tracker.feed(event)
+    assert (tracker.reasoning(), tracker.text()) == ("hm", "Hello")
+    [tool] = tracker.tools()
+    assert (tool.tool_id, tool.name, tool.text, tool.tool_ordinal, tool.index) == ("id1", "read", '{"a": 1}', 0, 2)
+    assert tracker.done() is FINISH
+
+
+def test_block_tracker_answer_needs_finish():
+    with pytest.raises(RuntimeError, match="Finish"):
+        BlockTracker().done()

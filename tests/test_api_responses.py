@@ -1,0 +1,267 @@
+"""Responses: items and tools -> EngineRequest, engine events -> stream events and Response."""
+
+from __future__ import annotations
+
+import json
+
+import openai.types.responses as sdk
+import pytest
+from pydantic import TypeAdapter
+
+from mashbox.api.base import parse
+from mashbox.api.openai_responses import ResponsesRequest, Translator, to_engine
+from mashbox.engine.events import (
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    Timings,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from mashbox.engine.request import Message, ToolCall
+from mashbox.errors import InvalidRequestError
+
+TIMINGS = Timings(prompt_n=7, prompt_ms=14.0, predicted_n=5, predicted_ms=20.0, cache_n=3, queue_ms=0.5)
+USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3, reasoning_tokens=2)
+SDK_EVENT = TypeAdapter(sdk.ResponseStreamEvent)
+TOOLS = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+    {"type": "namespace", "name": "agents", "description": "sub-agents",
+     "tools": [{"type": "function", "name": "spawn", "parameters": {}},
+               {"type": "function", "name": "exec_command", "parameters": {}}]},
+    {"type": "custom", "name": "apply_patch", "description": "Patch files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: BEGIN"}},
+    {"type": "local_shell"},
+    {"type": "web_search", "external_web_access": False},
+]
+
+
+def _request(**fields) -> ResponsesRequest:
+    return parse(ResponsesRequest, {"model": "gpt-x", "input": "hi", **fields})
+
+
+def _stream(request: ResponsesRequest, events) -> tuple[Translator, list[dict]]:
+    translator = Translator(request, "qwen")
+    out = translator.start()
+    for event in events:
+        out += translator.feed(event)
+    return translator, [e.dump() for e in out]
+
+
+def test_input_string_and_instructions():
+    engine = to_engine(_request(instructions="Be brief."))
+    assert engine.messages == (Message("system", "Be brief."), Message("user", "hi"))
+
+
+def test_input_items_map_in_order():
+    items = [
+        {"role": "developer", "content": "dev"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "sum"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "out1"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "out2"}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "why"}]},
+        {"type": "custom_tool_call", "call_id": "c3", "name": "apply_patch", "input": "*** Begin"},
+        {"type": "custom_tool_call_output", "call_id": "c3", "output": "patched"},
+        {"type": "local_shell_call", "call_id": "c4", "status": "completed",
+         "action": {"type": "exec", "command": ["ls"], "env": {}, "working_directory": "/w"}},
+        {"type": "local_shell_call_output", "id": "c4", "output": "a.txt"},
+    ]
+    engine = to_engine(_request(input=items, tools=TOOLS))
+    assert engine.messages == (
+        Message("system", "dev"),
+        Message("user", "ab"),
+        Message("assistant", "ok", reasoning="sum",
+                tool_calls=(ToolCall("c1", "exec_command", "{}"), ToolCall("c2", "spawn", "{}"))),
+        Message("tool", "out1", tool_call_id="c1"),
+        Message("tool", "out2", tool_call_id="c2"),
+        Message("assistant", reasoning="why",
+                tool_calls=(ToolCall("c3", "apply_patch", json.dumps({"input": "*** Begin"})),)),
+        Message("tool", "patched", tool_call_id="c3"),
+        Message("assistant",
+                tool_calls=(ToolCall("c4", "local_shell", json.dumps({"command": ["ls"], "workdir": "/w"})),)),
+        Message("tool", "a.txt", tool_call_id="c4"),
+    )
+
+
+def test_tools_map_namespaces_custom_and_local_shell():
+    request = _request(tools=TOOLS)
+    tools = {t.name: t for t in to_engine(request).tools}
+    assert list(tools) == ["exec_command", "spawn", "agents__exec_command", "apply_patch", "local_shell"]
+    assert tools["apply_patch"].parameters["required"] == ["input"]
+    assert "start: BEGIN" in tools["apply_patch"].description
+    assert tools["local_shell"].parameters["required"] == ["command"]
+    refs = request.tool_map()
+    assert (refs.ref("spawn").namespace, refs.ref("agents__exec_command").name) == ("agents", "exec_command")
+    assert refs.ref("exec_command").namespace is None
+    assert request.ignored_fields() == ["tools[web_search]"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [(None, "auto"), ("none", "none"), ("required", "required"),
+     ({"type": "function", "name": "spawn"}, "spawn"),
+     ({"type": "function", "function": {"name": "exec_command"}}, "exec_command"),
+     ({"type": "custom", "name": "apply_patch"}, "apply_patch"),
+     ({"type": "allowed_tools", "mode": "required", "tools": []}, "required")],
+)
+def test_tool_choice(choice, expected):
+    assert to_engine(_request(tools=TOOLS, tool_choice=choice)).tool_choice == expected
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "thinking"),
+    [(None, None), ({"summary": "auto"}, None), ({"effort": "none"}, False), ({"effort": "minimal"}, False),
+     ({"effort": "low"}, True), ({"effort": "high"}, True)],
+)
+def test_reasoning_effort_switches_thinking(reasoning, thinking):
+    assert to_engine(_request(reasoning=reasoning)).enable_thinking is thinking
+
+
+def test_max_output_tokens_and_ignored_fields():
+    request = _request(max_output_tokens=50, max_tokens=10, store=False, include=["reasoning.encrypted_content"],
+                       client_metadata={"a": "b"}, reasoning={"summary": "auto"}, truncation="auto")
+    assert to_engine(request).sampling.max_tokens == 50
+    assert request.ignored_fields() == [
+        "client_metadata", "include[reasoning.encrypted_content]", "reasoning.summary", "store", "truncation"]
+
+
+def test_empty_input_without_instructions_is_refused():
+    with pytest.raises(InvalidRequestError) as err:
+        to_engine(_request(input=[]))
+    assert err.value.param == "input"
+
+
+ANSWER = [
+    ReasoningDelta("plan"),
+    TextDelta("Hel"),
+    TextDelta("lo"),
+    ToolCallStart(0, "a1", "spawn"),
+    ToolCallDelta(0, '{"task":'),
+    ToolCallDelta(0, ' "x"}'),
+    ToolCallEnd(0),
+    ToolCallStart(1, "a2", "apply_patch"),
+    ToolCallDelta(1, '{"input": "*** Begin'),
+    ToolCallDelta(1, ' Patch"}'),
+    ToolCallEnd(1),
+    ToolCallStart(2, "a3", "local_shell"),
+    ToolCallDelta(2, '{"command": ["ls", "-l"], "workdir": "/w"}'),
+    ToolCallEnd(2),
+    Finish("tool_calls", USAGE, TIMINGS),
+]
+
+
+def test_stream_events_validate_under_the_sdk():
+    _, events = _stream(_request(tools=TOOLS), ANSWER)
+    for event in events:
+        SDK_EVENT.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+
+
+def test_stream_order():
+    _, events = _stream(_request(tools=TOOLS), ANSWER)
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "created", "in_progress",
+        "output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.done",
+        "content_part.done", "output_item.done",
+        "output_item.added", "content_part.added", "output_text.delta", "output_text.delta", "output_text.done",
+        "content_part.done", "output_item.done",
+        "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
+        "function_call_arguments.done", "output_item.done",
+        "output_item.added", "custom_tool_call_input.delta", "custom_tool_call_input.done", "output_item.done",
+        "output_item.added", "output_item.done",
+        "completed",
+    ]
+    created = events[0]["response"]
+    assert (created["status"], created["usage"], created["output"]) == ("in_progress", None, [])
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2, 3, 4]
+    call = events[15]["item"]
+    assert (call["type"], call["name"], call["namespace"], call["call_id"]) == ("function_call", "spawn",
+                                                                               "agents", "call_a1")
+    assert events[21]["delta"] == "*** Begin Patch"
+
+
+def test_completed_response_validates_under_the_sdk():
+    translator, events = _stream(_request(tools=TOOLS, tool_choice="auto", parallel_tool_calls=True), ANSWER)
+    body = translator.response().dump()
+    assert events[-1]["response"] == body
+    response = sdk.Response.model_validate(body)
+    assert (response.status, response.model, response.parallel_tool_calls) == ("completed", "gpt-x", True)
+    assert response.id.startswith("resp_")
+    assert [item.type for item in response.output] == [
+        "reasoning", "message", "function_call", "custom_tool_call", "local_shell_call"]
+    reasoning, message, call, custom, shell = response.output
+    assert reasoning.id.startswith("rs_") and reasoning.content[0].text == "plan"
+    assert message.id.startswith("msg_") and message.content[0].text == "Hello"
+    assert call.id.startswith("fc_") and call.arguments == '{"task": "x"}'
+    assert (custom.name, custom.input) == ("apply_patch", "*** Begin Patch")
+    assert (shell.action.command, shell.action.working_directory) == (["ls", "-l"], "/w")
+    assert body["usage"] == {
+        "input_tokens": 10, "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
+        "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 15}
+    assert len(response.tools) == 5
+
+
+def test_length_gives_incomplete():
+    translator, events = _stream(_request(max_output_tokens=2), [TextDelta("ab"), Finish("length", USAGE, TIMINGS)])
+    body = translator.response().dump()
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1]["type"] == "response.completed"
+    sdk.Response.model_validate(body)
+
+
+def test_model_defaults_to_the_served_id():
+    request = parse(ResponsesRequest, {"input": "hi"})
+    translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])
+    body = translator.response().dump()
+    assert body["model"] == "qwen" and body["output"] == [] and body["parallel_tool_calls"] is False
+    sdk.Response.model_validate(body)
+
+
+def test_echoed_tool_choice_takes_the_responses_shape():
+    request = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "spawn"}})
+    translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])
+    body = translator.response().dump()
+    assert body["tool_choice"] == {"type": "function", "name": "spawn"}
+    sdk.Response.model_validate(body)
+
+
+def test_failure_after_start_sends_error_then_failed():
+    translator, _ = _stream(_request(), [TextDelta("partial")])
+    events = [e.dump() for e in translator.error("device lost")]
+    assert [e["type"] for e in events] == ["error", "response.failed"]
+    assert events[1]["response"]["status"] == "failed"
+    assert events[1]["response"]["error"] == {"code": "server_error", "message": "device lost"}
+    assert events[0]["sequence_number"] + 1 == events[1]["sequence_number"]
+    assert (events[0]["message"], events[0]["error"]["message"]) == ("device lost", "device lost")
+    for event in events:
+        SDK_EVENT.validate_python(event)
+
+
+def test_engine_error_finish_fails_the_stream():
+    translator, events = _stream(_request(), [Finish("error", USAGE, TIMINGS, error="oom")])
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert translator.response().status == "failed"
+
+
+def test_response_carries_the_open_responses_fields():
+    request = _request(tools=TOOLS[:1], temperature=0.5, reasoning={"effort": "low"}, prompt_cache_key="s1")
+    translator, _ = _stream(request, [TextDelta("x"), Finish("stop", USAGE, TIMINGS)])
+    body = translator.response().dump()
+    assert body["tools"] == [{"type": "function", "name": "exec_command", "description": None,
+                              "parameters": {"type": "object"}, "strict": False}]
+    assert (body["temperature"], body["top_p"], body["presence_penalty"], body["frequency_penalty"]) == (
+        0.5, 1.0, 0.0, 0.0)
+    assert body["reasoning"] == {"effort": "low", "summary": None}
+    assert (body["truncation"], body["text"], body["store"], body["background"]) == (
+        "disabled", {"format": {"type": "text"}}, False, False)
+    assert body["previous_response_id"] is None and body["prompt_cache_key"] == "s1"
+    assert body["completed_at"] >= body["created_at"]
+    sdk.Response.model_validate(body)

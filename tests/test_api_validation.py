@@ -1,0 +1,138 @@
+"""Every refused request names its field: one row per rule, as (route, body change, param)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mashbox.api.anthropic_messages import CountTokensRequest, MessagesRequest
+from mashbox.api.base import parse
+from mashbox.api.openai_chat import ChatRequest
+from mashbox.api.openai_completions import CompletionRequest
+from mashbox.api.openai_responses import ResponsesRequest
+from mashbox.errors import InvalidRequestError
+
+USER = [{"role": "user", "content": "hi"}]
+BASE = {
+    "chat": (ChatRequest, {"messages": USER}),
+    "completions": (CompletionRequest, {"prompt": "hi"}),
+    "messages": (MessagesRequest, {"messages": USER, "max_tokens": 8}),
+    "count": (CountTokensRequest, {"messages": USER}),
+    "responses": (ResponsesRequest, {"input": "hi"}),
+}
+SAMPLING = [
+    ({"temperature": 4.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 1.0}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"n": 2}, "n"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"stop_sequences": [""]}, "stop_sequences"),
+    ({"seed": "x"}, "seed"),
+]
+ROWS = [
+    *[(route, change, param) for route in ("chat", "completions", "messages", "responses")
+      for change, param in SAMPLING],
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": None}, "messages"),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                        {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.1.type"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages.0.content.0.type"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+     "messages.0.content.0.type"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0.type"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("chat", {"messages": [{"content": "x"}]}, "messages.0.role"),
+    ("chat", {"tool_choice": "sometimes"}, "tool_choice"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    ("chat", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
+    ("chat", {"tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ("completions", {"prompt": None}, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"logprobs": 0}, "logprobs"),
+    ("completions", {"logprobs": 5}, "logprobs"),
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0.type"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "messages.0.content.0.type"),
+    ("messages", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}]}]},
+     "messages.0.content.0.content.0.type"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+     "messages.0.content.0.name"),
+    ("messages", {"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ("messages", {"tool_choice": {"type": "maybe"}}, "tool_choice.type"),
+    ("count", {"messages": []}, "messages"),
+    ("count", {"system": [{"type": "image", "source": {}}]}, "system.0.type"),
+    ("responses", {"input": None}, "input"),
+    ("responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
+    ("responses", {"top_logprobs": 1}, "top_logprobs"),
+    ("responses", {"include": ["message.output_text.logprobs"]}, "include"),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ("responses", {"max_output_tokens": 0}, "max_output_tokens"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0.type"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input.0.content.0.type"),
+    ("responses", {"input": [{"type": "function_call_output", "call_id": "c",
+                              "output": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.output.0.type"),
+    ("responses", {"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+    ("responses", {"input": [{"type": "function_call", "name": "f"}]}, "input.0.call_id"),
+    ("responses", {"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input.0.role"),
+    ("responses", {"tools": [{"type": "function"}]}, "tools.0.name"),
+    ("responses", {"reasoning": {"effort": 3}}, "reasoning.effort"),
+]
+
+
+def _id(row) -> str:
+    route, change, param = row
+    return f"{route}-{param}-{next(iter(change.values()))!r:.20}"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[_id(r) for r in ROWS])
+def test_refused_request_names_the_field(row):
+    route, change, param = row
+    model_cls, body = BASE[route]
+    with pytest.raises(InvalidRequestError) as err:
+        parse(model_cls, {**body, **change})
+    assert err.value.param == param, err.value.message
+    assert err.value.message and "Value error" not in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("route", "change"),
+    [("chat", {"logprobs": False}), ("chat", {"response_format": {"type": "text"}}),
+     ("chat", {"n": 1, "stop": ["a"], "max_tokens": 1}), ("completions", {"logprobs": None}),
+     ("responses", {"text": {"format": {"type": "text"}}, "include": ["reasoning.encrypted_content"]}),
+     ("responses", {"previous_response_id": None}), ("messages", {"output_config": {"effort": "low"}}),
+     ("messages", {"temperature": 0, "top_p": 1, "min_p": 0, "top_k": 0})],
+)
+def test_accepted_edge_values(route, change):
+    model_cls, body = BASE[route]
+    parse(model_cls, {**body, **change})
+
+
+def test_unsupported_part_message_says_why():
+    with pytest.raises(InvalidRequestError, match="text-only model"):
+        parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+
+
+def test_unknown_type_message_lists_the_known_ones():
+    with pytest.raises(InvalidRequestError, match="unknown type 'item_reference'; expected one of"):
+        parse(ResponsesRequest, {"input": [{"type": "item_reference", "id": "x"}]})
