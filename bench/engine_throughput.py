@@ -64,13 +64,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ctx", type=int, default=2048)
-    parser.add_argument("--not-batch-invariant", action="store_true", help="plain matmuls (faster alone)")
+    parser.add_argument("--dtype", default=None, help="CPU: float16 (default, packed fp16 weights) or float32")
+    parser.add_argument("--not-batch-invariant", action="store_true", help="float32: plain matmuls (faster alone)")
     args = parser.parse_args()
-    with Engine(args.model, ctx=args.ctx, slots=max(args.n), quiet=True,
+    with Engine(args.model, ctx=args.ctx, slots=max(args.n), quiet=True, dtype=args.dtype,
                 batch_invariant=not args.not_batch_invariant) as engine:
         asyncio.run(round_of(engine, 1, 8))  # warm-up
         print(f"model {engine.model_id}, ctx {engine.ctx}, slots {max(args.n)}, threads {torch.get_num_threads()}, "
-              f"batch_invariant {engine.config.batch_invariant}")
+              f"weights {engine.info.weights_mode} ({engine.info.dtype})")
         print(f"prompt tokens: {len(engine.encode(EngineRequest(messages=prompt(0))))}, max new tokens {args.max_tokens}")
         print("   N  tokens   tok/s  TTFT p50  TTFT max")
         for n in args.n:

@@ -22,3 +22,7 @@ class ContextLengthError(InvalidRequestError):
 
 class ModelLoadError(MashboxError):
     """A model is not installed, its path is wrong or its file is corrupt."""
+
+
+class NotReadyError(MashboxError):
+    """The model is still loading, or its worker is starting again."""

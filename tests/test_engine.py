@@ -192,3 +192,14 @@ def test_bad_parameters_on_other_protocols_name_the_field(tiny_engine, method, r
 def test_unlisted_fields_are_reported_as_ignored(tiny_engine):
     with pytest.warns(UserWarning, match="frobnicate"):
         tiny_engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2, frobnicate=1)
+
+
+def test_stats_count_tokens_and_finishes(tiny_engine):
+    before = tiny_engine.stats()
+    _, finish = run(tiny_engine, "Count me", max_tokens=3)
+    after = tiny_engine.stats()
+    assert after.generated_tokens - before.generated_tokens == 3
+    assert after.prompt_tokens - before.prompt_tokens == finish.usage.prompt_tokens
+    assert after.finished.get("length", 0) - before.finished.get("length", 0) == 1
+    assert after.running == 0 and after.waiting == 0 and after.slots == 16
+    assert after.kv_cache_bytes > 0 and after.kv_usage == 0

@@ -1,6 +1,8 @@
 """Parity oracle: batched greedy output equals plain transformers generate(),
 token for token, on a tiny random model built here."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -9,6 +11,7 @@ from mashbox import EngineRequest, Finish, SamplingParams
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
+from mashbox.engine.weights import fbgemm_available
 
 from tiny import tiny_config
 
@@ -27,16 +30,28 @@ def model():
     return LlamaForCausalLM(tiny_config(1000)).eval()
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False])
-def test_batched_greedy_equals_generate(model, batch_invariant):
+def fp16_weights(model):
+    """The same model with every weight rounded to fp16 (kept in fp32): what packed mode computes with."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.half().float())
+    return rounded
+
+
+@pytest.mark.parametrize("mode", ["packed", "tiled", "plain"])
+def test_batched_greedy_equals_generate(model, mode):
+    if mode == "packed" and not fbgemm_available():
+        pytest.skip("fbgemm is not in this torch build")
     g = torch.Generator().manual_seed(3)
     lengths = (1, 5, 40, 130, 300, 17, 64, 65)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
-    expected = [reference(model, p) for p in prompts]
+    oracle = fp16_weights(model) if mode == "packed" else model
+    expected = [reference(oracle, p) for p in prompts]
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert all(len(set(e)) > 3 for e in expected), "the oracle should not be a constant stream"
 
-    runner = ModelRunner(model, num_slots=4, ctx=512, batch_invariant=batch_invariant)
+    runner = ModelRunner(model, num_slots=4, ctx=512, mode=mode)
     scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=64)
     seqs = [Sequence(str(i), p, SamplingParams(), NEW) for i, p in enumerate(prompts)]
     for s in seqs:
@@ -52,6 +67,8 @@ def test_batched_greedy_equals_generate(model, batch_invariant):
 
 def test_engine_text_equals_generate(tiny_engine, tiny_model_dir, smol_tokenizer):
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    if tiny_engine.info.weights_mode == "packed":
+        model = fp16_weights(model)
     prompts = ["The quick brown fox", "Once upon a time, in a land far away,", "1 2 3"]
     streams = [tiny_engine.stream(EngineRequest(prompt=p, sampling=SamplingParams(max_tokens=16))) for p in prompts]
     for prompt, events in zip(prompts, streams):

@@ -11,9 +11,12 @@ class EngineConfig:
 
     ``ctx`` is the context length of every slot (``None``: the model's
     default), ``slots`` the number of requests decoded together,
-    ``chunk_tokens`` the most prompt tokens prefilled in one device call,
-    ``batch_invariant`` makes a greedy request's tokens independent of what
-    runs beside it (fixed-shape matmul tiles; a little slower alone).
+    ``chunk_tokens`` the most prompt tokens prefilled in one device call.
+    ``dtype`` on CPU: ``float16`` (default; fp16 weights packed for fbgemm,
+    fp32 activations) or ``float32`` (exact weights); on CUDA: ``bfloat16``
+    (default). A greedy request's tokens never depend on what runs beside it
+    with packed fp16 weights; with ``float32`` that takes ``batch_invariant``
+    (fixed-shape matmul tiles, slower alone).
     """
 
     model: str = "smollm2-135m"

@@ -20,6 +20,7 @@ from mashbox.engine.events import Event, Finish, TextDelta, Timings, Usage
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence, Status
+from mashbox.engine.stats import Counters, EngineStats
 from mashbox.engine.stop import StopMatcher
 
 log = logging.getLogger("mashbox.engine")
@@ -52,6 +53,7 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = tokenizer
         self.streams: dict[str, Stream] = {}
+        self.counters = Counters()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
         self._thread.start()
@@ -89,6 +91,8 @@ class EngineCore:
             if kind == "add":
                 self.streams[payload.seq.id] = payload
                 self.scheduler.add(payload.seq)
+                self.counters.prompt_tokens += len(payload.seq.prompt_ids)
+                self.counters.prefix_lookup_tokens += len(payload.seq.prompt_ids)
             elif kind == "abort" and payload in self.streams:
                 self._end(self.streams[payload], Status.FINISHED_ABORT)
 
@@ -102,10 +106,26 @@ class EngineCore:
                 self._end(self.streams[seq.id], Status.FINISHED_ERROR, f"device step failed: {exc}")
             return
         for seq, token in self.scheduler.update(plan, tokens):
+            self.counters.generated_tokens += 1
             self._emit(self.streams[seq.id], token)
         for seq in {w.seq.id: w.seq for w in plan.work}.values():
             if seq.status.is_finished and seq.id in self.streams:
-                self.streams.pop(seq.id).finish()
+                self._close(self.streams.pop(seq.id))
+
+    def stats(self) -> EngineStats:
+        s, c = self.scheduler, self.counters
+        running = list(s.running)
+        return EngineStats(
+            running=len(running), waiting=len(s.waiting), slots=s.slots.size, ctx=s.ctx,
+            kv_cache_bytes=self.runner.kv.nbytes, kv_tokens_used=sum(q.num_computed for q in running),
+            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
+            prefix_lookup_tokens=c.prefix_lookup_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
+            preemptions=c.preemptions, finished=dict(c.finished),
+        )
+
+    def _close(self, stream: Stream, error: str | None = None) -> None:
+        self.counters.finished[stream.seq.finish_reason or "error"] += 1
+        stream.finish(error)
 
     def _emit(self, stream: Stream, token: int) -> None:
         if token in stream.seq.eos_ids:
@@ -117,7 +137,7 @@ class EngineCore:
     def _end(self, stream: Stream, status: Status, error: str | None = None) -> None:
         self.scheduler.finish(stream.seq, status)
         self.streams.pop(stream.seq.id, None)
-        stream.finish(error)
+        self._close(stream, error)
 
 
 def _usage(seq: Sequence) -> Usage:

@@ -21,12 +21,14 @@ from mashbox.api.base import parse
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore
 from mashbox.engine.events import Event, Finish
-from mashbox.engine.loader import LoadedModel, load
+from mashbox.engine.loader import LoadedModel, load, pick_device
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
+from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
+from mashbox.engine.weights import weight_mode
 from mashbox.errors import ContextLengthError, MashboxError
 
 log = logging.getLogger("mashbox")
@@ -60,6 +62,7 @@ class ModelInfo:
     gb: float
     device: str
     dtype: str
+    weights_mode: str
 
 
 class Engine:
@@ -72,14 +75,16 @@ class Engine:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
         config = config or EngineConfig()
         config = replace(config, **options, **({"model": model} if model else {}))
-        loaded = load(config.model, device=config.device, dtype=config.dtype, quiet=config.quiet)
+        device = pick_device(config.device)
+        load_dtype, mode = weight_mode(device, config.dtype, config.batch_invariant)
+        loaded = load(config.model, device=device, dtype=load_dtype, quiet=config.quiet)
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.ctx = config.ctx or loaded.ctx_default
-        self.info = _info(loaded, self.ctx, config.slots)
+        self.info = _info(loaded, self.ctx, config.slots, mode)
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
-        runner = ModelRunner(loaded.model, config.slots, self.ctx, config.batch_invariant)
+        runner = ModelRunner(loaded.model, config.slots, self.ctx, mode)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
@@ -212,6 +217,10 @@ class Engine:
             translator.feed(event)
         return translator.response()
 
+    def stats(self) -> EngineStats:
+        """Requests running and waiting, KV use and token counters, now."""
+        return self._core.stats()
+
     # -- lifetime -----------------------------------------------------------
 
     def close(self) -> None:
@@ -261,7 +270,7 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
-def _info(loaded: LoadedModel, ctx: int, slots: int) -> ModelInfo:
-    return ModelInfo(
-        loaded.id, ctx, slots, loaded.weights, loaded.bpw, loaded.gb, str(loaded.device), str(loaded.dtype).removeprefix("torch.")
-    )
+def _info(loaded: LoadedModel, ctx: int, slots: int, mode: str) -> ModelInfo:
+    dtype = "float16 weights, float32 activations" if mode == "packed" else str(loaded.dtype).removeprefix("torch.")
+    gb = loaded.gb / 2 if mode == "packed" else loaded.gb
+    return ModelInfo(loaded.id, ctx, slots, loaded.weights, loaded.bpw, gb, str(loaded.device), dtype, mode)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mashbox.engine import sampler
 from mashbox.engine.kv_cache import KVCache
 from mashbox.engine.scheduler import Plan, Work
-from mashbox.engine.weights import Weights, linear
+from mashbox.engine.weights import Weights
 
 
 @dataclass(slots=True)
@@ -32,8 +32,8 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_slots: int, ctx: int, batch_invariant: bool = True) -> None:
-        self.weights = Weights.from_model(model, ctx, tile=16 if batch_invariant else 0)
+    def __init__(self, model: torch.nn.Module, num_slots: int, ctx: int, mode: str = "tiled") -> None:
+        self.weights = Weights.from_model(model, ctx, mode)
         self.device = self.weights.embed.device
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, self.weights.embed.dtype, self.device)
         self.generators: list[torch.Generator | None] = [None] * num_slots
@@ -43,7 +43,7 @@ class ModelRunner:
         """Forward every token of ``plan``; one sampled token per sampling work item."""
         batch = self._batch(plan)
         hidden = self.forward(plan.work, batch)
-        logits = linear(hidden[batch.sample_rows], self.weights.lm_head, self.weights.tile)
+        logits = self.weights.lm_head(hidden[batch.sample_rows])
         sampling = [w for w in plan.work if w.sample]
         return sampler.sample(
             logits,
@@ -57,11 +57,11 @@ class ModelRunner:
         x = w.embed[batch.ids]
         cos, sin = w.cos[batch.positions], w.sin[batch.positions]
         for i, layer in enumerate(w.layers):
-            q, k, v = layer.qkv(w.rms_norm(x, layer.ln_attn), cos, sin, w.tile)
+            q, k, v = layer.qkv(w.rms_norm(x, layer.ln_attn), cos, sin)
             self.kv.write(i, work, batch.offsets, k, v)
             attn = self._attention(i, work, batch.offsets, q)
-            x = x + linear(attn, layer.o, w.tile)
-            x = x + layer.mlp(w.rms_norm(x, layer.ln_mlp), w.tile)
+            x = x + layer.o(attn)
+            x = x + layer.mlp(w.rms_norm(x, layer.ln_mlp))
         return w.rms_norm(x, w.norm)
 
     def _attention(self, layer: int, work: list[Work], offsets: list[int], q: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Callable
 
 import torch
@@ -11,22 +12,79 @@ from transformers.activations import ACT2FN
 from mashbox.errors import ModelLoadError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+TILE = 16
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """``x @ weight.T``; with ``tile`` every row goes through a matmul of exactly
-    ``tile`` rows, so its result never depends on how many rows run beside it."""
-    if not tile:
-        return x @ weight.T
+class Linear:
+    """``x @ weight.T`` in one of three forms, chosen once per model.
+
+    ``plain``: one matmul. ``tiled``: every row goes through a matmul of exactly
+    ``TILE`` rows, so its result never depends on how many rows run beside it.
+    ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
+    memory traffic, and each row's result is independent of the batch by design.
+    """
+
+    __slots__ = ("weight", "mode", "_packed", "_bias")
+
+    def __init__(self, weight: torch.Tensor, mode: str) -> None:
+        self.mode = mode
+        self.weight = weight
+        self._packed = self._bias = None
+        if mode == "packed":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous())
+            self._bias = torch.zeros(weight.shape[0])
+            self.weight = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "packed":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.fbgemm_linear_fp16_weight(x.contiguous(), self._packed, self._bias)
+        if self.mode == "plain":
+            return x @ self.weight.T
+        return _tiled(x, self.weight)
+
+
+def _tiled(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
-    pad = -rows % tile
+    pad = -rows % TILE
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    if x.shape[0] == tile:
+    if x.shape[0] == TILE:
         return (x @ weight.T)[:rows]
-    tiles = x.view(-1, tile, x.shape[1])
+    tiles = x.view(-1, TILE, x.shape[1])
     out = torch.bmm(tiles, weight.T.expand(tiles.shape[0], *weight.T.shape))
     return out.view(-1, weight.shape[0])[:rows]
+
+
+def fbgemm_available() -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(2, 2))
+            torch.fbgemm_linear_fp16_weight(torch.ones(1, 2), packed, torch.zeros(2))
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def weight_mode(device: torch.device, dtype: str | None, batch_invariant: bool) -> tuple[torch.dtype, str]:
+    """(dtype to load the model in, Linear mode) for a device and the dtype asked for.
+
+    On CPU the default is fp16 weights packed for fbgemm (fp32 activations);
+    ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
+    """
+    if device.type != "cpu":
+        return _DTYPES.get(dtype or "bfloat16", torch.bfloat16), "plain"
+    if dtype in (None, "float16", "fp16", "half") and fbgemm_available():
+        return torch.float32, "packed"
+    if dtype not in (None, "float32", "fp32", "float", "float16", "fp16", "half"):
+        raise ValueError(f"dtype: {dtype!r} is not supported on CPU; use float16 (packed) or float32")
+    return torch.float32, "tiled" if batch_invariant else "plain"
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,19 +110,19 @@ class Spec:
 class Layer:
     spec: Spec
     ln_attn: torch.Tensor
-    qkv_weight: torch.Tensor
+    qkv_proj: Linear
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Linear
     ln_mlp: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
     act: Callable[[torch.Tensor], torch.Tensor]
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tile: int):
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         s = self.spec
-        out = linear(h, self.qkv_weight, tile)
+        out = self.qkv_proj(h)
         if self.qkv_bias is not None:
             out = out + self.qkv_bias
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -75,9 +133,9 @@ class Layer:
             q, k = rms_norm(q, self.q_norm, s.eps), rms_norm(k, self.k_norm, s.eps)
         return rotate(q, cos, sin), rotate(k, cos, sin), v.view(-1, s.num_kv_heads, s.head_dim)
 
-    def mlp(self, h: torch.Tensor, tile: int) -> torch.Tensor:
-        gate, up = linear(h, self.gate_up, tile).chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down, tile)
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,16 +151,15 @@ class Weights:
     embed: torch.Tensor
     layers: list[Layer]
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Linear
     cos: torch.Tensor
     sin: torch.Tensor
-    tile: int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.eps)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, ctx: int, tile: int) -> Weights:
+    def from_model(cls, model: torch.nn.Module, ctx: int, mode: str) -> Weights:
         config = model.config
         if config.model_type not in SUPPORTED:
             raise ModelLoadError(
@@ -114,12 +171,11 @@ class Weights:
         return cls(
             spec=spec,
             embed=body.embed_tokens.weight.detach(),
-            layers=[_layer(spec, layer, config) for layer in body.layers],
+            layers=[_layer(spec, layer, config, mode) for layer in body.layers],
             norm=body.norm.weight.detach(),
-            lm_head=model.lm_head.weight.detach(),
+            lm_head=Linear(model.lm_head.weight.detach(), mode),
             cos=cos,
             sin=sin,
-            tile=tile,
         )
 
 
@@ -134,7 +190,7 @@ def _spec(config) -> Spec:
     )
 
 
-def _layer(spec: Spec, layer: torch.nn.Module, config) -> Layer:
+def _layer(spec: Spec, layer: torch.nn.Module, config, mode: str) -> Layer:
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     bias = None
@@ -145,14 +201,14 @@ def _layer(spec: Spec, layer: torch.nn.Module, config) -> Layer:
     return Layer(
         spec=spec,
         ln_attn=layer.input_layernorm.weight.detach(),
-        qkv_weight=torch.cat([p.weight.detach() for p in projections]).contiguous(),
+        qkv_proj=Linear(torch.cat([p.weight.detach() for p in projections]).contiguous(), mode),
         qkv_bias=bias,
         q_norm=q_norm.weight.detach() if q_norm is not None else None,
         k_norm=k_norm.weight.detach() if k_norm is not None else None,
-        o=attn.o_proj.weight.detach(),
+        o=Linear(attn.o_proj.weight.detach(), mode),
         ln_mlp=layer.post_attention_layernorm.weight.detach(),
-        gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous(),
-        down=mlp.down_proj.weight.detach(),
+        gate_up=Linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous(), mode),
+        down=Linear(mlp.down_proj.weight.detach(), mode),
         act=ACT2FN[config.hidden_act],
     )
 

@@ -1,0 +1,39 @@
+"""What the engine can tell about itself: a snapshot for health and metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Counters:
+    """Running totals the engine thread keeps (tokens, finishes)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_lookup_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    finished: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    slots: int
+    ctx: int
+    kv_cache_bytes: int
+    kv_tokens_used: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefix_lookup_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    finished: dict[str, int]
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of KV token positions held by running requests (0..1)."""
+        return self.kv_tokens_used / (self.slots * self.ctx)

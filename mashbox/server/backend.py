@@ -1,0 +1,118 @@
+"""What the server needs of an engine, and the in-process implementation.
+
+The HTTP layer talks to a ``Backend``: the in-process one here (tests,
+notebooks) or a worker process (``worker.py``). Both load the model in the
+background so the server answers ``loading`` before the model is ready.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Literal, Protocol
+
+from mashbox.engine.engine import Engine, ModelInfo
+from mashbox.engine.events import Event
+from mashbox.engine.request import EngineRequest
+from mashbox.engine.stats import EngineStats
+
+State = Literal["loading", "ready", "failed"]
+
+
+class Backend(Protocol):
+    @property
+    def state(self) -> State: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def info(self) -> ModelInfo | None: ...
+    @property
+    def worker_pid(self) -> int | None: ...
+    @property
+    def worker_restarts(self) -> int: ...
+
+    def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        """Events of ``request``; a bad request raises on the first ``__anext__``."""
+        ...
+
+    async def count(self, request: EngineRequest) -> int:
+        """Prompt tokens ``request`` would run on."""
+        ...
+
+    def stats(self) -> EngineStats | None: ...
+    def close(self) -> None: ...
+
+
+class InProcessBackend:
+    """An ``Engine`` in this process, built on a background thread."""
+
+    def __init__(self, model_id: str, build: Callable[[], Engine]) -> None:
+        self._model_id = model_id
+        self._engine: Engine | None = None
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._load, args=(build,), name="mashbox-load", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def of(cls, engine: Engine) -> InProcessBackend:
+        """A backend over an engine that is already loaded."""
+        backend = cls(engine.model_id, lambda: engine)
+        backend._thread.join()
+        return backend
+
+    def _load(self, build: Callable[[], Engine]) -> None:
+        try:
+            self._engine = build()
+        except Exception as exc:  # reported through state/error, and by the CLI
+            self._error = f"{type(exc).__name__}: {exc}"
+
+    def wait(self, timeout: float | None = None) -> State:
+        self._thread.join(timeout)
+        return self.state
+
+    @property
+    def state(self) -> State:
+        if self._engine is not None:
+            return "ready"
+        return "failed" if self._error else "loading"
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def model_id(self) -> str:
+        return self._engine.model_id if self._engine else self._model_id
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self._engine.info if self._engine else None
+
+    @property
+    def worker_pid(self) -> int | None:
+        return None
+
+    @property
+    def worker_restarts(self) -> int:
+        return 0
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        async for event in self._ready().astream(request):
+            yield event
+
+    async def count(self, request: EngineRequest) -> int:
+        return len(self._ready().encode(request))
+
+    def stats(self) -> EngineStats | None:
+        return self._engine.stats() if self._engine else None
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+    def _ready(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the model is still loading")
+        return self._engine
