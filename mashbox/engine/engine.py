@@ -21,6 +21,7 @@ from mashbox.api.base import parse
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore
 from mashbox.engine.events import Event, Finish
+from mashbox.engine.info import ModelInfo
 from mashbox.engine.loader import LoadedModel, load, pick_device
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.request import EngineRequest
@@ -50,19 +51,6 @@ PROTOCOLS = {
     "respond": Protocol(openai_responses, openai_responses.ResponsesRequest),
     "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest),
 }
-
-
-@dataclass(slots=True, frozen=True)
-class ModelInfo:
-    id: str
-    ctx: int
-    slots: int
-    weights: str
-    bpw: float
-    gb: float
-    device: str
-    dtype: str
-    weights_mode: str
 
 
 class Engine:

@@ -8,31 +8,28 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mashbox.engine.scheduler import Work
     from mashbox.engine.weights import Spec
 
 
 @dataclass(slots=True)
 class KVCache:
-    keys: torch.Tensor  # [layers, slots, kv_heads, ctx, head_dim]
+    keys: torch.Tensor  # [layers, slots, ctx, kv_heads, head_dim]
     values: torch.Tensor
 
     @classmethod
     def allocate(cls, spec: Spec, slots: int, ctx: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        shape = (spec.num_layers, slots, spec.num_kv_heads, ctx, spec.head_dim)
+        shape = (spec.num_layers, slots, ctx, spec.num_kv_heads, spec.head_dim)
         return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def write(self, layer: int, work: list[Work], offsets: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' keys/values [tokens, kv_heads, head_dim] at their positions."""
-        for item, start in zip(work, offsets):
-            n = len(item.token_ids)
-            span = slice(item.position, item.position + n)
-            self.keys[layer, item.slot, :, span] = k[start : start + n].transpose(0, 1)
-            self.values[layer, item.slot, :, span] = v[start : start + n].transpose(0, 1)
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store each token's keys/values [tokens, kv_heads, head_dim] at its slot and position."""
+        self.keys[layer, slots, positions] = k
+        self.values[layer, slots, positions] = v
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer, slot, :, :length], self.values[layer, slot, :, :length]
+        """Keys and values [kv_heads, length, head_dim] of one slot."""
+        return self.keys[layer, slot, :length].transpose(0, 1), self.values[layer, slot, :length].transpose(0, 1)

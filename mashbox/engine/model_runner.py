@@ -27,7 +27,9 @@ class Batch:
 
     ids: torch.Tensor
     positions: torch.Tensor
+    slots: torch.Tensor
     offsets: list[int]
+    masks: list[torch.Tensor | None]
     sample_rows: torch.Tensor
 
 
@@ -58,22 +60,18 @@ class ModelRunner:
         cos, sin = w.cos[batch.positions], w.sin[batch.positions]
         for i, layer in enumerate(w.layers):
             q, k, v = layer.qkv(w.rms_norm(x, layer.ln_attn), cos, sin)
-            self.kv.write(i, work, batch.offsets, k, v)
-            attn = self._attention(i, work, batch.offsets, q)
+            self.kv.write(i, batch.slots, batch.positions, k, v)
+            attn = self._attention(i, work, batch, q)
             x = x + layer.o(attn)
             x = x + layer.mlp(w.rms_norm(x, layer.ln_mlp))
         return w.rms_norm(x, w.norm)
 
-    def _attention(self, layer: int, work: list[Work], offsets: list[int], q: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: int, work: list[Work], batch: Batch, q: torch.Tensor) -> torch.Tensor:
         out = []
-        for item, start in zip(work, offsets):
+        for item, start, mask in zip(work, batch.offsets, batch.masks):
             n = len(item.token_ids)
             keys, values = self.kv.read(layer, item.slot, item.position + n)
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
-            mask = None
-            if n > 1:
-                rows = torch.arange(item.position, item.position + n, device=q.device)[:, None]
-                mask = torch.arange(item.position + n, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(
                 query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True,
                 scale=self.weights.spec.scale,
@@ -82,15 +80,26 @@ class ModelRunner:
         return torch.cat(out)
 
     def _batch(self, plan: Plan) -> Batch:
-        ids, positions, offsets, rows = [], [], [], []
+        ids, positions, slots, offsets, rows = [], [], [], [], []
         for item in plan.work:
+            n = len(item.token_ids)
             offsets.append(len(ids))
             ids.extend(item.token_ids)
-            positions.extend(range(item.position, item.position + len(item.token_ids)))
+            positions.extend(range(item.position, item.position + n))
+            slots.extend([item.slot] * n)
             if item.sample:
                 rows.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return Batch(as_tensor(ids), as_tensor(positions), offsets, as_tensor(rows))
+        masks = [self._causal_mask(w) for w in plan.work]
+        return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), offsets, masks, as_tensor(rows))
+
+    def _causal_mask(self, item: Work) -> torch.Tensor | None:
+        """Prompt chunk rows see the cache before them and the chunk up to themselves."""
+        n = len(item.token_ids)
+        if n == 1:
+            return None
+        rows = torch.arange(item.position, item.position + n, device=self.device)[:, None]
+        return torch.arange(item.position + n, device=self.device)[None, :] <= rows
 
     def _generator(self, item: Work) -> torch.Generator | None:
         if item.seq.sampling.greedy:
