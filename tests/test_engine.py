@@ -203,3 +203,22 @@ def test_stats_count_tokens_and_finishes(tiny_engine):
     assert after.finished.get("length", 0) - before.finished.get("length", 0) == 1
     assert after.running == 0 and after.waiting == 0 and after.slots == 16
     assert after.kv_cache_bytes > 0 and after.kv_usage == 0
+
+
+def test_prefix_cache_hit_gives_the_cold_answer(tiny_model_dir):
+    from mashbox import Engine
+
+    shared = " ".join(f"fact{i} is true." for i in range(120))
+    first, second = shared + " Question one?", shared + " Question two, longer?"
+    with Engine(str(tiny_model_dir), ctx=1024, slots=2, quiet=True) as warm, \
+            Engine(str(tiny_model_dir), ctx=1024, slots=2, quiet=True) as cold:
+        _, first_finish = run(warm, first, max_tokens=8)
+        warm_text, warm_finish = run(warm, second, max_tokens=8)
+        cold_text, cold_finish = run(cold, second, max_tokens=8)
+        stats = warm.stats()
+    assert first_finish.timings.cache_n == 0 and cold_finish.timings.cache_n == 0
+    assert warm_finish.timings.cache_n >= 256 and warm_finish.usage.cached_tokens == warm_finish.timings.cache_n
+    assert warm_finish.timings.prompt_n == warm_finish.usage.prompt_tokens - warm_finish.timings.cache_n
+    assert warm_text == cold_text
+    assert stats.prefix_hit_tokens == warm_finish.timings.cache_n
+    assert stats.prefix_lookup_tokens == first_finish.usage.prompt_tokens + warm_finish.usage.prompt_tokens

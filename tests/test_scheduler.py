@@ -110,3 +110,35 @@ def test_finished_state_is_not_overwritten():
     assert a.status == Status.FINISHED_STOP and a.status.is_finished
     with pytest.raises(ValueError):
         a.finish(Status.RUNNING)
+
+
+def test_prefix_cache_reuses_whole_chunks_of_a_finished_prompt():
+    s = Scheduler(num_slots=2, ctx=1024, chunk_tokens=64)
+    first = seq("first", 300, max_new=1)
+    s.add(first)
+    while s.has_work:
+        step(s)
+    second = Sequence("second", first.prompt_ids[:290] + [999] * 20, SamplingParams(), 1, frozenset({EOS}))
+    s.add(second)
+    plan = s.schedule()
+    assert second.slot == first.slot and second.num_cached == 256
+    assert [(w.position, len(w.token_ids), w.fresh) for w in plan.work] == [(256, 54, True)]
+    assert (s.lookup_tokens, s.hit_tokens) == (610, 256)
+    s.cache.check_integrity()
+
+
+def test_prefix_cache_leaves_one_token_to_compute_and_prefers_lru_without_hit():
+    s = Scheduler(num_slots=3, ctx=1024, chunk_tokens=64)
+    for name in ("a", "b"):
+        s.add(Sequence(name, [7] * 128 if name == "a" else [8] * 64, SamplingParams(), 1))
+        while s.has_work:
+            step(s)
+    again = Sequence("again", [7] * 128, SamplingParams(), 1)
+    s.add(again)
+    while s.has_work:
+        step(s)
+    assert again.num_cached == 64, "the last block is recomputed so the prompt has a token to sample from"
+    fresh = Sequence("fresh", [5] * 10, SamplingParams(), 1)
+    s.add(fresh)
+    s.schedule()
+    assert fresh.slot == 2 and fresh.num_cached == 0, "an empty slot is taken before one holding a prefix"

@@ -92,7 +92,6 @@ class EngineCore:
                 self.streams[payload.seq.id] = payload
                 self.scheduler.add(payload.seq)
                 self.counters.prompt_tokens += len(payload.seq.prompt_ids)
-                self.counters.prefix_lookup_tokens += len(payload.seq.prompt_ids)
             elif kind == "abort" and payload in self.streams:
                 self._end(self.streams[payload], Status.FINISHED_ABORT)
 
@@ -118,8 +117,9 @@ class EngineCore:
         return EngineStats(
             running=len(running), waiting=len(s.waiting), slots=s.slots.size, ctx=s.ctx,
             kv_cache_bytes=self.runner.kv.nbytes, kv_tokens_used=sum(q.num_computed for q in running),
+            prefix_cached_tokens=s.cache.cached_tokens,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
-            prefix_lookup_tokens=c.prefix_lookup_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
+            prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens,
             preemptions=c.preemptions, finished=dict(c.finished),
         )
 

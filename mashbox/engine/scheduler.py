@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mashbox.engine.prefix_cache import PrefixCache
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.slots import SlotTable
 
@@ -48,6 +49,9 @@ class Plan:
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int) -> None:
         self.slots = SlotTable(num_slots)
+        self.cache = PrefixCache(num_slots, block=chunk_tokens)
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
         self.ctx = ctx
         self.chunk_tokens = chunk_tokens
         self.waiting: deque[Sequence] = deque()
@@ -69,6 +73,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+            self.cache.insert(seq.slot, seq.prompt_ids[: seq.num_computed])
             self.slots.free(seq.slot)
 
     def schedule(self) -> Plan:
@@ -81,8 +86,7 @@ class Scheduler:
             if self._chunk_len(seq) > budget and plan:
                 break
             self.waiting.popleft()
-            seq.start(self.slots.allocate())
-            self.running.append(seq)
+            self._admit(seq)
             budget -= self._prefill(plan, seq, budget)
         return plan
 
@@ -98,6 +102,15 @@ class Scheduler:
                 new.append((w.seq, token))
                 self._check_limits(w.seq, token)
         return new
+
+    def _admit(self, seq: Sequence) -> None:
+        """Start ``seq`` in the free slot holding the longest prefix of its prompt."""
+        match = self.cache.match(seq.prompt_ids, self.slots.free_slots)
+        seq.start(self.slots.allocate(match.slot), cached=match.tokens)
+        self.cache.insert(match.slot, seq.prompt_ids[: match.tokens])
+        self.lookup_tokens += len(seq.prompt_ids)
+        self.hit_tokens += match.tokens
+        self.running.append(seq)
 
     def _check_limits(self, seq: Sequence, token: int) -> None:
         if token in seq.eos_ids:

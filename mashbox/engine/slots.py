@@ -14,10 +14,18 @@ class SlotTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free slot")
-        return self._free.pop()
+    @property
+    def free_slots(self) -> list[int]:
+        return list(reversed(self._free))
+
+    def allocate(self, slot: int | None = None) -> int:
+        """Take ``slot``, or the lowest free one."""
+        if not self._free or (slot is not None and slot not in self._free):
+            raise RuntimeError(f"slot {slot} is not free" if self._free else "no free slot")
+        if slot is None:
+            return self._free.pop()
+        self._free.remove(slot)
+        return slot
 
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.size or slot in self._free:

@@ -12,8 +12,6 @@ class Counters:
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    prefix_lookup_tokens: int = 0
-    prefix_hit_tokens: int = 0
     preemptions: int = 0
     finished: Counter[str] = field(default_factory=Counter)
 
@@ -26,6 +24,7 @@ class EngineStats:
     ctx: int
     kv_cache_bytes: int
     kv_tokens_used: int
+    prefix_cached_tokens: int
     prompt_tokens: int
     generated_tokens: int
     prefix_lookup_tokens: int
