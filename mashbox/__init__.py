@@ -1,7 +1,12 @@
-"""mashbox: a local LLM engine and server for notebooks and coding agents."""
+"""mashbox: a local LLM engine and server for notebooks and coding agents.
+
+``Engine`` (and ``IgnoredFieldsWarning``) load on first use, so that the
+server process and the CLI import the request and event types without torch.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from mashbox.engine.config import EngineConfig
-from mashbox.engine.engine import Engine, IgnoredFieldsWarning, ModelInfo
 from mashbox.engine.events import (
     Event,
     Finish,
@@ -13,8 +18,12 @@ from mashbox.engine.events import (
     ToolCallStart,
     Usage,
 )
+from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
 from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError, ModelLoadError
+
+if TYPE_CHECKING:
+    from mashbox.engine.engine import Engine, IgnoredFieldsWarning
 
 __all__ = [
     "ContextLengthError", "Engine", "EngineConfig", "EngineRequest", "Event", "Finish",
@@ -22,3 +31,11 @@ __all__ = [
     "ModelLoadError", "ReasoningDelta", "SamplingParams", "TextDelta", "Timings", "Tool", "ToolCall",
     "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Engine", "IgnoredFieldsWarning"):
+        from mashbox.engine import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'mashbox' has no attribute {name!r}")

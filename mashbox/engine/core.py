@@ -16,7 +16,8 @@ from typing import Any
 
 from mashbox.engine.channel import Channel
 from mashbox.engine.detokenizer import Detokenizer
-from mashbox.engine.events import Event, Finish, TextDelta, Timings, Usage
+from mashbox.engine.events import Event, Finish, Timings, Usage
+from mashbox.engine.markup import Markup
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence, Status
@@ -26,25 +27,52 @@ from mashbox.engine.stop import StopMatcher
 log = logging.getLogger("mashbox.engine")
 
 
+@dataclass(slots=True, frozen=True)
+class ThinkBudget:
+    """Thinking ends when ``tokens`` are spent: ``close_ids`` are then forced."""
+
+    tokens: int
+    close_ids: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class Stream:
-    """One request's way out: its text state machines and its channel."""
+    """One request's way out: its text state machines and its channel.
+
+    Tokens pass the detokenizer, then stop strings, then the markup machine
+    (reasoning and tool calls), and leave as events.
+    """
 
     seq: Sequence
     detok: Detokenizer
     stop: StopMatcher
+    markup: Markup
+    budget: ThinkBudget | None = None
+    reasoning_tokens: int = 0
     channel: Channel[Event] = field(default_factory=Channel)
 
-    def text(self, text: str) -> None:
-        if text:
-            self.channel.put(TextDelta(text))
+    def push(self, token: int) -> None:
+        thinking = self.markup.state == "think"
+        self._put(self.markup.push(self.stop.push(self.detok.push(token))))
+        self.reasoning_tokens += thinking
+        budget = self.budget
+        if budget and thinking and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
+            self.seq.forced.extend(budget.close_ids)
 
     def finish(self, error: str | None = None) -> None:
         if self.stop.matched is None:
-            self.text(self.stop.push(self.detok.flush()) + self.stop.flush())
+            self._put(self.markup.push(self.stop.push(self.detok.flush()) + self.stop.flush()))
+        self._put(self.markup.flush())
         seq = self.seq
         reason = seq.finish_reason or "error"
-        self.channel.put(Finish(reason, _usage(seq), _timings(seq), self.stop.matched, error))
+        if reason == "stop" and self.markup.num_calls:
+            reason = "tool_calls"
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, self.reasoning_tokens)
+        self.channel.put(Finish(reason, usage, _timings(seq), self.stop.matched, error))
+
+    def _put(self, events: list[Event]) -> None:
+        for event in events:
+            self.channel.put(event)
 
 
 class EngineCore:
@@ -58,8 +86,9 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, seq: Sequence) -> Channel[Event]:
-        stream = Stream(seq, Detokenizer(self.tokenizer, seq.prompt_ids[-4:]), StopMatcher(seq.sampling.stop))
+    def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None) -> Channel[Event]:
+        detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:])
+        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget)
         self._inbox.put(("add", stream))
         return stream.channel
 
@@ -130,7 +159,7 @@ class EngineCore:
     def _emit(self, stream: Stream, token: int) -> None:
         if token in stream.seq.eos_ids:
             return
-        stream.text(stream.stop.push(stream.detok.push(token)))
+        stream.push(token)
         if stream.stop.matched is not None:
             self.scheduler.finish(stream.seq, Status.FINISHED_STOP)
 
@@ -138,10 +167,6 @@ class EngineCore:
         self.scheduler.finish(stream.seq, status)
         self.streams.pop(stream.seq.id, None)
         self._close(stream, error)
-
-
-def _usage(seq: Sequence) -> Usage:
-    return Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached)
 
 
 def _timings(seq: Sequence) -> Timings:

@@ -14,12 +14,14 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import parse
 from mashbox.engine.config import EngineConfig
-from mashbox.engine.core import EngineCore
+from mashbox.engine.core import EngineCore, ThinkBudget
+from mashbox.engine.grammar import Grammars
+from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.events import Event, Finish
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.loader import LoadedModel, load, pick_device
@@ -53,6 +55,14 @@ PROTOCOLS = {
 }
 
 
+class Job(NamedTuple):
+    """A request ready for the engine thread: its sequence and text machines."""
+
+    seq: Sequence
+    markup: Markup
+    budget: ThinkBudget | None
+
+
 class Engine:
     """One model, answering many requests at once.
 
@@ -72,6 +82,7 @@ class Engine:
         self.info = _info(loaded, self.ctx, config.slots, mode)
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
+        self.grammars = Grammars(self.tokenizer, self.eos_ids)
         runner = ModelRunner(loaded.model, config.slots, self.ctx, mode)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
@@ -92,7 +103,8 @@ class Engine:
         """The prompt tokens ``request`` runs on (after the chat template)."""
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
-        text = self.template.render(request.messages, request.tools, request.enable_thinking)
+        tools = request.tools if request.tool_choice != "none" else ()
+        text = self.template.render(request.messages, tools, request.enable_thinking)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, request: EngineRequest) -> Iterator[Event]:
@@ -101,15 +113,15 @@ class Engine:
         Errors in the request raise here, before any work. Closing the
         iterator early aborts the request and frees its slot.
         """
-        return self._events(self._sequence(request))
+        return self._events(self._job(request))
 
     def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
-        return self._aevents(self._sequence(request))
+        return self._aevents(self._job(request))
 
     def generate(self, request: EngineRequest) -> list[Event]:
         return list(self.stream(request))
 
-    def _sequence(self, request: EngineRequest) -> Sequence:
+    def _job(self, request: EngineRequest) -> Job:
         ids = self.encode(request)
         room = self.ctx - len(ids)
         if room < 1:
@@ -118,10 +130,26 @@ class Engine:
                 field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx"
             )
         max_new = min(request.sampling.max_tokens or room, room)
-        return Sequence(request.id, ids, request.sampling, max_new, self.eos_ids)
+        seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids)
+        if request.messages is None:
+            return Job(seq, Markup(calls=None), None)
+        seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice)
+        return Job(seq, self._markup(request, ids), self._budget(request))
 
-    def _events(self, seq: Sequence) -> Iterator[Event]:
-        channel = self._core.submit(seq)
+    def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
+        calls = HERMES if request.tools and request.tool_choice != "none" else None
+        think = self.template.knows_thinking and request.enable_thinking is not False
+        in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
+        return Markup(calls=calls, think=think, in_think=in_think)
+
+    def _budget(self, request: EngineRequest) -> ThinkBudget | None:
+        if request.thinking_budget is None:
+            return None
+        close = tuple(self.tokenizer.encode(THINK_CLOSE + "\n\n", add_special_tokens=False))
+        return ThinkBudget(request.thinking_budget, close)
+
+    def _events(self, job: Job) -> Iterator[Event]:
+        channel = self._core.submit(*job)
         finished = False
         try:
             while not finished:
@@ -130,10 +158,10 @@ class Engine:
                 yield event
         finally:
             if not finished:
-                self._core.abort(seq.id)
+                self._core.abort(job.seq.id)
 
-    async def _aevents(self, seq: Sequence) -> AsyncIterator[Event]:
-        channel = self._core.submit(seq)
+    async def _aevents(self, job: Job) -> AsyncIterator[Event]:
+        channel = self._core.submit(*job)
         finished = False
         try:
             while not finished:
@@ -142,7 +170,7 @@ class Engine:
                 yield event
         finally:
             if not finished:
-                self._core.abort(seq.id)
+                self._core.abort(job.seq.id)
 
     # -- the four protocols ----------------------------------------------
 
@@ -179,17 +207,17 @@ class Engine:
         req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields))
         return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 
-    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Sequence]:
+    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
         protocol = PROTOCOLS[name]
         req = parse(protocol.request, _merge(request, fields))
         if ignored := req.ignored_fields():
             warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=3)
         translator = protocol.module.Translator(req, self.model_id)
-        return req, translator, self._sequence(protocol.module.to_engine(req))
+        return req, translator, self._job(protocol.module.to_engine(req))
 
     def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
-        req, translator, seq = self._prepare(name, request, fields)
-        events = self._events(seq)
+        req, translator, job = self._prepare(name, request, fields)
+        events = self._events(job)
         if req.stream:
             return _translated(translator, events)
         for event in events:
@@ -197,8 +225,8 @@ class Engine:
         return translator.response()
 
     async def _acall(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
-        req, translator, seq = self._prepare(name, request, fields)
-        events = self._aevents(seq)
+        req, translator, job = self._prepare(name, request, fields)
+        events = self._aevents(job)
         if req.stream:
             return _atranslated(translator, events)
         async for event in events:

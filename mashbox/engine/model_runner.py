@@ -46,13 +46,26 @@ class ModelRunner:
         batch = self._batch(plan)
         hidden = self.forward(plan.work, batch)
         logits = self.weights.lm_head(hidden[batch.sample_rows])
-        sampling = [w for w in plan.work if w.sample]
-        return sampler.sample(
+        sampling = [w.seq for w in plan.work if w.sample]
+        for row, seq in zip(logits, sampling):
+            if seq.constraint is not None:
+                seq.constraint.mask(row)
+        tokens = sampler.sample(
             logits,
-            [w.seq.sampling for w in sampling],
-            [(w.seq.prompt_ids, w.seq.output_ids) for w in sampling],
-            [self._generator(w) for w in sampling],
+            [s.sampling for s in sampling],
+            [(s.prompt_ids, s.output_ids) for s in sampling],
+            [self._generator(w) for w in plan.work if w.sample],
         )
+        return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
+
+    @staticmethod
+    def _follow(seq, token: int) -> int:
+        """A forced token (thinking budget spent) wins; a grammar follows what was chosen."""
+        if seq.forced:
+            token = seq.forced.pop(0)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
+        return token
 
     def forward(self, work: list[Work], batch: Batch) -> torch.Tensor:
         w = self.weights

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mashbox.engine.request import SamplingParams
 
@@ -48,6 +49,8 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0
     output_ids: list[int] = field(default_factory=list)
+    constraint: Any = None
+    forced: list[int] = field(default_factory=list)
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None

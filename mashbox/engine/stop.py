@@ -19,7 +19,7 @@ class StopMatcher:
         if hit is not None:
             self.matched, self.held = hit[1], ""
             return buf[: hit[0]]
-        keep = max((_overlap(buf, s) for s in self.stops), default=0)
+        keep = max((overlap(buf, s) for s in self.stops), default=0)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
 
@@ -29,7 +29,7 @@ class StopMatcher:
         return out if self.matched is None else ""
 
 
-def _overlap(text: str, stop: str) -> int:
+def overlap(text: str, stop: str) -> int:
     """Longest suffix of ``text`` that is a proper prefix of ``stop``."""
     for n in range(min(len(text), len(stop) - 1), 0, -1):
         if text.endswith(stop[:n]):

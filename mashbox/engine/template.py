@@ -1,8 +1,11 @@
 """Renders a conversation with the model's own chat template.
 
 System and developer messages, wherever they appear, join the one system
-prompt at the start. Assistant tool calls and tool results render back in
-the form the template knows, or as ``<tool_call>`` text when it knows none.
+prompt at the start. Tools reach the model through the template when it knows
+tools; otherwise through mashbox's tool prompt (the tools as JSON schemas and
+the Hermes call format) appended to the system prompt. Assistant tool calls
+and tool results render back in the form the template knows, or as
+``<tool_call>`` / ``<tool_response>`` text when it knows none.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source: str = tokenizer.chat_template
         self.knows_tools = "tool_calls" in self.source
+        self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
 
     def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None) -> str:
         kwargs: dict[str, Any] = {}
@@ -29,11 +33,13 @@ class ChatTemplate:
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         return self.tokenizer.apply_chat_template(
-            self.conversation(messages), tokenize=False, add_generation_prompt=True, **kwargs
+            self.conversation(messages, () if self.knows_tools else tools), tokenize=False,
+            add_generation_prompt=True, **kwargs,
         )
 
-    def conversation(self, messages: tuple[Message, ...]) -> list[dict[str, Any]]:
-        system = "\n\n".join(m.content for m in messages if m.role == "system" and m.content)
+    def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
+        parts = [m.content for m in messages if m.role == "system" and m.content]
+        system = "\n\n".join(parts + ([tool_prompt(tools)] if tools else []))
         turns = [self._turn(m) for m in messages if m.role != "system"]
         return ([{"role": "system", "content": system}] if system else []) + turns
 
@@ -48,6 +54,8 @@ class ChatTemplate:
                 turn["content"] = "\n".join([m.content, *map(_call_text, m.tool_calls)]).strip()
         if m.role == "tool" and m.tool_call_id:
             turn["tool_call_id"] = m.tool_call_id
+        if m.role == "tool" and not self.knows_tools:
+            turn["content"] = f"<tool_response>\n{m.content}\n</tool_response>"
         return turn
 
 
@@ -70,3 +78,17 @@ def _call_text(call: ToolCall) -> str:
 def _tool(tool: Tool) -> dict[str, Any]:
     function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
     return {"type": "function", "function": function}
+
+
+def tool_prompt(tools: tuple[Tool, ...]) -> str:
+    """mashbox's tool prompt for models whose template knows no tools."""
+    schemas = "\n".join(json.dumps(_tool(t), ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou can call these functions to help with the request. "
+        "Their JSON schemas are inside <tools></tools>:\n"
+        f"<tools>\n{schemas}\n</tools>\n\n"
+        "To call one, answer with a JSON object holding its name and arguments between "
+        "<tool_call></tool_call> tags, one call per pair of tags:\n"
+        '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n</tool_call>\n'
+        "The result comes back in a <tool_response></tool_response> message."
+    )

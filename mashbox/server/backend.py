@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from mashbox.engine.engine import Engine, ModelInfo
 from mashbox.engine.events import Event
+from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
+
+if TYPE_CHECKING:  # torch loads only where an engine is built
+    from mashbox.engine.engine import Engine
 
 State = Literal["loading", "ready", "failed"]
 

@@ -1,0 +1,87 @@
+"""Constrained decoding of tool calls with llguidance.
+
+For ``tool_choice`` ``required`` (some call must come out) or a named tool
+(that call must come out), a request's tokens are masked at every step so the
+answer is exactly ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+with arguments valid under the tool's JSON schema. Works on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+from mashbox.engine.markup import HERMES, CallFormat
+from mashbox.engine.request import Tool
+from mashbox.errors import InvalidRequestError
+
+STRICT_JSON = {"whitespace_flexible": False}
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    parameters = tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_grammar(tools: Iterable[Tool], many: bool, fmt: CallFormat = HERMES) -> str:
+    """A Lark grammar (llguidance dialect) for one call, or one or more calls."""
+    schemas = [call_schema(t) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = json.dumps({**schema, "x-guidance": STRICT_JSON})
+    start = 'start: call ("\\n" call)*' if many else "start: call"
+    return f'{start}\ncall: {json.dumps(fmt.open + chr(10))} body {json.dumps(chr(10) + fmt.close)}\nbody: %json {body}\n'
+
+
+class Grammars:
+    """Builds constraints for one tokenizer (its llguidance view made once, on first use)."""
+
+    def __init__(self, tokenizer: Any, eos_ids: Iterable[int]) -> None:
+        self._hf = tokenizer
+        self._eos = sorted(eos_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+        return self._tokenizer
+
+    def for_tools(self, tools: tuple[Tool, ...], choice: str) -> Constraint | None:
+        if choice in ("auto", "none") or not tools:
+            return None
+        if choice != "required":
+            tools = tuple(t for t in tools if t.name == choice)
+            if not tools:
+                raise InvalidRequestError("tool_choice", f"names a tool that is not in tools: {choice!r}")
+        return Constraint(self.tokenizer, tool_grammar(tools, many=choice == "required"))
+
+
+class Constraint:
+    """One request's grammar state: masks its logits, follows its tokens."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise InvalidRequestError("tools", f"a tool's parameters schema cannot be enforced: {self.matcher.get_error()}")
+        self.vocab_size = tokenizer.vocab_size
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set disallowed tokens of one logits row to -inf, in place."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: self.vocab_size].astype(bool)).to(logits.device)
+        logits[: self.vocab_size].masked_fill_(~allowed, float("-inf"))
+        logits[self.vocab_size :] = float("-inf")
+
+    def accept(self, token: int) -> None:
+        self.matcher.consume_token(token)

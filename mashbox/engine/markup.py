@@ -1,0 +1,144 @@
+"""Reasoning and tool-call markup as a streaming text state machine.
+
+Text goes in as the model writes it; engine events come out: ``TextDelta``,
+``ReasoningDelta`` for ``<think>...</think>``, and for each complete tool
+call ``ToolCallStart`` / ``ToolCallDelta`` / ``ToolCallEnd``. A partial tag at
+the end of the text is held back until it is complete or proven not to be a
+tag, so markup never leaks into text. A call whose body is not a valid call
+ends as plain text, never as a broken call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from mashbox.engine.events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from mashbox.engine.stop import overlap
+
+
+@dataclass(slots=True, frozen=True)
+class CallFormat:
+    """How a model family writes tool calls; Hermes style by default."""
+
+    open: str = "<tool_call>"
+    close: str = "</tool_call>"
+
+    def parse(self, body: str) -> tuple[str, str] | None:
+        """``(name, arguments JSON)`` of a call body, or None if it is not a call."""
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = _loads(arguments)
+        if not isinstance(arguments, dict):
+            return None
+        return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+HERMES = CallFormat()
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class Markup:
+    """Splits model text into text, reasoning and tool-call events."""
+
+    def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False) -> None:
+        self.calls = calls
+        self.think = think
+        self.state = "think" if in_think else "text"
+        self.held = ""
+        self.body = ""
+        self.blank = ""
+        self.num_calls = 0
+
+    def push(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        buf = self.held + text
+        self.held = ""
+        while buf:
+            buf = self._step(buf, events)
+        return events
+
+    def flush(self) -> list[Event]:
+        """End of the stream: what is held back, and an unclosed call if it parses."""
+        events: list[Event] = []
+        held, self.held = self.held, ""
+        if self.state == "call":
+            self._end_call(self.body + held, events, closed=False)
+        elif held:
+            self._emit(held, events)
+        if self.blank and not self.num_calls:
+            events.append(TextDelta(self.blank))
+        self.blank = ""
+        return events
+
+    def _step(self, buf: str, events: list[Event]) -> str:
+        tags = self._tags()
+        hit = min(((buf.find(t), t) for t in tags if t in buf), default=None)
+        if hit is None:
+            keep = max((overlap(buf, t) for t in tags), default=0)
+            self._emit(buf[: len(buf) - keep], events)
+            self.held = buf[len(buf) - keep :]
+            return ""
+        at, tag = hit
+        self._emit(buf[:at], events)
+        self._enter(tag, events)
+        return buf[at + len(tag) :]
+
+    def _tags(self) -> list[str]:
+        if self.state == "think":
+            return [THINK_CLOSE]
+        if self.state == "call":
+            return [self.calls.close]
+        tags = [self.calls.open] if self.calls else []
+        return tags + ([THINK_OPEN] if self.think else [])
+
+    def _emit(self, text: str, events: list[Event]) -> None:
+        """Text of the current state. Trailing blanks of text wait for what follows:
+        more text takes them along, a tool call drops them."""
+        if self.state == "call":
+            self.body += text
+        elif self.state == "think":
+            events += [ReasoningDelta(text)] if text else []
+        else:
+            full = self.blank + text
+            body = full.rstrip()
+            self.blank = full[len(body):]
+            events += [TextDelta(body)] if body else []
+
+    def _enter(self, tag: str, events: list[Event]) -> None:
+        if tag == THINK_OPEN:
+            self.state = "think"
+        elif tag == THINK_CLOSE:
+            self.state = "text"
+        elif self.calls and tag == self.calls.open:
+            self.state, self.body = "call", ""
+        else:
+            self._end_call(self.body, events, closed=True)
+
+    def _end_call(self, body: str, events: list[Event], closed: bool) -> None:
+        self.state = "text"
+        parsed = self.calls.parse(body.strip()) if self.calls else None
+        blank, self.blank = self.blank, ""
+        if parsed is None:
+            raw = self.calls.open + body + (self.calls.close if closed else "")
+            events.append(TextDelta(blank + raw))
+            return
+        name, arguments = parsed
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        events += [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
+                   ToolCallEnd(index)]
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None

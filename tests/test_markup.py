@@ -1,0 +1,78 @@
+"""Reasoning and tool-call markup parsing: a text state machine, no model."""
+
+import json
+
+import pytest
+
+from mashbox.engine.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from mashbox.engine.markup import Markup
+
+
+def parse(pieces, **options):
+    m = Markup(**options)
+    events = [e for p in pieces for e in m.push(p)] + m.flush()
+    return coalesce(events)
+
+
+def coalesce(events):
+    """Adjacent text/reasoning deltas joined; calls as (name, arguments) tuples."""
+    out = []
+    for e in events:
+        if isinstance(e, (TextDelta, ReasoningDelta)) and out and out[-1][0] == e.type:
+            out[-1] = (e.type, out[-1][1] + e.text)
+        elif isinstance(e, (TextDelta, ReasoningDelta)):
+            out.append((e.type, e.text))
+        elif isinstance(e, ToolCallStart):
+            out.append(("call", e.index, e.name))
+        elif isinstance(e, ToolCallDelta):
+            out[-1] = out[-1] + (json.loads(e.arguments),)
+        elif isinstance(e, ToolCallEnd):
+            assert out[-1][1] == e.index
+    return out
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TABLE = [
+    ("plain text only", {}, [("text", "plain text only")]),
+    ("Sure. " + CALL, {}, [("text", "Sure."), ("call", 0, "get_weather", {"city": "Paris"})]),
+    (CALL + "\n" + CALL + "\n", {}, [("call", 0, "get_weather", {"city": "Paris"}),
+                                     ("call", 1, "get_weather", {"city": "Paris"})]),
+    ("ends with blanks \n ", {}, [("text", "ends with blanks \n ")]),
+    (CALL + CALL.replace("Paris", "Rome"), {},
+     [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Rome"})]),
+    ("<think>hmm, weather</think>It is " + CALL, {"think": True},
+     [("reasoning", "hmm, weather"), ("text", "It is"), ("call", 0, "get_weather", {"city": "Paris"})]),
+    ("still thinking</think>answer", {"think": True, "in_think": True},
+     [("reasoning", "still thinking"), ("text", "answer")]),
+    ("<think>not parsed</think>", {}, [("text", "<think>not parsed</think>")]),
+    ("a <tool_call>not json</tool_call> b", {}, [("text", "a <tool_call>not json</tool_call> b")]),
+    ('<tool_call>{"arguments": {}}</tool_call>', {}, [("text", '<tool_call>{"arguments": {}}</tool_call>')]),
+    ('x <tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}', {}, [("text", "x"), ("call", 0, "f", {"a": 1})]),
+    ("x <tool_call>{\"name\": \"f\", \"argu", {}, [("text", "x <tool_call>{\"name\": \"f\", \"argu")]),
+    ("less < than <tool and <tool_cal", {}, [("text", "less < than <tool and <tool_cal")]),
+    ("tags " + CALL, {"calls": None}, [("text", "tags " + CALL)]),
+]
+
+
+@pytest.mark.parametrize(("text", "options", "expected"), TABLE, ids=[str(i) for i in range(len(TABLE))])
+def test_split_at_every_position_gives_the_same_events(text, options, expected):
+    assert parse([text], **options) == expected
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:]], **options) == expected
+    assert parse(list(text), **options) == expected
+
+
+def test_partial_tag_is_never_emitted_as_text():
+    m = Markup()
+    assert m.push("Let me check <tool_") == [TextDelta("Let me check")]
+    assert m.push("call>") == []
+    events = m.push('{"name": "f", "arguments": {}}</tool_call>')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallDelta, ToolCallEnd]
+
+
+def test_calls_have_distinct_ids():
+    events = parse([CALL + CALL])
+    assert len(events) == 2
+    m = Markup()
+    starts = [e for e in m.push(CALL + CALL) if isinstance(e, ToolCallStart)]
+    assert len({s.id for s in starts}) == 2 and m.num_calls == 2

@@ -1,0 +1,242 @@
+"""Keys, tenants, Origin/Host and content-type checks: pure, no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from mashbox.server.security import Refusal, check, key_tenant, load_keys, needs_key, parse_keys, tenant
+from mashbox.server.settings import Settings
+
+JSON = {"Content-Type": "application/json"}
+KEYS = {"sk-alpha": "team-a", "sk-beta": "team-a", "sk-solo": key_tenant("sk-solo")}
+
+
+def keyed(**options) -> Settings:
+    return Settings(api_keys=dict(KEYS), **options)
+
+
+def status(settings: Settings, method: str, path: str, headers: dict[str, str], **kw) -> int | None:
+    refusal = check(settings, method, path, headers, **kw)
+    return refusal.status if refusal else None
+
+
+# -- key file -----------------------------------------------------------------
+
+
+def test_key_file_tenants_comments_and_unnamed_keys(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(
+        "# team keys\n"
+        "sk-alpha team-a\n"
+        "\n"
+        "sk-beta\tteam-a   # second key, same tenant\n"
+        "   sk-solo\n"
+        "sk-hash#tag  other\n"
+    )
+    keys = load_keys(str(path), None)
+    assert keys["sk-alpha"] == keys["sk-beta"] == "team-a"
+    assert keys["sk-solo"] == key_tenant("sk-solo")
+    assert keys["sk-hash#tag"] == "other"  # '#' inside a key is part of it
+    assert len(keys) == 4
+
+
+def test_unnamed_key_tenant_never_contains_the_key():
+    name = key_tenant("sk-secret-value")
+    assert name.startswith("key:") and "secret" not in name
+    assert name != key_tenant("sk-other-value")
+
+
+def test_env_key_is_its_own_tenant(tmp_path):
+    assert load_keys(None, " sk-env \n") == {"sk-env": key_tenant("sk-env")}
+    assert load_keys(None, None) == {} == load_keys(None, "")
+    path = tmp_path / "keys"
+    path.write_text("sk-env named\n")
+    assert load_keys(str(path), "sk-env") == {"sk-env": "named"}  # the file names it
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", "no keys"),
+        ("# only a comment\n\n", "no keys"),
+        ("sk-a team extra\n", "line 1"),
+        ("sk-a one\nsk-a two\n", "line 2"),
+    ],
+)
+def test_bad_key_files(text, error):
+    with pytest.raises(ValueError, match=error) as info:
+        parse_keys(text, "keys.txt")
+    assert "keys.txt" in str(info.value)
+    assert "sk-a" not in str(info.value)
+
+
+def test_missing_key_file_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.keys")
+    with pytest.raises(ValueError, match="nope.keys"):
+        load_keys(missing, "sk-env")
+
+
+# -- 401 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({}, 401),
+        ({"Authorization": "Bearer sk-wrong"}, 401),
+        ({"x-api-key": "sk-alph"}, 401),
+        ({"Authorization": "sk-alpha"}, 401),  # no scheme
+        ({"Authorization": "Basic sk-alpha"}, 401),
+        ({"Authorization": "Bearer sk-alpha"}, None),
+        ({"authorization": "bearer   sk-beta "}, None),
+        ({"Authorization": "Bearer\tsk-beta"}, None),
+        ({"X-Api-Key": "sk-solo"}, None),
+        ({"Authorization": "Bearer sk-wrong", "x-api-key": "sk-alpha"}, None),
+    ],
+)
+def test_keys_on_v1_routes(headers, expected):
+    assert status(keyed(), "GET", "/v1/models", headers) == expected
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "keyed_path"),
+    [
+        ("GET", "/v1/models", True),
+        ("POST", "/v1/chat/completions", True),
+        ("POST", "/v1/messages", True),
+        ("GET", "/metrics", True),
+        ("GET", "/openapi.json", True),
+        ("GET", "/v1", True),
+        ("GET", "//v1//models", True),
+        ("GET", "/v1/../metrics", True),
+        ("GET", "/METRICS", True),
+        ("HEAD", "/v1/models", True),
+        ("POST", "/v1/health", True),
+        ("GET", "/v1/health", False),
+        ("HEAD", "/v1/health", False),
+        ("GET", "/v1/health/", False),
+        ("GET", "/health", False),
+        ("GET", "/", False),
+        ("HEAD", "/", False),
+        ("GET", "/ui/app.js", False),
+    ],
+)
+def test_which_paths_need_a_key(method, path, keyed_path):
+    assert needs_key(method, path) is keyed_path
+    headers = JSON if method == "POST" else {}
+    assert (status(keyed(), method, path, headers) == 401) is keyed_path
+
+
+def test_refusal_messages_never_carry_the_key():
+    refusal = check(keyed(), "GET", "/v1/models", {"Authorization": "Bearer sk-alphX"})
+    assert refusal == Refusal(401, "invalid API key", "authentication_error")
+    missing = check(keyed(), "GET", "/metrics", {})
+    assert missing is not None and missing.kind == "authentication_error" and "x-api-key" in missing.message
+
+
+def test_loopback_without_keys_ignores_any_key():
+    settings = Settings()
+    assert status(settings, "GET", "/v1/models", {"Authorization": "Bearer anything"}) is None
+    assert status(settings, "GET", "/metrics", {}) is None
+    assert tenant(settings, {"x-api-key": "sk-alpha"}) == "default"
+
+
+def test_tenant_of_the_key():
+    assert tenant(keyed(), {"Authorization": "Bearer sk-alpha"}) == "team-a"
+    assert tenant(keyed(), {"X-API-KEY": "sk-beta"}) == "team-a"
+    assert tenant(keyed(), {"x-api-key": "sk-solo"}) == key_tenant("sk-solo")
+
+
+# -- 403 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"Host": "127.0.0.1:8000"}, None),
+        ({"Host": "localhost:8000"}, None),
+        ({"Host": "LOCALHOST"}, None),
+        ({"Host": "[::1]:8000"}, None),
+        ({"Host": "localhost:9000"}, None),  # an SSH tunnel's local port
+        ({}, None),  # HTTP/1.0
+        ({"Host": "evil.example:8000"}, 403),  # DNS rebinding
+        ({"Host": "127.0.0.1.evil.example"}, 403),
+        ({"Host": "evil.example@127.0.0.1"}, 403),
+        ({"Host": "localhost:notaport"}, 403),
+        ({"Host": "localhost:8000?x"}, 403),
+        ({"Origin": "http://127.0.0.1:8000", "Host": "127.0.0.1:8000"}, None),
+        ({"Origin": "http://localhost:8000", "Host": "127.0.0.1:8000"}, None),
+        ({"Origin": "http://[::1]:8000"}, None),
+        ({"Origin": "http://localhost:9000", "Host": "localhost:9000"}, None),  # page served through a tunnel
+        ({"Origin": "http://localhost", "Host": "localhost"}, None),
+        ({"Origin": "http://localhost:3000", "Host": "localhost:8000"}, 403),  # another local web app
+        ({"Origin": "https://evil.example", "Host": "127.0.0.1:8000"}, 403),
+        ({"Origin": "http://evil.example:8000", "Host": "evil.example:8000"}, 403),
+        ({"Origin": "null", "Host": "127.0.0.1:8000"}, 403),
+        ({"Origin": "file://", "Host": "127.0.0.1:8000"}, 403),
+        ({"Origin": "http://localhost:3000"}, 403),
+    ],
+)
+def test_origin_and_host_on_loopback(headers, expected):
+    refusal = check(Settings(), "GET", "/v1/health", headers)
+    assert (refusal.status if refusal else None) == expected
+    if refusal:
+        assert refusal.kind == "permission_error"
+
+
+def test_forbidden_comes_before_unauthorized():
+    assert status(keyed(), "GET", "/v1/models", {"Host": "evil.example"}) == 403
+    assert status(keyed(), "GET", "/v1/models", {"Origin": "https://evil.example"}) == 403
+
+
+def test_named_host_and_server_host_are_answered():
+    settings = keyed(host="10.0.0.5")
+    ok = {"Host": "10.0.0.5:8000", "x-api-key": "sk-alpha"}
+    assert status(settings, "GET", "/v1/models", ok) is None
+    assert status(settings, "GET", "/v1/models", {**ok, "Origin": "http://10.0.0.5:8000"}) is None
+    assert status(settings, "GET", "/v1/models", {**ok, "Host": "other.example"}) == 403
+    assert status(settings, "GET", "/v1/models", {**ok, "Host": "api.example"}, server_host="api.example") is None
+    with_port = {**ok, "Host": "API.example:443"}
+    assert status(settings, "GET", "/v1/models", with_port, server_host="api.example:443") is None
+
+
+def test_wildcard_bind_answers_any_host_but_needs_keys():
+    settings = keyed(host="0.0.0.0")
+    assert status(settings, "GET", "/v1/models", {"Host": "box.lan:8000"}) == 401
+    ok = {"Host": "box.lan:8000", "x-api-key": "sk-alpha"}
+    assert status(settings, "GET", "/v1/models", ok) is None
+    assert status(settings, "GET", "/v1/models", {**ok, "Origin": "http://box.lan:8000"}) is None
+    assert status(settings, "GET", "/v1/models", {**ok, "Origin": "http://evil.example"}) == 403
+
+
+# -- 415 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content_type", "expected"),
+    [
+        ("application/json", None),
+        ("application/json; charset=utf-8", None),
+        ("Application/JSON;charset=UTF-8", None),
+        (None, 415),
+        ("", 415),
+        ("text/plain", 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        ("application/jsonx", 415),
+    ],
+)
+def test_post_bodies_must_be_json(content_type, expected):
+    headers = {} if content_type is None else {"content-type": content_type}
+    refusal = check(Settings(), "POST", "/v1/chat/completions", headers)
+    assert (refusal.status if refusal else None) == expected
+    if refusal:
+        assert refusal.kind == "invalid_request_error"
+
+
+def test_get_needs_no_content_type():
+    assert check(Settings(), "GET", "/v1/models", {}) is None
+
+
+def test_unauthorized_comes_before_unsupported_type():
+    assert status(keyed(), "POST", "/v1/chat/completions", {"content-type": "text/plain"}) == 401

@@ -1,0 +1,124 @@
+"""Tool calls and thinking through the Engine on the tiny random model:
+constrained decoding makes even random weights produce valid calls."""
+
+import json
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def valid_weather(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return set(args) == {"city", "days"} and args["city"] in ("Paris", "Rome", "Oslo") and 1 <= args["days"] <= 7
+
+
+def test_required_gives_a_valid_call(tiny_engine):
+    answer = tiny_engine.chat(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and choice.message.content in (None, "")
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        args = json.loads(call.function.arguments)
+        assert valid_weather(call.function.arguments) if call.function.name == "get_weather" else args["zone"] in (
+            "UTC", "CET")
+
+
+def test_named_tool_gives_that_call(tiny_engine):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = tiny_engine.chat(messages=ASK, tools=[TIME, WEATHER], tool_choice=choice, max_tokens=120)
+    calls = answer.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"] and valid_weather(calls[0].function.arguments)
+    assert answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_named_tool_that_does_not_exist_is_refused(tiny_engine):
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.chat(messages=ASK, tools=[TIME], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err.value.param == "tool_choice"
+
+
+def test_none_renders_no_tools_and_parses_no_calls(tiny_engine):
+    with_tools = tiny_engine.encode(EngineRequest(messages=(Message("user", "hi"),), tools=(Tool("f"),)))
+    without = tiny_engine.encode(EngineRequest(messages=(Message("user", "hi"),), tools=(Tool("f"),), tool_choice="none"))
+    assert len(without) < len(with_tools)
+    answer = tiny_engine.chat(messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "length"
+
+
+def test_tool_prompt_reaches_a_template_without_tools(tiny_engine):
+    text = tiny_engine.template.render((Message("user", "hi"),), (Tool("get_weather", "Weather", {"type": "object"}),))
+    assert not tiny_engine.template.knows_tools
+    assert "<tools>" in text and '"name": "get_weather"' in text and "<tool_call>" in text
+
+
+def test_every_protocol_returns_the_forced_call(tiny_engine):
+    message = tiny_engine.message(messages=ASK, max_tokens=120, tools=[{
+        "name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}], tool_choice={"type": "any"})
+    assert message.stop_reason == "tool_use"
+    block = message.content[-1]
+    assert block.type == "tool_use" and block.id.startswith("toolu_") and valid_weather(json.dumps(block.input))
+    response = tiny_engine.respond(input="Weather in Paris?", max_output_tokens=120, tools=[{
+        "type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+        tool_choice="required")
+    item = response.output[-1]
+    assert item.type == "function_call" and item.name == "get_weather" and valid_weather(item.arguments)
+
+
+def test_streamed_calls_equal_whole_calls(tiny_engine):
+    whole = tiny_engine.chat(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120)
+    chunks = list(tiny_engine.chat(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    names = [d.function.name for d in deltas if d.function and d.function.name]
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert names == [c.function.name for c in whole.choices[0].message.tool_calls]
+    assert arguments == "".join(c.function.arguments for c in whole.choices[0].message.tool_calls)
+
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_engine(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = THINK_TEMPLATE
+    tokenizer.save_pretrained(path)
+    with Engine(str(path), ctx=512, slots=4, quiet=True) as engine:
+        yield engine
+
+
+def test_thinking_budget_ends_the_thinking(thinking_engine):
+    request = EngineRequest(messages=(Message("user", "Think about it."),), enable_thinking=True, thinking_budget=6,
+                            sampling=SamplingParams(max_tokens=40))
+    events = list(thinking_engine.stream(request))
+    kinds = [type(e) for e in events if isinstance(e, (ReasoningDelta, TextDelta))]
+    assert kinds and kinds[0] is ReasoningDelta, "a thinking template starts the answer in thinking"
+    assert TextDelta in kinds and kinds.index(TextDelta) > kinds.index(ReasoningDelta)
+    assert all(k is TextDelta for k in kinds[kinds.index(TextDelta):]), "thinking ended once"
+    close = len(thinking_engine.tokenizer.encode("</think>\n\n", add_special_tokens=False))
+    assert 6 <= events[-1].usage.reasoning_tokens <= 6 + close
+
+
+def test_thinking_off_emits_no_reasoning(thinking_engine):
+    answer = thinking_engine.chat(messages=[{"role": "user", "content": "hi"}], enable_thinking=False, max_tokens=12)
+    assert answer.choices[0].message.reasoning_content is None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 0
