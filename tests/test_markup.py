@@ -76,3 +76,30 @@ def test_calls_have_distinct_ids():
     m = Markup()
     starts = [e for e in m.push(CALL + CALL) if isinstance(e, ToolCallStart)]
     assert len({s.id for s in starts}) == 2 and m.num_calls == 2
+
+
+NAMES = frozenset({"get_weather"})
+FENCED = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+BARE = [
+    (FENCED, [("call", 0, "get_weather", {"city": "Paris"})]),
+    ('  {"name": "get_weather", "arguments": {"city": "Paris"}}', [("call", 0, "get_weather", {"city": "Paris"})]),
+    (FENCED + "\n" + FENCED.replace("Paris", "Rome"),
+     [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Rome"})]),
+    ('```json\n{"name": "other_tool", "arguments": {}}\n```', [("text", '```json\n{"name": "other_tool", "arguments": {}}\n```')]),
+    ("```python\nprint(1)\n```", [("text", "```python\nprint(1)\n```")]),
+    ('{"city": "Paris"} is JSON', [("text", '{"city": "Paris"} is JSON')]),
+    ("The answer: " + FENCED, [("text", "The answer: " + FENCED)]),
+    ('```json\n{"name": "get_weather", "argu', [("text", '```json\n{"name": "get_weather", "argu')]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), BARE, ids=[str(i) for i in range(len(BARE))])
+def test_bare_json_call_to_a_known_tool_at_every_split(text, expected):
+    assert parse([text], names=NAMES) == expected
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:]], names=NAMES) == expected
+
+
+def test_text_after_a_bare_call_at_the_end_is_kept():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}} done'
+    assert parse([text], names=NAMES) == [("call", 0, "get_weather", {"city": "Paris"}), ("text", " done")]

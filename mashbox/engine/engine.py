@@ -140,7 +140,8 @@ class Engine:
         calls = HERMES if request.tools and request.tool_choice != "none" else None
         think = self.template.knows_thinking and request.enable_thinking is not False
         in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
-        return Markup(calls=calls, think=think, in_think=in_think)
+        names = frozenset(t.name for t in request.tools) if calls else frozenset()
+        return Markup(calls=calls, think=think, in_think=in_think, names=names)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:

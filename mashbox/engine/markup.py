@@ -49,7 +49,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 class Markup:
     """Splits model text into text, reasoning and tool-call events."""
 
-    def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False) -> None:
+    def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False,
+                 names: frozenset[str] = frozenset()) -> None:
         self.calls = calls
         self.think = think
         self.state = "think" if in_think else "text"
@@ -57,6 +58,8 @@ class Markup:
         self.body = ""
         self.blank = ""
         self.num_calls = 0
+        self.bare = BareCall(names) if calls and names else None
+        self.after = ""
 
     def push(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -74,6 +77,11 @@ class Markup:
             self._end_call(self.body + held, events, closed=False)
         elif held:
             self._emit(held, events)
+        if self.bare and self.bare.text:
+            self._bare(self.bare.decide(final=True), events)
+            if self.after:
+                after, self.after = self.after, ""
+                return events + self.push(after) + self.flush()
         if self.blank and not self.num_calls:
             events.append(TextDelta(self.blank))
         self.blank = ""
@@ -85,12 +93,21 @@ class Markup:
         if hit is None:
             keep = max((overlap(buf, t) for t in tags), default=0)
             self._emit(buf[: len(buf) - keep], events)
+            if self.after:
+                return self._resume(buf[len(buf) - keep :])
             self.held = buf[len(buf) - keep :]
             return ""
         at, tag = hit
         self._emit(buf[:at], events)
+        if self.after:
+            return self._resume(buf[at:])
         self._enter(tag, events)
         return buf[at + len(tag) :]
+
+    def _resume(self, tail: str) -> str:
+        """Text after a bare call goes back through the machine, before ``tail``."""
+        rest, self.after = self.after + tail, ""
+        return rest
 
     def _tags(self) -> list[str]:
         if self.state == "think":
@@ -108,10 +125,29 @@ class Markup:
         elif self.state == "think":
             events += [ReasoningDelta(text)] if text else []
         else:
+            if self.bare and self.bare.open:
+                offered, self.blank = self.bare.offer(self.blank + text), ""
+                if offered is None:
+                    self._bare(self.bare.decide(final=False), events)
+                    return
+                text = offered
             full = self.blank + text
             body = full.rstrip()
             self.blank = full[len(body):]
             events += [TextDelta(body)] if body else []
+            if body and self.bare:
+                self.bare.open = False
+
+    def _bare(self, decision: tuple[str, tuple[str, str] | None, str] | None, events: list[Event]) -> None:
+        """Act on a bare-JSON decision: (text to release, call, text after it)."""
+        if decision is None:
+            return
+        released, call, rest = decision
+        if call is None:
+            events.append(TextDelta(released))
+            return
+        events += self._call_events(*call)
+        self.after = rest
 
     def _enter(self, tag: str, events: list[Event]) -> None:
         if tag == THINK_OPEN:
@@ -131,10 +167,60 @@ class Markup:
             raw = self.calls.open + body + (self.calls.close if closed else "")
             events.append(TextDelta(blank + raw))
             return
-        name, arguments = parsed
+        events += self._call_events(*parsed)
+
+    def _call_events(self, name: str, arguments: str) -> list[Event]:
         index, self.num_calls = self.num_calls, self.num_calls + 1
-        events += [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
-                   ToolCallEnd(index)]
+        if self.bare:
+            self.bare.open = True
+        return [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
+                ToolCallEnd(index)]
+
+
+class BareCall:
+    """A call written without tags, as some models (Qwen2.5-Coder) answer a tool
+    request: a JSON object or a ```json block that is only a call to a known tool.
+    Such text is held from the start of an answer (or right after a call) until it
+    is known to be a call or not; anything else is released as text."""
+
+    FENCE = "```json"
+    LIMIT = 16384
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.text = ""
+        self.open = True
+
+    def offer(self, text: str) -> str | None:
+        """None when ``text`` is held as a possible call; else all held text, to emit as text."""
+        candidate = (self.text + text).lstrip()
+        if not candidate or candidate.startswith(("{", self.FENCE)) or self.FENCE.startswith(candidate):
+            self.text += text
+            return None
+        held, self.text, self.open = self.text, "", False
+        return held + text
+
+    def decide(self, final: bool) -> tuple[str, tuple[str, str] | None, str] | None:
+        """None while undecided, else (held text, the call or None, text after the call)."""
+        body, rest = self._split(self.text.lstrip())
+        if body is None and not final and len(self.text) < self.LIMIT:
+            return None
+        held, self.text = self.text, ""
+        call = HERMES.parse(body) if body is not None else None
+        if call is None or call[0] not in self.names:
+            self.open = False
+            return held, None, ""
+        return held, call, rest
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        if text.startswith(self.FENCE):
+            end = text.find("```", len(self.FENCE))
+            return (None, "") if end < 0 else (text[len(self.FENCE) : end].strip(), text[end + 3 :])
+        try:
+            _, end = json.JSONDecoder().raw_decode(text)
+        except json.JSONDecodeError:
+            return None, ""
+        return text[:end], text[end:]
 
 
 def _loads(text: str) -> Any:
