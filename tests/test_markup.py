@@ -103,3 +103,10 @@ def test_bare_json_call_to_a_known_tool_at_every_split(text, expected):
 def test_text_after_a_bare_call_at_the_end_is_kept():
     text = '{"name": "get_weather", "arguments": {"city": "Paris"}} done'
     assert parse([text], names=NAMES) == [("call", 0, "get_weather", {"city": "Paris"}), ("text", " done")]
+
+
+def test_tagged_calls_with_tool_names_known_drop_the_blank_between_them():
+    text = CALL + "\n" + CALL + "\n"
+    expected = [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Paris"})]
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:]], names=NAMES) == expected

@@ -77,6 +77,8 @@ class Markup:
             self._end_call(self.body + held, events, closed=False)
         elif held:
             self._emit(held, events)
+        if self.bare and not self.bare.text.strip():
+            self.blank += self.bare.release()
         if self.bare and self.bare.text:
             self._bare(self.bare.decide(final=True), events)
             if self.after:
@@ -156,6 +158,8 @@ class Markup:
             self.state = "text"
         elif self.calls and tag == self.calls.open:
             self.state, self.body = "call", ""
+            if self.bare:
+                self.blank += self.bare.release()
         else:
             self._end_call(self.body, events, closed=True)
 
@@ -211,6 +215,11 @@ class BareCall:
             self.open = False
             return held, None, ""
         return held, call, rest
+
+    def release(self) -> str:
+        """Give up what is held (a tagged call starts)."""
+        held, self.text = self.text, ""
+        return held
 
     def _split(self, text: str) -> tuple[str | None, str]:
         if text.startswith(self.FENCE):
