@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server import idle_server, loading_server, long_engine, smol_server, tiny_server  # noqa: F401
 from tiny import tiny_config
 from transformers import AutoTokenizer, LlamaForCausalLM
 

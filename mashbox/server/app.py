@@ -1,0 +1,37 @@
+"""``create_app``: the Litestar application in front of one Backend."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from litestar import Litestar
+from litestar.di import Provide
+
+from mashbox.server import openapi
+from mashbox.server.backend import Backend
+from mashbox.server.context import Context
+from mashbox.server.errors import handler
+from mashbox.server.gate import Gate
+from mashbox.server.routes import HANDLERS
+from mashbox.server.settings import Settings
+
+
+def create_app(backend: Backend, settings: Settings) -> Litestar:
+    """The server's routes over ``backend``; the caller owns the backend and closes it."""
+    ctx = Context(backend, settings, openapi.document(backend.model_id, _version()))
+    app = Litestar(
+        route_handlers=HANDLERS,
+        dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
+        exception_handlers={Exception: handler(settings.retry_after_s)},
+        openapi_config=None,
+        logging_config=None,
+    )
+    app.asgi_handler = Gate(app.asgi_handler, ctx)
+    return app
+
+
+def _version() -> str:
+    try:
+        return version("mashbox")
+    except PackageNotFoundError:
+        return "0"

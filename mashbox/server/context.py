@@ -1,0 +1,33 @@
+"""What every handler of one app shares: the backend, the settings and the server's own books."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mashbox.errors import NotReadyError
+from mashbox.server.admission import Admission
+from mashbox.server.backend import Backend
+from mashbox.server.metrics import Metrics
+from mashbox.server.settings import Settings
+
+
+@dataclass(slots=True)
+class Context:
+    backend: Backend
+    settings: Settings
+    openapi: dict[str, Any]
+    admission: Admission = field(init=False)
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s)
+        self.metrics = Metrics(self.backend.model_id)
+
+    def served(self) -> str:
+        """The model id, once the backend takes requests."""
+        if self.backend.state != "ready":
+            detail = f": {self.backend.error}" if self.backend.error else ""
+            raise NotReadyError(f"the model is still loading{detail}; retry shortly")
+        return self.backend.model_id

@@ -1,0 +1,95 @@
+"""Errors as each protocol shapes them, and the exception handlers that answer with them.
+
+Routes under ``/v1/messages`` answer in Anthropic's shape, every other path in OpenAI's.
+Nothing a client sends becomes a 500: only a failure on the device or a bug does, and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from mashbox.errors import InvalidRequestError, NotReadyError
+from mashbox.server.admission import QueueFull
+
+log = logging.getLogger("mashbox.server")
+
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+                500: "server_error", 503: "server_error"}
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+OVERLOADED = 529
+
+
+class ApiError(Exception):
+    """An answer other than 200, with what the error body and headers need."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        retry_after: int | None = None, overloaded: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.overloaded = overloaded or status == 503
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def answer(path: str, error: ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, body and headers of ``error`` in the shape of the route at ``path``."""
+    headers = {} if error.retry_after is None else {"retry-after": str(error.retry_after)}
+    if not is_anthropic(path):
+        kind = OPENAI_TYPES.get(error.status, "invalid_request_error")
+        body = {"message": error.message, "type": kind, "param": error.param, "code": error.code}
+        return error.status, {"error": body}, headers
+    status = OVERLOADED if error.overloaded else error.status
+    if status == OVERLOADED:
+        headers["x-should-retry"] = "true"
+    message = f"{error.param}: {error.message}" if error.param else error.message
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": message}}, headers
+
+
+def api_error(exc: Exception, retry_after: int) -> ApiError:
+    """The answer an exception raised while handling a request deserves."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, exc.message, param=exc.param or None)
+    if isinstance(exc, NotReadyError):
+        return ApiError(503, str(exc), retry_after=retry_after)
+    if isinstance(exc, QueueFull):
+        return ApiError(429, exc.message, retry_after=exc.retry_after, overloaded=exc.scope == "server")
+    if isinstance(exc, HTTPException):
+        return ApiError(exc.status_code, _detail(exc))
+    log.error("unexpected error", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+def _detail(exc: HTTPException) -> str:
+    if exc.status_code == 405:
+        return f"{exc.detail}; see GET /openapi.json for the methods each path takes"
+    if exc.status_code == 404:
+        return "no such route; see GET /openapi.json"
+    extra = exc.extra if isinstance(exc.extra, list) and exc.extra else None
+    return f"{exc.detail}: {extra[0].get('message', '')}" if extra and isinstance(extra[0], dict) else exc.detail
+
+
+def handler(retry_after: int) -> Callable[[Request, Exception], Response]:
+    """The one exception handler: every error answered in its route's shape."""
+
+    def handle(request: Request, exc: Exception) -> Response:
+        status, body, headers = answer(request.url.path, api_error(exc, retry_after))
+        return Response(body, status_code=status, headers=headers)
+
+    return handle

@@ -1,0 +1,66 @@
+"""What runs before routing, for every request: its id, the security checks, and HEAD.
+
+It wraps the Litestar router so that unknown paths, wrong methods and refusals get the same
+``x-request-id`` header and error shapes as the routes themselves. HEAD is a ready check on every
+path (Claude Code's first call is ``HEAD /``): 200 when the model is ready, 503 while it loads.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from litestar.datastructures import Headers
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from mashbox.server import security
+from mashbox.server.context import Context
+from mashbox.server.errors import ApiError, answer
+
+
+class Gate:
+    def __init__(self, app: ASGIApp, ctx: Context) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = "req_" + uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id  # type: ignore[typeddict-item]
+        send = _tagged(send, request_id)
+        method, path = scope["method"], scope["path"]
+        server = scope.get("server")
+        refusal = security.check(self.ctx.settings, method, path, Headers.from_scope(scope),
+                                 server[0] if server else None)
+        if refusal is not None:
+            status, body, headers = answer(path, ApiError(refusal.status, refusal.message))
+            await _reply(send, status, None if method == "HEAD" else body, headers)
+        elif method == "HEAD":
+            ready = self.ctx.backend.state == "ready"
+            await _reply(send, 200 if ready else 503, None, {} if ready else self._retry_after())
+        else:
+            await self.app(scope, receive, send)
+
+    def _retry_after(self) -> dict[str, str]:
+        return {"retry-after": str(self.ctx.settings.retry_after_s)}
+
+
+def _tagged(send: Send, request_id: str) -> Send:
+    async def tagged(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+        await send(message)
+
+    return tagged
+
+
+async def _reply(send: Send, status: int, body: dict[str, Any] | None, headers: dict[str, str]) -> None:
+    content = b"" if body is None else json.dumps(body).encode()
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    if body is not None:
+        raw += [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": content, "more_body": False})

@@ -1,0 +1,226 @@
+"""One generating request, from admission to its last byte.
+
+A request whose client has received nothing is run again once when the device fails
+(``Finish`` with reason ``error``): not streamed, until its answer is written; streamed, until its
+first output is sent. After that a stream ends with the protocol's error event instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, TypeVar
+
+from litestar import Request, Response
+from litestar.types import Receive
+
+from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
+from mashbox.api.base import RequestModel, parse
+from mashbox.engine.events import Event, Finish
+from mashbox.engine.request import EngineRequest
+from mashbox.server import security
+from mashbox.server.context import Context
+from mashbox.server.errors import ApiError
+from mashbox.server.sse import DONE, EventStream, data_frame, event_frame
+
+log = logging.getLogger("mashbox.server")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    name: str
+    module: ModuleType
+    request: type[RequestModel]
+    frame: Callable[[dict[str, Any]], bytes]
+    done: bytes = b""
+    any_model: bool = False
+
+
+CHAT = Protocol("chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)
+COMPLETIONS = Protocol("completions", openai_completions, openai_completions.CompletionRequest, data_frame, DONE)
+RESPONSES = Protocol("responses", openai_responses, openai_responses.ResponsesRequest, event_frame)
+MESSAGES = Protocol("messages", anthropic_messages, anthropic_messages.MessagesRequest, event_frame, any_model=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Tag:
+    """Who asked: what the log says of a request."""
+
+    request_id: str
+    session: str | None
+    tenant: str
+
+    @classmethod
+    def of(cls, request: Request, req: RequestModel, ctx: Context) -> Tag:
+        session = request.headers.get("x-session-id") or getattr(req, "prompt_cache_key", None)
+        return cls(request_id(request), session, security.tenant(ctx.settings, request.headers))
+
+
+def request_id(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", ""))
+
+
+def ignored_header(req: RequestModel) -> dict[str, str]:
+    ignored = req.ignored_fields()
+    if not ignored:
+        return {}
+    log.debug("ignored fields: %s", ", ".join(ignored))
+    return {"x-mashbox-ignored-fields": ", ".join(ignored).encode("ascii", "backslashreplace").decode()}
+
+
+async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], request: Request) -> Response:
+    """Answer one request of ``protocol``: a JSON body, or its stream of events."""
+    served = ctx.served()
+    req = parse(protocol.request, body)
+    model = getattr(req, "model", None)
+    if model not in (None, served) and not protocol.any_model:
+        raise ApiError(404, f"model {model!r} is not served here; this server runs {served!r}",
+                       param="model", code="model_not_found")
+    run = Run(ctx, protocol, req, protocol.module.to_engine(req), Tag.of(request, req, ctx))
+    headers = ignored_header(req)
+    if getattr(req, "stream", False):
+        return await run.streamed(headers)
+    return Response(await run.whole(request.receive), headers=headers)
+
+
+class Run:
+    """The engine side of one request: its queue ticket, its events, its books."""
+
+    def __init__(self, ctx: Context, protocol: Protocol, req: RequestModel, engine: EngineRequest, tag: Tag) -> None:
+        self._ctx, self._protocol, self._req, self._engine, self._tag = ctx, protocol, req, engine, tag
+        self._ticket = ctx.admission.admit(tag.tenant)
+        self._t0 = time.monotonic()
+        self._ttft: float | None = None
+        self._running = False
+        self._resent = False
+        self._finish: Finish | None = None
+        self._events: AsyncIterator[Event] | None = None
+        self._closed = False
+        log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session, tag.tenant)
+
+    async def whole(self, receive: Receive) -> dict[str, Any] | None:
+        """The whole answer; None when the client left first (its request is then stopped)."""
+        try:
+            return await _unless_gone(receive, self._answer())
+        finally:
+            await self.close()
+
+    async def _answer(self) -> dict[str, Any]:
+        while True:
+            translator = self._translator()
+            translator.feed(event := await self._open())
+            while not isinstance(event, Finish):
+                translator.feed(event := await self._next())
+            if event.reason != "error":
+                return translator.response().dump()
+            self._failed(event)
+
+    async def streamed(self, headers: dict[str, str]) -> EventStream:
+        try:
+            while True:
+                translator = self._translator()
+                first = await self._open()
+                if not (isinstance(first, Finish) and first.reason == "error"):
+                    break
+                self._failed(first)
+        except BaseException:
+            await self.close()
+            raise
+        frames = self._frames(translator, first)
+        return EventStream(frames, idle_s=self._ctx.settings.idle_timeout_s, on_close=self.close, headers=headers)
+
+    async def close(self) -> None:
+        """Stop the request if it still runs; count it. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._aclose_events()
+        finally:
+            self._ticket.done()
+            self._record()
+
+    async def _frames(self, translator: Any, first: Event) -> AsyncIterator[bytes]:
+        frame = self._protocol.frame
+        yield b"".join(frame(item.dump()) for item in [*translator.start(), *translator.feed(first)])
+        try:
+            while not isinstance(self._finish, Finish):
+                if items := translator.feed(await self._next()):
+                    yield b"".join(frame(item.dump()) for item in items)
+        except StopAsyncIteration:
+            yield b"".join(frame(item.dump()) for item in translator.error("the request ended early"))
+        except Exception as exc:
+            log.exception("%s failed after its stream started", self._tag.request_id)
+            yield b"".join(frame(item.dump()) for item in translator.error(f"{type(exc).__name__}: {exc}"))
+        yield self._protocol.done
+
+    def _translator(self) -> Any:
+        model = getattr(self._req, "model", None) or self._ctx.backend.model_id
+        return self._protocol.module.Translator(self._req, model)
+
+    async def _open(self) -> Event:
+        await self._aclose_events()
+        self._finish = None
+        self._events = self._ctx.backend.astream(self._engine)
+        return await self._next()
+
+    async def _next(self) -> Event:
+        assert self._events is not None
+        event = await anext(self._events)
+        if self._ttft is None:
+            self._ttft = time.monotonic() - self._t0
+        if not self._running:
+            self._running = True
+            self._ticket.running()
+        if isinstance(event, Finish):
+            self._finish = event
+        return event
+
+    def _failed(self, finish: Finish) -> None:
+        """Re-send the first time; the second time answer 500."""
+        if self._resent:
+            raise ApiError(500, f"the request failed on the device, and again when re-sent: {finish.error}")
+        self._resent = True
+        log.warning("%s failed on the device before any output (%s); re-sending it once",
+                    self._tag.request_id, finish.error)
+        self._ttft = None
+
+    async def _aclose_events(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    def _record(self) -> None:
+        finish, e2e = self._finish, time.monotonic() - self._t0
+        if finish is None:
+            log.info("%s stopped before it finished, after %.2f s", self._tag.request_id, e2e)
+            self._ctx.metrics.request_finished(self._protocol.name, "abort", None, self._ttft, e2e)
+            return
+        usage = finish.usage
+        log.info("%s finished: %s, %d prompt + %d new tokens, %.2f s", self._tag.request_id, finish.reason,
+                 usage.prompt_tokens, usage.completion_tokens, e2e)
+        self._ctx.metrics.request_finished(self._protocol.name, finish, None, self._ttft, e2e)
+
+
+async def _unless_gone(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """The result of ``work``; None, with ``work`` cancelled, when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,130 @@
+"""GET /openapi.json: the OpenAPI 3.1 description of this server, naming the model it runs.
+
+The bodies come from the same pydantic models the handlers validate and answer with; a test
+checks that every route the app serves is described here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from mashbox.api import anthropic_messages, anthropic_output, chat_output, openai_chat, openai_completions
+from mashbox.api import openai_responses, responses_output
+from mashbox.server.models import Model, ModelList
+
+REF = "#/components/schemas/{model}"
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+HEALTH = {"type": "object", "required": ["status"], "additionalProperties": True,
+          "properties": {"status": {"type": "string", "enum": ["ok", "loading", "failed"]}}}
+OPENAI_ERRORS = {"400": "Bad request.", "404": "A model id other than the one this server serves (model_not_found).",
+                 "429": "Too many requests are waiting for a slot.",
+                 "500": "The request failed on the device.", "503": "The model is still loading."}
+ANTHROPIC_ERRORS = {"400": "Bad request.", "429": "Too many requests of yours are waiting for a slot.",
+                    "500": "The request failed on the device.",
+                    "529": "The model is still loading, or the server's queue is full."}
+
+
+class Route(NamedTuple):
+    method: str
+    path: str
+    summary: str
+    answer: type[BaseModel] | dict[str, Any] | None = None
+    request: type[BaseModel] | None = None
+    event: type[BaseModel] | None = None
+    errors: dict[str, str] = {}
+
+
+HEALTH_ROUTE = {"200": "OK", "503": "The model is still loading."}
+ROUTES = [
+    Route("get", "/v1/health", "Health", HEALTH, errors=HEALTH_ROUTE),
+    Route("get", "/health", "Health (short path)", HEALTH, errors=HEALTH_ROUTE),
+    Route("get", "/", "Health", HEALTH, errors=HEALTH_ROUTE),
+    Route("head", "/v1/health", "Ready check without a body (every path answers HEAD the same way)",
+          errors={"503": "Loading."}),
+    Route("get", "/v1/models", "List models", ModelList),
+    Route("get", "/v1/models/{model}", "Get a model", Model, errors={"404": OPENAI_ERRORS["404"]}),
+    Route("post", "/v1/chat/completions", "Chat completion", chat_output.ChatCompletion,
+          openai_chat.ChatRequest, chat_output.ChatCompletionChunk, OPENAI_ERRORS),
+    Route("post", "/v1/completions", "Text completion", openai_completions.Completion,
+          openai_completions.CompletionRequest, openai_completions.Completion, OPENAI_ERRORS),
+    Route("post", "/v1/messages", "Messages (Anthropic)", anthropic_output.AnthropicMessage,
+          anthropic_messages.MessagesRequest, anthropic_output.MessageStart, ANTHROPIC_ERRORS),
+    Route("post", "/v1/messages/count_tokens", "Count tokens", anthropic_output.TokenCount,
+          anthropic_messages.CountTokensRequest, errors={"400": "Bad request.", "529": ANTHROPIC_ERRORS["529"]}),
+    Route("post", "/v1/responses", "Responses (OpenAI)", responses_output.Response,
+          openai_responses.ResponsesRequest, responses_output.ResponseLifecycle, OPENAI_ERRORS),
+    Route("get", "/metrics", "Metrics (Prometheus text)"),
+    Route("get", "/openapi.json", "This description", {"type": "object"}),
+]
+
+
+def document(model_id: str, version: str) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    schemas, refs = _schemas()
+    schemas.update(Error=ERROR, AnthropicError=ANTHROPIC_ERROR, Health=HEALTH)
+    schemas["Model"]["properties"]["id"]["examples"] = [model_id]
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        paths.setdefault(route.path, {})[route.method] = _operation(route, refs)
+    info = {"title": "mashbox", "version": version, "x-model": model_id,
+            "description": f"A local LLM server running the model {model_id}: OpenAI Chat Completions, "
+                           "Completions and Responses, and Anthropic Messages."}
+    return {"openapi": "3.1.0", "info": info, "paths": paths, "components": {"schemas": schemas}}
+
+
+def _operation(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": route.summary, "operationId": _operation_id(route)}
+    if route.path == "/v1/models/{model}":
+        operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if route.request is not None:
+        body = {"application/json": {"schema": refs[route.request, "validation"]}}
+        operation["requestBody"] = {"required": True, "content": body}
+    operation["responses"] = {"200": {"description": "OK", **_content(route, refs)}} | {
+        code: {"description": text, **_errors(route, code)} for code, text in route.errors.items() if code != "200"
+    }
+    return operation
+
+
+def _content(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
+    if route.path == "/metrics":
+        return {"content": {"text/plain": {"schema": {"type": "string"}}}}
+    if route.answer is None:
+        return {}
+    schema = route.answer if isinstance(route.answer, dict) else refs[route.answer, "serialization"]
+    content = {"application/json": {"schema": _named(schema)}}
+    if route.event is not None:
+        content["text/event-stream"] = {"schema": refs[route.event, "serialization"]}
+    return {"content": content}
+
+
+def _errors(route: Route, code: str) -> dict[str, Any]:
+    if route.method == "head":
+        return {}
+    shape = "Health" if route.answer is HEALTH else (
+        "AnthropicError" if route.path.startswith("/v1/messages") else "Error")
+    return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
+
+
+def _named(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"$ref": "#/components/schemas/Health"} if schema is HEALTH else schema
+
+
+def _operation_id(route: Route) -> str:
+    words = route.path.strip("/").replace("{", "").replace("}", "").replace(".", "_").replace("/", "_")
+    return f"{route.method}_{words or 'root'}"
+
+
+def _schemas() -> tuple[dict[str, Any], dict[Any, Any]]:
+    wanted = {(r.request, "validation") for r in ROUTES if r.request is not None}
+    wanted |= {(m, "serialization") for r in ROUTES for m in (r.answer, r.event) if isinstance(m, type)}
+    refs, top = models_json_schema(sorted(wanted, key=lambda w: (w[0].__name__, w[1])), ref_template=REF)
+    return top.get("$defs", {}), refs

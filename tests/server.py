@@ -1,0 +1,140 @@
+"""Server fixtures: the real app on uvicorn in a background thread, on a free port of 127.0.0.1.
+
+Registered in conftest.py. Each server is started once per session over a session engine:
+``smol_server`` (the real SmolLM2, for the SDK tests), ``tiny_server`` (a tiny random Llama with
+a context large enough for agent prompts of 25k tokens), ``idle_server`` (same engine, 1 s idle
+timeout, a small send buffer) and ``loading_server`` (a backend whose model never finishes loading).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+import pytest
+import uvicorn
+
+from mashbox import Engine
+from mashbox.server.app import create_app
+from mashbox.server.backend import Backend, InProcessBackend
+from mashbox.server.settings import Settings
+
+
+@dataclass
+class Running:
+    url: str
+    backend: Backend
+    engine: Engine | None
+
+
+def serve(backend: Backend, settings: Settings, send_buffer: int | None = None) -> Iterator[str]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def smol_server(smol_engine) -> Iterator[Running]:
+    backend = InProcessBackend.of(smol_engine)
+    for url in serve(backend, Settings()):
+        yield Running(url, backend, smol_engine)
+
+
+@pytest.fixture(scope="session")
+def long_engine(tiny_model_dir) -> Iterator[Engine]:
+    """The tiny random Llama with a 32k context: fast on agent prompts of 10-25k tokens."""
+    with Engine(str(tiny_model_dir), ctx=32768, slots=4, quiet=True) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def tiny_server(long_engine) -> Iterator[Running]:
+    backend = InProcessBackend.of(long_engine)
+    for url in serve(backend, Settings()):
+        yield Running(url, backend, long_engine)
+
+
+@pytest.fixture(scope="session")
+def idle_server(long_engine) -> Iterator[Running]:
+    backend = InProcessBackend.of(long_engine)
+    for url in serve(backend, Settings(idle_timeout_s=1.0), send_buffer=4096):
+        yield Running(url, backend, long_engine)
+
+
+@pytest.fixture(scope="session")
+def loading_server() -> Iterator[Running]:
+    release = threading.Event()
+
+    def build() -> Engine:
+        release.wait()
+        raise RuntimeError("test over")
+
+    backend = InProcessBackend("still-loading", build)
+    for url in serve(backend, Settings(retry_after_s=2)):
+        yield Running(url, backend, None)
+    release.set()
+
+
+# -- helpers ------------------------------------------------------------------
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"  # shared/ lies beside the repository
+OPEN_RESPONSES = SHARED / "spec" / "open-responses-openapi.json"
+CLIENTS = SHARED / "clients"
+
+
+def frames(text: str) -> list[tuple[str | None, str]]:
+    """(event name, data) of each server-sent event; checks the blank-line framing."""
+    assert text.endswith("\n\n"), text[-200:]
+    out = []
+    for block in text.strip("\n").split("\n\n"):
+        lines = block.split("\n")
+        event = lines[0].removeprefix("event: ") if lines[0].startswith("event: ") else None
+        data = [line for line in lines if line.startswith("data: ")]
+        assert len(data) == 1 and len(lines) == 1 + (event is not None), block
+        out.append((event, data[0].removeprefix("data: ")))
+    return out
+
+
+class OpenResponses:
+    """Validates Responses objects and stream events against the Open Responses OpenAPI schemas."""
+
+    def __init__(self) -> None:
+        doc = json.loads(OPEN_RESPONSES.read_text())
+        self._components = doc["components"]
+        self._events = {
+            schema["properties"]["type"]["enum"][0]: name
+            for name, schema in self._components["schemas"].items()
+            if name.endswith("StreamingEvent") and "enum" in schema.get("properties", {}).get("type", {})
+        }
+
+    def response(self, body: dict) -> None:
+        self._validate("ResponseResource", body)
+
+    def event(self, event: dict) -> None:
+        self._validate(self._events[event["type"]], event)
+
+    def _validate(self, name: str, value: dict) -> None:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": self._components}
+        jsonschema.Draft202012Validator(schema).validate(value)

@@ -1,0 +1,255 @@
+"""The HTTP contract on a real server: status codes, error shapes, headers, HEAD, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+from anthropic.types import ModelInfo
+from openapi_spec_validator import validate
+from server import frames
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+MESSAGE = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+@pytest.fixture
+def http(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def loading(loading_server):
+    with httpx.Client(base_url=loading_server.url, timeout=10) as client:
+        yield client
+
+
+def openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+    return error
+
+
+def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/health", "/health", "/"])
+def test_health(http, path):
+    response = http.get(path)
+    assert response.status_code == 200
+    assert response.json()["status"] == "ok"
+    assert response.headers["x-request-id"].startswith("req_")
+
+
+@pytest.mark.parametrize("path", ["/", "/v1/health", "/v1/chat/completions", "/v1/messages?beta=true", "/nowhere"])
+def test_head_on_every_path(http, path):
+    response = http.head(path)
+    assert response.status_code == 200
+    assert response.content == b""
+    assert "x-request-id" in response.headers
+
+
+def test_request_ids_differ_and_come_with_errors(http):
+    ids = {http.get("/v1/health").headers["x-request-id"], http.get("/nowhere").headers["x-request-id"]}
+    assert len(ids) == 2
+
+
+def test_loading_health_and_head(loading):
+    assert loading.get("/v1/health").status_code == 503
+    assert loading.get("/").json()["status"] == "loading"
+    head = loading.head("/")
+    assert head.status_code == 503 and head.content == b"" and head.headers["retry-after"] == "2"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_loading_openai_routes_answer_503(loading, path):
+    response = loading.post(path, json={"prompt": "x", "input": "x", **CHAT})
+    openai_error(response, 503)
+    assert response.headers["retry-after"] == "2"
+    assert "x-request-id" in response.headers
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_loading_messages_answer_529(loading, path):
+    response = loading.post(path, json=MESSAGE)
+    anthropic_error(response, 529, "overloaded_error")
+    assert response.headers["retry-after"] == "2"
+    assert response.headers["x-should-retry"] == "true"
+
+
+def test_unknown_path_is_404_in_openai_shape(http):
+    openai_error(http.get("/v1/nothing"), 404)
+    openai_error(http.post("/v1/responses/compact", json={"input": "x"}), 404)
+
+
+def test_wrong_method_is_405_not_500(http):
+    openai_error(http.get("/v1/responses", headers={"connection": "Upgrade", "upgrade": "websocket"}), 405)
+
+
+def test_models(http, tiny_server):
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list"
+    (model,) = body["data"]
+    assert model["id"] == tiny_server.backend.model_id
+    assert model["object"] == "model" and model["owned_by"] == "mashbox-labs" and model["created"] == 0
+    assert model["max_model_len"] == 32768 and model["slots"] == 4
+
+
+def test_models_in_anthropic_shape(http, tiny_server):
+    body = http.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+    assert body["has_more"] is False and body["first_id"] == tiny_server.backend.model_id
+    ModelInfo.model_validate(body["data"][0])
+
+
+def test_get_model(http, tiny_server):
+    model_id = tiny_server.backend.model_id
+    assert http.get(f"/v1/models/{model_id}").json()["id"] == model_id
+    error = openai_error(http.get("/v1/models/gpt-4o"), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_another_model_in_the_body_is_404(http, path):
+    response = http.post(path, json={"prompt": "x", "input": "x", **CHAT, "model": "gpt-4o"})
+    assert openai_error(response, 404, "model")["code"] == "model_not_found"
+
+
+def test_messages_answer_with_the_model_asked_for(http):
+    response = http.post("/v1/messages?beta=true", json={**MESSAGE, "model": "claude-sonnet-4"})
+    assert response.status_code == 200
+    assert response.json()["model"] == "claude-sonnet-4"
+
+
+def test_model_left_out_answers_with_the_served_id(http, tiny_server):
+    assert http.post("/v1/chat/completions", json=CHAT).json()["model"] == tiny_server.backend.model_id
+
+
+def test_415_for_a_body_that_is_not_json(http):
+    response = http.post("/v1/chat/completions", content=json.dumps(CHAT), headers={"content-type": "text/plain"})
+    openai_error(response, 415)
+    response = http.post("/v1/messages", content=json.dumps(MESSAGE), headers={"content-type": "text/plain"})
+    assert response.status_code == 415 and response.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
+def test_invalid_json_is_400(http, body):
+    headers = {"content-type": "application/json"}
+    openai_error(http.post("/v1/chat/completions", content=body, headers=headers), 400)
+    anthropic_error(http.post("/v1/messages", content=body, headers=headers), 400, "invalid_request_error")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({**CHAT, "temperature": 9}, "temperature"),
+    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({"max_tokens": 3}, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type"),
+])
+def test_bad_fields_are_400_naming_the_field(http, body, param):
+    openai_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_previous_response_id_is_400(http):
+    openai_error(http.post("/v1/responses", json={"previous_response_id": "resp_1", "input": "x"}), 400,
+                 "previous_response_id")
+
+
+def test_messages_400_in_anthropic_shape(http):
+    message = anthropic_error(http.post("/v1/messages", json={**MESSAGE, "top_p": 0}), 400, "invalid_request_error")
+    assert message.startswith("top_p")
+
+
+def test_context_length_is_400(http):
+    prompt = "hello " * 40000
+    openai_error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), 400, "prompt")
+    response = http.post("/v1/messages", json={**MESSAGE, "messages": [{"role": "user", "content": prompt}]})
+    assert "context" in anthropic_error(response, 400, "invalid_request_error")
+
+
+def test_ignored_fields_header(http):
+    response = http.post("/v1/chat/completions", json={**CHAT, "frobnicate": 1, "merge": True})
+    assert response.status_code == 200
+    assert response.headers["x-mashbox-ignored-fields"] == "frobnicate, merge"
+    assert "x-mashbox-ignored-fields" not in http.post("/v1/chat/completions", json=CHAT).headers
+
+
+def test_session_is_logged(http, caplog):
+    with caplog.at_level(logging.INFO, logger="mashbox.server"):
+        response = http.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": "sess-42"})
+        http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2, "prompt_cache_key": "pck-7"})
+    request_id = response.headers["x-request-id"]
+    assert any(request_id in r.getMessage() and "sess-42" in r.getMessage() for r in caplog.records)
+    assert any("pck-7" in r.getMessage() for r in caplog.records)
+
+
+def test_count_tokens(http):
+    assert http.post("/v1/messages/count_tokens", json=MESSAGE).json()["input_tokens"] > 3
+
+
+def test_chat_stream_framing(http):
+    text = http.post("/v1/chat/completions", json={**CHAT, "stream": True,
+                                                    "stream_options": {"include_usage": True}}).text
+    events = frames(text)
+    assert events[-1] == (None, "[DONE]")
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_stream_framing(http):
+    response = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = frames(response.text)
+    assert events[-1] == (None, "[DONE]")
+    assert json.loads(events[-2][1])["choices"][0]["finish_reason"] == "length"
+
+
+def test_messages_stream_framing(http):
+    events = frames(http.post("/v1/messages", json={**MESSAGE, "stream": True}).text)
+    assert all(name == json.loads(data)["type"] for name, data in events)
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+
+
+def test_responses_stream_framing(http):
+    events = frames(http.post("/v1/responses", json={"input": "x", "max_output_tokens": 3, "stream": True}).text)
+    payloads = [json.loads(data) for _, data in events]
+    assert [name for name, _ in events] == [p["type"] for p in payloads]
+    assert [p["sequence_number"] for p in payloads] == list(range(1, len(payloads) + 1))
+    assert payloads[-1]["type"] == "response.incomplete" or payloads[-1]["response"]["status"] == "incomplete"
+
+
+def test_metrics(http):
+    http.post("/v1/chat/completions", json=CHAT)
+    response = http.get("/metrics")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    finished = [line for line in response.text.splitlines() if line.startswith("mashbox:request_finished_total{")]
+    assert any('protocol="chat"' in line and 'finished_reason="length"' in line for line in finished)
+
+
+def test_openapi_is_valid_3_1_and_names_the_model(http, tiny_server):
+    doc = http.get("/openapi.json").json()
+    validate(doc)
+    assert doc["openapi"].startswith("3.1")
+    assert tiny_server.backend.model_id in doc["info"]["description"]
+    assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+
+
+def test_openapi_describes_every_route(http):
+    from mashbox.server.routes import HANDLERS
+
+    doc = http.get("/openapi.json").json()
+    for handler in HANDLERS:
+        for path in handler.paths:
+            described = path.replace(":str}", "}")
+            assert set(m.lower() for m in handler.http_methods) <= set(doc["paths"][described]), path

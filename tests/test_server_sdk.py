@@ -1,0 +1,109 @@
+"""The real openai and anthropic SDKs, strict, against the server running SmolLM2."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+from server import OpenResponses
+
+USER = [{"role": "user", "content": "Name three planets."}]
+
+
+@pytest.fixture(scope="module")
+def oai(smol_server):
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", _strict_response_validation=True,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(smol_server):
+    return anthropic.Anthropic(base_url=smol_server.url, api_key="unused", _strict_response_validation=True,
+                               max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    return OpenResponses()
+
+
+def test_chat(oai, smol_server):
+    completion = oai.chat.completions.create(model=smol_server.backend.model_id, messages=USER, max_tokens=12)
+    assert completion.choices[0].message.content
+    assert completion.usage.completion_tokens == 12
+    assert completion.model == smol_server.backend.model_id
+
+
+def test_chat_stream(oai, smol_server):
+    chunks = list(oai.chat.completions.create(model=smol_server.backend.model_id, messages=USER, max_tokens=8,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_stream_helper(oai, smol_server):
+    with oai.chat.completions.stream(model=smol_server.backend.model_id, messages=USER, max_tokens=64) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content and final.choices[0].finish_reason == "stop"
+
+
+def test_completions(oai, smol_server):
+    completion = oai.completions.create(model="smollm2-135m", prompt="The largest planet is", max_tokens=6)
+    assert completion.choices[0].text and completion.choices[0].finish_reason == "length"
+    # Stream objects carry finish_reason null until the last, as OpenAI sends them; the SDK's strict
+    # Completion type admits no null there, so the stream is read without strict validation.
+    lenient = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
+    streamed = list(lenient.completions.create(model="smollm2-135m", prompt="The largest planet is", max_tokens=6,
+                                               stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+
+
+def test_responses(oai, schemas):
+    response = oai.responses.create(input="Name three planets.", max_output_tokens=12, model="smollm2-135m")
+    assert response.output_text and response.status in ("completed", "incomplete")
+    schemas.response(response.model_dump(mode="json", exclude_unset=True))
+
+
+def test_responses_stream(oai, schemas):
+    with oai.responses.stream(input="Name three planets.", max_output_tokens=8, model="smollm2-135m") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    for event in events:
+        schemas.event(event.model_dump(mode="json", exclude_unset=True, warnings=False))
+
+
+def test_messages(claude):
+    message = claude.messages.create(model="local-model", max_tokens=12, messages=USER)
+    assert message.content[0].text and message.stop_reason in ("end_turn", "max_tokens")
+    assert message.model == "local-model"
+
+
+def test_messages_stream(claude):
+    with claude.messages.stream(model="local-model", max_tokens=8, messages=USER) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text
+    assert final.usage.output_tokens == 8
+
+
+def test_count_tokens_and_models(claude, smol_server):
+    assert claude.messages.count_tokens(model="x", messages=USER).input_tokens > 5
+    (model,) = claude.models.list().data
+    assert model.id == smol_server.backend.model_id
+
+
+def test_openai_models(oai, smol_server):
+    assert [m.id for m in oai.models.list()] == [smol_server.backend.model_id]
+    assert oai.models.retrieve(smol_server.backend.model_id).id == smol_server.backend.model_id
+
+
+def test_sdk_errors(oai, claude):
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="smollm2-135m", messages=USER, max_tokens=2, temperature=9)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="x", max_tokens=2, messages=[])

@@ -1,0 +1,170 @@
+"""Streams on a real server: a client that leaves or stops reading frees its slot; device
+failures are re-sent once while the client has received nothing, and end a started stream with
+the protocol's error event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from server import frames, serve
+
+from mashbox.engine.events import Event, Finish, Timings, Usage
+from mashbox.engine.request import EngineRequest
+from mashbox.server.backend import InProcessBackend
+from mashbox.server.settings import Settings
+
+LONG = {"messages": [{"role": "user", "content": "Count to a million."}], "max_tokens": 20000, "stream": True}
+SHORT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+FAILED = Finish("error", Usage(0, 0), Timings(0, 0.0, 0, 0.0, 0, 0.0), error="device lost")
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_frees_its_slot(tiny_server):
+    engine = tiny_server.engine
+    with httpx.Client(base_url=tiny_server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json=LONG) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert engine.stats().running == 1
+    wait_for(lambda: engine.stats().running == 0, 5)
+
+
+def test_a_client_that_reads_nothing_is_dropped(idle_server):
+    engine = idle_server.engine
+    body = json.dumps({"input": "Count to a million.", "max_output_tokens": 20000, "stream": True}).encode()
+    port = int(idle_server.url.rsplit(":", 1)[1])
+    aborted = engine.stats().finished.get("abort", 0)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: engine.stats().running == 1, 5)
+        started = time.monotonic()
+        wait_for(lambda: engine.stats().running == 0, 20)
+    assert time.monotonic() - started < 20
+    assert engine.stats().finished.get("abort", 0) == aborted + 1
+
+
+class Flaky:
+    """The in-process backend whose first ``failures`` runs fail on the device, before any output
+    or (``after_output``) after the first event."""
+
+    def __init__(self, inner: InProcessBackend, failures: int, after_output: bool = False) -> None:
+        self.inner, self.failures, self.after_output, self.runs = inner, failures, after_output, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        self.runs += 1
+        if self.failures <= 0:
+            async for event in self.inner.astream(request):
+                yield event
+            return
+        self.failures -= 1
+        if self.after_output:
+            events = self.inner.astream(request)
+            yield await anext(events)
+            await events.aclose()
+        yield FAILED
+
+
+@pytest.fixture
+def flaky(long_engine):
+    def start(failures: int, after_output: bool = False):
+        backend = Flaky(InProcessBackend.of(long_engine), failures, after_output)
+        server = serve(backend, Settings())
+        return backend, httpx.Client(base_url=next(server), timeout=30), server
+
+    started = []
+    yield lambda *a: started.append(start(*a)) or started[-1][:2]
+    for _, client, server in started:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failure_before_output_is_resent_once(flaky, stream):
+    backend, client = flaky(1)
+    response = client.post("/v1/chat/completions", json={**SHORT, "stream": stream})
+    assert response.status_code == 200
+    assert backend.runs == 2
+    if stream:
+        assert frames(response.text)[-1] == (None, "[DONE]")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_second_failure_is_500(flaky, stream):
+    backend, client = flaky(4)
+    response = client.post("/v1/chat/completions", json={**SHORT, "stream": stream})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    response = client.post("/v1/messages", json={**SHORT, "stream": stream})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "api_error"
+
+
+def test_a_failure_after_output_ends_the_stream_with_an_error_event(flaky):
+    backend, client = flaky(3, True)
+    chat = frames(client.post("/v1/chat/completions", json={**SHORT, "stream": True}).text)
+    assert json.loads(chat[-2][1])["error"]["message"] == "device lost" and chat[-1][1] == "[DONE]"
+    messages = frames(client.post("/v1/messages", json={**SHORT, "stream": True}).text)
+    assert messages[-1][0] == "error"
+    responses = frames(client.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
+    assert [name for name, _ in responses[-2:]] == ["error", "response.failed"]
+    assert backend.runs == 3
+
+
+def test_a_client_that_leaves_before_a_whole_answer_frees_its_slot(tiny_server):
+    engine = tiny_server.engine
+    with httpx.Client(base_url=tiny_server.url, timeout=1.5) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/chat/completions", json={**LONG, "stream": False})
+        assert engine.stats().running == 1
+    wait_for(lambda: engine.stats().running == 0, 5)
+
+
+class Stalled(Flaky):
+    """The in-process backend whose runs wait for ``release`` before they start: requests queue."""
+
+    def __init__(self, inner: InProcessBackend) -> None:
+        super().__init__(inner, 0)
+        self.release = threading.Event()
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        while not self.release.is_set():
+            await asyncio.sleep(0.02)
+        async for event in self.inner.astream(request):
+            yield event
+
+
+@pytest.mark.parametrize(("per_tenant", "status", "kind"), [(1, 429, "rate_limit_error"), (2, 529, "overloaded_error")])
+def test_a_full_queue_is_429_or_529(long_engine, per_tenant, status, kind):
+    backend = Stalled(InProcessBackend.of(long_engine))
+    server = serve(backend, Settings(max_waiting_per_tenant=per_tenant, max_waiting=1))
+    with httpx.Client(base_url=next(server), timeout=30) as client:
+        waiting = threading.Thread(target=client.post, args=("/v1/chat/completions",), kwargs={"json": SHORT})
+        waiting.start()
+        wait_for(lambda: client.get("/v1/health").json()["waiting"] == 1)
+        refused = client.post("/v1/chat/completions", json=SHORT)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        refused = client.post("/v1/messages", json=SHORT)
+        assert refused.status_code == status and refused.json()["error"]["type"] == kind
+        assert "retry-after" in refused.headers
+        backend.release.set()
+        waiting.join(30)
+    server.close()
