@@ -1,3 +1,4 @@
 from mashbox.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a spawned worker process imports this module too
+    raise SystemExit(main())

@@ -1,8 +1,9 @@
-"""The ``mashbox`` command: chat with a model in the terminal, list models."""
+"""The ``mashbox`` command: serve a model, chat with it in the terminal, list models."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -24,7 +25,40 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=512, help="most new tokens per answer (default: %(default)s)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     commands.add_parser("models", help="list the models in the catalog")
+    _add_run(commands)
     return parser
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser(
+        "run", help="serve a model over HTTP (OpenAI and Anthropic APIs)",
+        description="Serve one model over HTTP: OpenAI Chat Completions, Completions and Responses, and "
+                    "Anthropic Messages. The server answers /health with 503 while the model loads. "
+                    "API keys: --api-key-file and/or the MASHBOX_API_KEY environment variable; clients "
+                    "send one as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
+    run.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                     help="catalog id (see `mashbox models`), HF model directory or .gguf file "
+                          "(default: %(default)s)")
+    run.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on; any non-loopback address requires API keys "
+                          "(default: %(default)s)")
+    run.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    run.add_argument("--ctx", type=int, default=None,
+                     help="context length of each slot, in tokens (default: the model's, from the catalog "
+                          "or its config)")
+    run.add_argument("--slots", type=int, default=16,
+                     help="requests decoded together; each slot holds one whole context of KV cache "
+                          "(default: %(default)s)")
+    run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
+                     help="host memory for saved prompt states, in MiB; 0 = off (default: %(default)s)")
+    run.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
+                          "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
+                          "(default: none; MASHBOX_API_KEY adds one more key)")
+    run.add_argument("--ui", action="store_true", help="serve the chat page at / (default: off)")
+    run.add_argument("--in-process", action="store_true",
+                     help="run the engine in the server process instead of a worker process that is "
+                          "started again if it dies (default: off)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "models":
             return list_models()
+        if args.command == "run":
+            return run(args)
         if args.command is None:
             args = build_parser().parse_args(["chat"])
         return chat(args)
@@ -46,6 +82,38 @@ def list_models() -> int:
     for entry in catalog().values():
         print(f"{entry.id:22} ctx {entry.ctx:>6}  {entry.gb:5.2f} GB  {entry.description}")
     return 0
+
+
+def _mib(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number of MiB, 0 or more (got {text!r})")
+    return int(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mashbox.server.launch import Launch, serve  # litestar and uvicorn load only here
+
+    try:
+        launch = Launch(args.model, _settings(args), _engine_options(args), args.in_process)
+    except ValueError as err:
+        print(f"mashbox: {err}", file=sys.stderr)
+        return 2
+    return serve(launch)
+
+
+def _settings(args: argparse.Namespace):
+    from mashbox.server.security import load_keys
+    from mashbox.server.settings import Settings
+
+    keys = load_keys(args.api_key_file, os.environ.get("MASHBOX_API_KEY"))
+    return Settings(host=args.host, port=args.port, api_keys=keys, ui=args.ui, cache_ram_mib=args.cache_ram)
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    from mashbox.engine.config import EngineConfig
+
+    EngineConfig(model=args.model, ctx=args.ctx, slots=args.slots)  # bad values fail here, before loading
+    return {"ctx": args.ctx, "slots": args.slots}
 
 
 def chat(args: argparse.Namespace) -> int:

@@ -1,0 +1,108 @@
+"""What ``mashbox run`` does once its flags are read: build the backend, serve
+the app on uvicorn, report loading / ready / failed in the terminal, and stop
+the worker on the way out (Ctrl-C or SIGTERM).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from mashbox.server.app import create_app
+from mashbox.server.backend import Backend, InProcessBackend
+from mashbox.server.settings import Settings
+from mashbox.server.worker import WorkerBackend
+
+
+@dataclass(slots=True, frozen=True)
+class Launch:
+    model: str
+    settings: Settings
+    engine_options: dict[str, Any]
+    in_process: bool = False
+
+
+def serve(launch: Launch) -> int:
+    """Serve until interrupted (0) or until the model fails to load (1)."""
+    backend = _backend(launch)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _serve(backend, launch.settings)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _say("stopping")
+        backend.close()
+
+
+def _serve(backend: Backend, settings: Settings) -> int:
+    config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
+                            log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    watch = Watch(backend, server, _url(settings))
+    threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
+    server.run()
+    return 1 if watch.failed else 0
+
+
+class Watch:
+    """Says in the terminal where the server listens and what its model does."""
+
+    def __init__(self, backend: Backend, server: uvicorn.Server, url: str, every: float = 0.1) -> None:
+        self.backend, self.server, self.url, self.every = backend, server, url, every
+        self.failed = False
+
+    def run(self) -> None:
+        while not self.server.started and not self.server.should_exit:
+            time.sleep(self.every)
+        _say(f"serving {self.backend.model_id} on {self.url} (loading...)")
+        last = "loading"
+        while not self.server.should_exit:
+            state = self.backend.state
+            if state != last:
+                self._report(state)
+                last = state
+            if state == "failed":
+                self.failed = self.server.should_exit = True
+            time.sleep(self.every)
+
+    def _report(self, state: str) -> None:
+        backend = self.backend
+        if state == "ready" and backend.info is not None:
+            info = backend.info
+            _say(f"{info.id} ready on {self.url} (ctx {info.ctx}, {info.slots} slots, {info.device})")
+        elif state == "loading":
+            _say(f"the worker stopped; loading the model again (restart {backend.worker_restarts})")
+        elif state == "failed":
+            _say(f"the model did not load: {backend.error}")
+
+
+def _backend(launch: Launch) -> Backend:
+    if not launch.in_process:
+        # the HTTP layer re-sends a request lost before its client got output (once), so the
+        # backend does not retry too
+        return WorkerBackend(launch.model, launch.engine_options)
+    from mashbox.engine.engine import Engine  # torch loads in this process only with --in-process
+
+    return InProcessBackend(launch.model, lambda: Engine(launch.model, **launch.engine_options))
+
+
+def _url(settings: Settings) -> str:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(text: str) -> None:
+    # the real stderr: with --in-process the loader swaps sys.stderr while it loads
+    print(f"mashbox: {text}", file=sys.__stderr__ or sys.stderr, flush=True)

@@ -1,0 +1,326 @@
+"""``WorkerBackend``: the engine in a worker process, started again if it dies.
+
+The server process never imports torch. It talks to the worker with the
+typed messages of ``worker_messages``: a sender thread writes commands, a
+reader thread hands each reply to the channel of the request it answers.
+
+When the worker dies, the backend reports ``loading``, counts a restart and
+starts a new one. Every stream it was answering ends with
+``Finish(reason="error")``: the HTTP layer re-sends, once, a request whose
+client has received nothing (commands sent meanwhile wait for the new
+worker). A token count, which nothing above re-sends, is sent again once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from mashbox.engine.channel import Channel
+from mashbox.engine.events import Event, Finish
+from mashbox.engine.info import ModelInfo
+from mashbox.engine.request import EngineRequest
+from mashbox.engine.stats import EngineStats
+from mashbox.server.backend import State
+from mashbox.server.worker_child import serve
+from mashbox.server.worker_messages import (
+    Abort,
+    Command,
+    Count,
+    Counted,
+    Error,
+    EventMsg,
+    Failed,
+    Ready,
+    Reply,
+    Stats,
+    StatsReply,
+    Stop,
+    Submit,
+    error_finish,
+)
+
+log = logging.getLogger("mashbox.server")
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerLost:
+    """Put in a request's channel when its worker is gone (never crosses the pipe)."""
+
+    error: str
+    final: bool  # True: no new worker will answer (load failed, shutting down)
+
+
+@dataclass(slots=True, eq=False)
+class Incarnation:
+    """One run of the worker process and its pipe."""
+
+    process: BaseProcess
+    conn: Connection
+    outbox: queue.SimpleQueue[Command | None] = field(default_factory=queue.SimpleQueue)
+    ready: bool = False
+    failed: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    """A command waiting for its replies."""
+
+    command: Submit | Count
+    channel: Channel[Reply | WorkerLost] = field(default_factory=Channel)
+    retried: bool = False
+
+
+class WorkerBackend:
+    """A ``Backend`` whose ``Engine(model, **engine_options)`` runs in a child process."""
+
+    def __init__(self, model: str, engine_options: dict[str, Any], *, stop_timeout: float = 10.0,
+                 stats_max_age: float = 0.25, stats_wait: float = 0.1) -> None:
+        self._model = model
+        self._options = dict(engine_options)
+        self._stop_timeout = stop_timeout
+        self._stats_max_age, self._stats_wait = stats_max_age, stats_wait
+        self._spawn = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._pending: dict[int, Pending] = {}
+        self._state: State = "loading"
+        self._error: str | None = None
+        self._info: ModelInfo | None = None
+        self._threads = 0
+        self._restarts = 0
+        self._closed = False
+        self._stats: EngineStats | None = None
+        self._stats_at = 0.0
+        self._stats_fresh = threading.Event()
+        with self._lock:
+            self._worker = self._start()
+
+    # -- the Backend protocol ----------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def model_id(self) -> str:
+        return self._info.id if self._info else self._model
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self._info
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._worker.process.pid
+
+    @property
+    def worker_restarts(self) -> int:
+        return self._restarts
+
+    @property
+    def threads(self) -> int:
+        """torch's intra-op threads in the worker (0 before it is ready)."""
+        return self._threads
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        pending = self._open(Submit(next(self._ids), request))
+        done = False
+        try:
+            while not done:
+                event = await self._next_event(pending)
+                done = isinstance(event, Finish)
+                yield event
+        finally:
+            self._forget(pending, abort=not done)
+
+    async def count(self, request: EngineRequest) -> int:
+        pending = self._open(Count(next(self._ids), request))
+        try:
+            while True:
+                match await pending.channel.aget():
+                    case Counted(n=n):
+                        return n
+                    case Error() as error:
+                        raise error.exception()
+                    case WorkerLost() as lost if not self._retry(pending, lost):
+                        raise RuntimeError(lost.error)
+        finally:
+            self._forget(pending, abort=False)
+
+    def stats(self) -> EngineStats | None:
+        """The worker's latest stats; asks for fresh ones, waiting at most ``stats_wait`` s."""
+        if self._state == "ready" and time.monotonic() - self._stats_at > self._stats_max_age:
+            self._stats_fresh.clear()
+            self._send(Stats(next(self._ids)))
+            self._stats_fresh.wait(self._stats_wait)
+        return self._stats
+
+    def wait(self, timeout: float | None = None) -> State:
+        """Block until the worker is ready or failed (or ``timeout``); the state then."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._state != "loading" or self._closed, timeout)
+            return self._state
+
+    def close(self) -> None:
+        """Stop the worker: ``Stop``, then terminate and kill after ``stop_timeout`` s."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker = self._worker
+            self._lose_all("the server is shutting down", final=True)
+            self._changed.notify_all()
+        worker.outbox.put(Stop())
+        worker.outbox.put(None)
+        _stop(worker.process, self._stop_timeout)
+
+    # -- requests ------------------------------------------------------------
+
+    def _open(self, command: Submit | Count) -> Pending:
+        with self._lock:
+            if self._closed or self._state == "failed":
+                raise RuntimeError(self._error or "the server is shutting down")
+            pending = self._pending[command.request_id] = Pending(command)
+            self._worker.outbox.put(command)
+        return pending
+
+    async def _next_event(self, pending: Pending) -> Event:
+        while True:
+            match await pending.channel.aget():
+                case EventMsg(event=event):
+                    return event
+                case Error() as error:
+                    raise error.exception()
+                case WorkerLost() as lost:
+                    return error_finish(lost.error)
+
+    def _retry(self, pending: Pending, lost: WorkerLost) -> bool:
+        """Send a lost count to the new worker (once)."""
+        if lost.final or pending.retried:
+            return False
+        with self._lock:
+            pending.retried = True
+            self._worker.outbox.put(pending.command)
+        return True
+
+    def _forget(self, pending: Pending, abort: bool) -> None:
+        with self._lock:
+            self._pending.pop(pending.command.request_id, None)
+            if abort and not self._closed:
+                self._worker.outbox.put(Abort(pending.command.request_id))
+
+    def _send(self, command: Command) -> None:
+        with self._lock:
+            self._worker.outbox.put(command)
+
+    def _lose_all(self, error: str, final: bool) -> None:
+        for pending in self._pending.values():
+            pending.channel.put(WorkerLost(error, final))
+
+    # -- the worker process ----------------------------------------------------
+
+    def _start(self) -> Incarnation:
+        """Start a worker process (lock held) with its reader and sender threads."""
+        conn, child_conn = self._spawn.Pipe()
+        process = self._spawn.Process(target=serve, args=(child_conn, self._model, self._options),
+                                      name="mashbox-worker", daemon=True)
+        process.start()
+        child_conn.close()  # so that the worker's death reads as EOF here
+        worker = Incarnation(process, conn)
+        threading.Thread(target=self._read, args=(worker,), name="mashbox-worker-read", daemon=True).start()
+        threading.Thread(target=self._write, args=(worker,), name="mashbox-worker-write", daemon=True).start()
+        self._state = "loading"
+        return worker
+
+    def _write(self, worker: Incarnation) -> None:
+        while (command := worker.outbox.get()) is not None:
+            try:
+                worker.conn.send(command)
+            except OSError:  # the worker is gone; the reader sees EOF
+                return
+            except Exception as exc:  # the command did not pickle: refuse it, keep the worker
+                self._refuse(command, exc)
+
+    def _refuse(self, command: Command, exc: Exception) -> None:
+        request_id = getattr(command, "request_id", None)
+        if request_id is not None and (pending := self._pending.get(request_id)) is not None:
+            pending.channel.put(Error.of(request_id, exc))
+
+    def _read(self, worker: Incarnation) -> None:
+        try:
+            while True:
+                self._dispatch(worker, worker.conn.recv())
+        except (EOFError, OSError):
+            pass
+        worker.outbox.put(None)
+        worker.process.join(timeout=self._stop_timeout)
+        self._exited(worker)
+
+    def _dispatch(self, worker: Incarnation, reply: Reply) -> None:
+        match reply:
+            case Ready(info, threads):
+                self._ready(worker, info, threads)
+            case Failed(error):
+                self._failed(worker, error)
+            case StatsReply(stats=stats):
+                self._stats, self._stats_at = stats, time.monotonic()
+                self._stats_fresh.set()
+            case EventMsg() | Error() | Counted():
+                if (pending := self._pending.get(reply.request_id)) is not None:
+                    pending.channel.put(reply)
+
+    def _ready(self, worker: Incarnation, info: ModelInfo, threads: int) -> None:
+        with self._changed:
+            worker.ready = True
+            self._info, self._threads, self._state = info, threads, "ready"
+            self._changed.notify_all()
+        log.info("worker %s ready: %s", worker.process.pid, info.id)
+
+    def _failed(self, worker: Incarnation, error: str) -> None:
+        with self._changed:
+            worker.failed = self._error = error
+            self._state = "failed"
+            self._changed.notify_all()
+
+    def _exited(self, worker: Incarnation) -> None:
+        """The worker's pipe closed: fail, or start a new worker and retry requests."""
+        with self._changed:
+            if self._closed or worker is not self._worker:
+                return
+            if worker.failed or not worker.ready:
+                self._error = worker.failed or f"the worker exited with code {worker.process.exitcode} while loading"
+                self._state = "failed"
+                self._lose_all(self._error, final=True)
+            else:
+                log.warning("worker %s exited with code %s; starting it again", worker.process.pid,
+                            worker.process.exitcode)
+                self._restarts += 1
+                self._stats = None
+                self._worker = self._start()
+                self._lose_all("worker restarted", final=False)
+            self._changed.notify_all()
+
+
+def _stop(process: BaseProcess, timeout: float) -> None:
+    process.join(timeout)
+    if process.is_alive():
+        process.terminate()
+        process.join(2)
+    if process.is_alive():
+        process.kill()
+        process.join()

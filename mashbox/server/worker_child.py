@@ -1,0 +1,136 @@
+"""The worker process: one ``Engine``, fed by typed commands over a pipe.
+
+The main thread reads commands in order. Each submitted request streams on
+one asyncio loop in a pump thread (``Engine.astream``), which sends its
+events back as they come; an ``Abort`` cancels that stream, which frees the
+request's slot at the engine's next step. torch is imported here only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from mashbox.engine.events import Event
+from mashbox.engine.request import EngineRequest
+from mashbox.server.worker_messages import (
+    Abort,
+    Command,
+    Count,
+    Counted,
+    Error,
+    EventMsg,
+    Failed,
+    Ready,
+    Reply,
+    Stats,
+    StatsReply,
+    Stop,
+    Submit,
+    error_finish,
+)
+
+if TYPE_CHECKING:
+    from mashbox.engine.engine import Engine
+
+
+def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
+    """The worker process's entry point: load the model, then answer commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which sends Stop
+    engine = _load(conn, model, options)
+    if engine is not None:
+        Worker(engine, conn).run()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skips tearing down torch's modules, which takes seconds; nothing is left to save
+
+
+def _load(conn: Connection, model: str, options: dict[str, Any]) -> Engine | None:
+    try:
+        import torch
+
+        from mashbox.engine.engine import Engine
+
+        engine = Engine(model, **options)
+    except Exception as exc:  # reported to the server, which shows it and stops
+        conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+        return None
+    conn.send(Ready(engine.info, torch.get_num_threads()))
+    return engine
+
+
+class Worker:
+    def __init__(self, engine: Engine, conn: Connection) -> None:
+        self._engine = engine
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._pump = threading.Thread(target=self._loop.run_forever, name="mashbox-pump", daemon=True)
+        self._streams: dict[int, Future[None]] = {}
+
+    def run(self) -> None:
+        self._pump.start()
+        try:
+            while (command := self._receive()) is not None:
+                self._handle(command)
+        finally:
+            self._engine.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._pump.join(timeout=5)
+
+    def _receive(self) -> Command | None:
+        try:
+            command = self._conn.recv()
+        except (EOFError, OSError):  # the server is gone
+            return None
+        return None if isinstance(command, Stop) else command
+
+    def _handle(self, command: Command) -> None:
+        match command:
+            case Submit(request_id, request):
+                self._submit(request_id, request)
+            case Abort(request_id):
+                if (stream := self._streams.pop(request_id, None)) is not None:
+                    stream.cancel()
+            case Count(request_id, request):
+                self._count(request_id, request)
+            case Stats(request_id):
+                self._send(StatsReply(request_id, self._engine.stats()))
+
+    def _submit(self, request_id: int, request: EngineRequest) -> None:
+        try:
+            events = self._engine.astream(request)  # a bad request raises here, before any work
+        except Exception as exc:
+            self._send(Error.of(request_id, exc))
+            return
+        stream = asyncio.run_coroutine_threadsafe(self._relay(request_id, events), self._loop)
+        self._streams[request_id] = stream
+        stream.add_done_callback(lambda _: self._streams.pop(request_id, None))
+
+    async def _relay(self, request_id: int, events: AsyncIterator[Event]) -> None:
+        try:
+            async for event in events:
+                self._send(EventMsg(request_id, event))
+        except Exception as exc:  # the engine ends every stream with a Finish; this is a safety net
+            self._send(EventMsg(request_id, error_finish(f"{type(exc).__name__}: {exc}")))
+
+    def _count(self, request_id: int, request: EngineRequest) -> None:
+        try:
+            self._send(Counted(request_id, len(self._engine.encode(request))))
+        except Exception as exc:
+            self._send(Error.of(request_id, exc))
+
+    def _send(self, reply: Reply) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(reply)
+            except OSError:  # the server is gone; the command loop sees EOF and stops
+                pass

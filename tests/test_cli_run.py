@@ -1,0 +1,125 @@
+"""``mashbox run`` as a real process: serves while loading, answers, restarts a killed worker,
+stops cleanly."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--api-key-file", "--ui", "--in-process")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def mashbox(*args, env=None):
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "mashbox", "run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def poll_health(url, process, timeout=90):
+    """Status codes of /health until 200 (connection refusals not counted)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while not seen or seen[-1] != 200:
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, f"no 200 from /health: {seen[-3:]}"
+        try:
+            seen.append(httpx.get(f"{url}/health", timeout=5).status_code)
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return seen
+
+
+def wait_for_loading(url, timeout=10):
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "the server did not report loading"
+        time.sleep(0.02)
+
+
+def gone(pid, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")
+    try:
+        seen = poll_health(url, process)
+        assert seen[0] in (503, 200) and set(seen) <= {503, 200}
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "ok" and health["worker_restarts"] == 0
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Name three planets."}], "max_tokens": 8})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+        os.kill(health["worker_pid"], signal.SIGKILL)
+        wait_for_loading(url)  # the server notices the worker's death and loads the model again
+        poll_health(url, process)
+        restarted = httpx.get(f"{url}/health").json()
+        assert restarted["worker_restarts"] == 1 and restarted["worker_pid"] != health["worker_pid"]
+        again = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Name three planets."}], "max_tokens": 8})
+        assert again.json()["choices"] == answer.json()["choices"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert f"serving {tiny_model_dir} on {url} (loading...)" in err and "ready" in err
+    assert "Traceback" not in err
+    assert gone(restarted["worker_pid"])
+    assert "loading the model again (restart 1)" in err
+
+
+def test_ctrl_c_stops_the_server_and_its_worker(tiny_model_dir):
+    port = free_port()
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")
+    try:
+        poll_health(f"http://127.0.0.1:{port}", process)
+        pid = httpx.get(f"http://127.0.0.1:{port}/health").json()["worker_pid"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0 and "Traceback" not in err, err
+    assert gone(pid)
+
+
+def test_a_model_that_does_not_load_is_an_error(tmp_path):
+    process = mashbox(str(tmp_path / "no-such-model"), "--port", str(free_port()))
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20"])
+def test_a_public_host_without_keys_refuses_to_start(host):
+    process = mashbox("--host", host, env={"MASHBOX_API_KEY": ""})
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert f"host: {host} is not a loopback address, so API keys are required" in err
+
+
+def test_help_documents_every_flag():
+    process = mashbox("--help")
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    for flag in FLAGS:
+        assert flag in out
+    assert out.count("(default:") >= len(FLAGS) + 1  # every flag and the model say their default

@@ -1,0 +1,119 @@
+"""The engine in a worker process: loading, parity with the in-process engine,
+errors, aborts, and a worker killed mid-way: it restarts, and over HTTP a request
+whose client has received nothing is answered anyway (re-sent once)."""
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+from mashbox import ContextLengthError, EngineRequest, Finish, Message, SamplingParams
+from mashbox.server.worker import WorkerBackend
+
+
+def chat(text, **sampling):
+    return EngineRequest(messages=(Message("user", text),), sampling=SamplingParams(**sampling))
+
+
+async def collect(events):
+    return [event async for event in events]
+
+
+async def until(check, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def without_timings(events):
+    return [e.reason if isinstance(e, Finish) else e for e in events], events[-1].usage
+
+
+@pytest.fixture(scope="module")
+def started(tiny_model_dir):
+    backend = WorkerBackend(str(tiny_model_dir), {"ctx": 512, "slots": 4, "quiet": True})
+    first = backend.state
+    yield backend, first
+    backend.close()
+
+
+@pytest.fixture
+def worker(started):
+    backend = started[0]
+    assert backend.wait(60) == "ready", backend.error
+    return backend
+
+
+def test_loads_in_a_worker_process_with_all_threads(started):
+    backend, first = started
+    assert first == "loading"
+    assert backend.wait(60) == "ready"
+    assert backend.worker_pid not in (None, os.getpid()) and backend.worker_restarts == 0
+    assert backend.info.ctx == 512 and backend.info.slots == 4 and backend.model_id == backend.info.id
+    assert backend.threads == torch.get_num_threads()
+
+
+def test_stream_equals_the_in_process_engine(worker, tiny_engine):
+    request = chat("Name three planets.", max_tokens=40)
+    events = asyncio.run(collect(worker.astream(request)))
+    assert without_timings(events) == without_timings(list(tiny_engine.stream(request)))
+    assert asyncio.run(worker.count(request)) == len(tiny_engine.encode(request))
+
+
+def test_context_too_long_raises_with_param(worker):
+    with pytest.raises(ContextLengthError) as err:
+        asyncio.run(collect(worker.astream(chat("word " * 600))))
+    assert err.value.param == "messages"
+    assert worker.state == "ready"
+
+
+def test_abort_frees_the_slot(worker):
+    async def scenario():
+        events = worker.astream(chat("Tell me everything.", max_tokens=400))
+        await anext(events)
+        await events.aclose()
+        await until(lambda: worker.stats().running == 0 and worker.stats().finished.get("abort", 0) >= 1, 5)
+
+    asyncio.run(scenario())
+
+
+def test_killed_worker_restarts_and_ends_its_streams_with_an_error(worker):
+    async def scenario():
+        old_pid = worker.worker_pid
+        streamed = worker.astream(chat("Tell me everything.", max_tokens=400))
+        await anext(streamed)
+        os.kill(old_pid, signal.SIGKILL)
+        rest = await collect(streamed)
+        assert isinstance(rest[-1], Finish) and rest[-1].reason == "error" and rest[-1].error == "worker restarted"
+        assert worker.state == "loading" and worker.worker_pid != old_pid
+        assert worker.stats() is None
+
+    restarts = worker.worker_restarts
+    asyncio.run(scenario())
+    assert worker.wait(60) == "ready" and worker.worker_restarts == restarts + 1
+
+
+def test_request_in_flight_when_the_worker_dies_is_answered_over_http(worker, tiny_engine):
+    from server import serve
+
+    from mashbox.server.settings import Settings
+
+    body = {"messages": [{"role": "user", "content": "Am I answered?"}], "max_tokens": 24}
+    expected = tiny_engine.chat(body).choices[0].message.content
+    for url in serve(worker, Settings()):
+        old_pid = worker.worker_pid
+        os.kill(old_pid, signal.SIGSTOP)  # holds the worker so that the request stays unanswered
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=120)
+            time.sleep(0.5)
+            os.kill(old_pid, signal.SIGKILL)
+            response = answer.result()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == expected
+    assert worker.worker_pid != old_pid and worker.state == "ready"
