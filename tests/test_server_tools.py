@@ -1,0 +1,91 @@
+"""Agent round trips over HTTP on the embedded model, with the official SDKs (strict):
+a forced get_weather call, the result sent back, a text answer; streamed calls assembled by
+the SDKs' stream helpers equal the non-streamed ones."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+ASK = "What is the weather in Paris? Use the tool."
+RESULT = "Sunny, 21 degrees Celsius."
+
+
+def city_of(arguments: str | dict) -> str:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    return args["city"]
+
+
+@pytest.fixture(scope="module")
+def oai(smol_server):
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", _strict_response_validation=True,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(smol_server):
+    return anthropic.Anthropic(base_url=smol_server.url, api_key="unused", _strict_response_validation=True,
+                               max_retries=0)
+
+
+def test_chat_round_trip(oai):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": PARAMETERS}}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": ASK}]
+    first = oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=tools, tool_choice=forced, max_tokens=60)
+    (call,) = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    city_of(call.function.arguments)
+    with oai.chat.completions.stream(model="smollm2-135m", messages=messages, tools=tools, tool_choice=forced,
+                                     max_tokens=60) as stream:
+        streamed = stream.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls] == [
+        (call.function.name, call.function.arguments)]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    answer = oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=tools, max_tokens=40)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
+def test_messages_round_trip(claude):
+    tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": PARAMETERS}]
+    forced = {"type": "tool", "name": "get_weather"}
+    messages = [{"role": "user", "content": ASK}]
+    first = claude.messages.create(model="m", max_tokens=60, messages=messages, tools=tools, tool_choice=forced)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    city_of(use.input)
+    with claude.messages.stream(model="m", max_tokens=60, messages=messages, tools=tools,
+                                tool_choice=forced) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(use.name, use.input)]
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
+    answer = claude.messages.create(model="m", max_tokens=40, messages=messages, tools=tools)
+    assert answer.content and answer.content[0].type == "text" and answer.content[0].text
+
+
+def test_responses_round_trip(oai):
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+              "parameters": PARAMETERS, "strict": False}]
+    forced = {"type": "function", "name": "get_weather"}
+    first = oai.responses.create(model="smollm2-135m", input=ASK, tools=tools, tool_choice=forced, max_output_tokens=60)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    city_of(call.arguments)
+    with oai.responses.stream(model="smollm2-135m", input=ASK, tools=tools, tool_choice=forced,
+                              max_output_tokens=60) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.name, i.arguments) for i in streamed.output if i.type == "function_call"] == [
+        (call.name, call.arguments)]
+    history = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    answer = oai.responses.create(model="smollm2-135m", input=history, tools=tools, max_output_tokens=40)
+    assert answer.output_text
