@@ -99,9 +99,9 @@ def loading_server() -> Iterator[Running]:
 
 # -- helpers ------------------------------------------------------------------
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"  # shared/ lies beside the repository
-OPEN_RESPONSES = SHARED / "spec" / "open-responses-openapi.json"
-CLIENTS = SHARED / "clients"
+FIXTURES = Path(__file__).parent / "fixtures"  # copies of shared/spec and shared/clients
+OPEN_RESPONSES = FIXTURES / "open-responses-openapi.json"
+CLIENTS = FIXTURES / "clients"
 
 
 def frames(text: str) -> list[tuple[str | None, str]]:
