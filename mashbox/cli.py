@@ -50,12 +50,13 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="requests decoded together; each slot holds one whole context of KV cache "
                           "(default: %(default)s)")
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
-                     help="host memory for saved prompt states, in MiB; 0 = off (default: %(default)s)")
+                     help="host memory for saved prompt states, in MiB; 0 = off (default: %(default)s). "
+                          "Reported in /health; the host-RAM prompt cache is not built yet")
     run.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
                           "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
                           "(default: none; MASHBOX_API_KEY adds one more key)")
-    run.add_argument("--ui", action="store_true", help="serve the chat page at / (default: off)")
+    run.add_argument("--ui", action="store_true", help="serve the chat page at / (default: off; the page is not built yet, / answers health)")
     run.add_argument("--in-process", action="store_true",
                      help="run the engine in the server process instead of a worker process that is "
                           "started again if it dies (default: off)")
