@@ -265,3 +265,15 @@ def test_response_carries_the_open_responses_fields():
     assert body["previous_response_id"] is None and body["prompt_cache_key"] == "s1"
     assert body["completed_at"] >= body["created_at"]
     sdk.Response.model_validate(body)
+
+
+def test_allowed_tools_limits_what_the_model_may_call():
+    from mashbox.api.base import parse
+    from mashbox.api.openai_responses import ResponsesRequest, to_engine
+
+    tools = [{"type": "function", "name": n, "parameters": {"type": "object"}} for n in ("a", "b", "c")]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "b"}]}
+    engine = to_engine(parse(ResponsesRequest, {"input": "x", "tools": tools, "tool_choice": choice}))
+    assert [t.name for t in engine.tools] == ["b"] and engine.tool_choice == "required"
+    engine = to_engine(parse(ResponsesRequest, {"input": "x", "tools": tools, "tool_choice": "auto"}))
+    assert [t.name for t in engine.tools] == ["a", "b", "c"]

@@ -29,6 +29,7 @@ from mashbox.api.responses_tools import (
     ResponsesTool,
     ToolChoice,
     ToolMap,
+    allowed_tools,
     engine_tool_choice,
     skipped,
 )
@@ -118,7 +119,7 @@ def to_engine(req: ResponsesRequest) -> EngineRequest:
     return engine_request(
         messages=tuple(messages),
         sampling=req.sampling(),
-        tools=tuple(tools.tools),
+        tools=allowed_tools(req.tool_choice, tools),
         tool_choice=engine_tool_choice(req.tool_choice, tools),
         enable_thinking=req.reasoning.thinking() if req.reasoning else None,
     )

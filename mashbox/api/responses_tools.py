@@ -158,6 +158,7 @@ class ToolChoiceObject(Part):
     name: str | None = None
     function: dict[str, Any] | None = None
     mode: Literal["auto", "required"] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def named(self) -> str | None:
         return self.name or (self.function or {}).get("name")
@@ -173,6 +174,14 @@ def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> str:
     if name is not None:
         return tools.visible(name)
     return choice.mode or "auto"
+
+
+def allowed_tools(choice: ToolChoice | None, tools: ToolMap) -> tuple[Tool, ...]:
+    """The tools the model may call: all, or those an ``allowed_tools`` choice lists."""
+    if not isinstance(choice, ToolChoiceObject) or choice.type != "allowed_tools":
+        return tuple(tools.tools)
+    names = {tools.visible(t.get("name", ""), t.get("namespace")) for t in choice.tools or ()}
+    return tuple(t for t in tools.tools if t.name in names)
 
 
 def echo_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
