@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mashbox import ContextLengthError, EngineRequest, Finish, InvalidRequestError, Message, SamplingParams, TextDelta
+from mashbox import ContextLengthError, EngineRequest, InvalidRequestError, Message, SamplingParams, TextDelta
 from mashbox.engine.detokenizer import Detokenizer
 
 
