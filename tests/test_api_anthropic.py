@@ -5,6 +5,7 @@ from __future__ import annotations
 import anthropic.types as sdk
 import pytest
 from pydantic import TypeAdapter
+from translation import TIMINGS, USER, translate
 
 from mashbox.api.anthropic_messages import (
     CountTokensRequest,
@@ -18,7 +19,6 @@ from mashbox.engine.events import (
     Finish,
     ReasoningDelta,
     TextDelta,
-    Timings,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -26,8 +26,6 @@ from mashbox.engine.events import (
 )
 from mashbox.engine.request import Message, ToolCall
 
-USER = [{"role": "user", "content": "hi"}]
-TIMINGS = Timings(prompt_n=7, prompt_ms=14.0, predicted_n=5, predicted_ms=20.0, cache_n=3, queue_ms=0.5)
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3)
 ANSWER = [
     ReasoningDelta("let me see"),
@@ -48,10 +46,7 @@ def _request(**fields) -> MessagesRequest:
 
 def _stream(request: MessagesRequest, events=ANSWER) -> tuple[Translator, list[dict]]:
     translator = Translator(request, "qwen")
-    out = translator.start()
-    for event in events:
-        out += translator.feed(event)
-    return translator, [e.dump() for e in out]
+    return translator, translate(translator, events)
 
 
 def test_system_blocks_drop_the_billing_header():

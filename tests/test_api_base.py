@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import pytest
+from translation import USER
 
 from mashbox.api.base import OutModel, RequestModel, engine_request, parse
 from mashbox.api.blocks import BlockTracker
@@ -21,7 +22,6 @@ from mashbox.engine.events import (
 )
 from mashbox.errors import InvalidRequestError
 
-USER = [{"role": "user", "content": "hi"}]
 FINISH = Finish("stop", Usage(10, 4, 2), Timings(8, 5.0, 4, 6.0, 2, 0.5))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai.types.chat as sdk
 import pytest
+from translation import TIMINGS, USER, translate
 
 from mashbox.api.base import parse
 from mashbox.api.openai_chat import ChatRequest, Translator, to_engine
@@ -11,7 +12,6 @@ from mashbox.engine.events import (
     Finish,
     ReasoningDelta,
     TextDelta,
-    Timings,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -19,8 +19,6 @@ from mashbox.engine.events import (
 )
 from mashbox.engine.request import Message, ToolCall
 
-USER = [{"role": "user", "content": "hi"}]
-TIMINGS = Timings(prompt_n=7, prompt_ms=14.0, predicted_n=5, predicted_ms=20.0, cache_n=3, queue_ms=0.5)
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3, reasoning_tokens=1)
 ANSWER = [
     ReasoningDelta("think"),
@@ -42,10 +40,7 @@ def _request(**fields) -> ChatRequest:
 
 def _stream(request: ChatRequest, events=ANSWER) -> tuple[Translator, list[dict]]:
     translator = Translator(request, "qwen")
-    out = translator.start()
-    for event in events:
-        out += translator.feed(event)
-    return translator, [chunk.dump() for chunk in out]
+    return translator, translate(translator, events)
 
 
 def test_messages_map_to_canonical_roles():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai.types as sdk
 import pytest
+from translation import translate
 
 from mashbox.api.base import parse
 from mashbox.api.openai_completions import CompletionRequest, Translator, to_engine
@@ -15,10 +16,7 @@ USAGE = Usage(prompt_tokens=4, completion_tokens=2)
 
 def _run(request: CompletionRequest, events) -> tuple[Translator, list[dict]]:
     translator = Translator(request, "smol")
-    out = translator.start()
-    for event in events:
-        out += translator.feed(event)
-    return translator, [o.dump() for o in out]
+    return translator, translate(translator, events)
 
 
 @pytest.mark.parametrize("prompt", ["The planets are", ["The planets are"]])

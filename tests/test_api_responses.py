@@ -7,6 +7,7 @@ import json
 import openai.types.responses as sdk
 import pytest
 from pydantic import TypeAdapter
+from translation import TIMINGS, translate
 
 from mashbox.api.base import parse
 from mashbox.api.openai_responses import ResponsesRequest, Translator, to_engine
@@ -14,7 +15,6 @@ from mashbox.engine.events import (
     Finish,
     ReasoningDelta,
     TextDelta,
-    Timings,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -23,7 +23,6 @@ from mashbox.engine.events import (
 from mashbox.engine.request import Message, ToolCall
 from mashbox.errors import InvalidRequestError
 
-TIMINGS = Timings(prompt_n=7, prompt_ms=14.0, predicted_n=5, predicted_ms=20.0, cache_n=3, queue_ms=0.5)
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3, reasoning_tokens=2)
 SDK_EVENT = TypeAdapter(sdk.ResponseStreamEvent)
 TOOLS = [
@@ -44,10 +43,7 @@ def _request(**fields) -> ResponsesRequest:
 
 def _stream(request: ResponsesRequest, events) -> tuple[Translator, list[dict]]:
     translator = Translator(request, "qwen")
-    out = translator.start()
-    for event in events:
-        out += translator.feed(event)
-    return translator, [e.dump() for e in out]
+    return translator, translate(translator, events)
 
 
 def test_input_string_and_instructions():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from translation import USER
 
 from mashbox.api.anthropic_messages import CountTokensRequest, MessagesRequest
 from mashbox.api.base import parse
@@ -11,7 +12,6 @@ from mashbox.api.openai_completions import CompletionRequest
 from mashbox.api.openai_responses import ResponsesRequest
 from mashbox.errors import InvalidRequestError
 
-USER = [{"role": "user", "content": "hi"}]
 BASE = {
     "chat": (ChatRequest, {"messages": USER}),
     "completions": (CompletionRequest, {"prompt": "hi"}),
