@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server import idle_server, loading_server, long_engine, smol_server, tiny_server  # noqa: F401
+from server import claude, idle_server, loading_server, long_engine, oai, smol_server, tiny_server  # noqa: F401
 from tiny import tiny_config
 from transformers import AutoTokenizer, LlamaForCausalLM
 

@@ -4,6 +4,7 @@ Registered in conftest.py. Each server is started once per session over a sessio
 ``smol_server`` (the real SmolLM2, for the SDK tests), ``tiny_server`` (a tiny random Llama with
 a context large enough for agent prompts of 25k tokens), ``idle_server`` (same engine, 1 s idle
 timeout, a small send buffer) and ``loading_server`` (a backend whose model never finishes loading).
+``oai`` and ``claude`` are the official SDKs on ``smol_server``, strict, one per test module.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import jsonschema
+import openai
 import pytest
 import uvicorn
 
@@ -95,6 +98,20 @@ def loading_server() -> Iterator[Running]:
     for url in serve(backend, Settings(retry_after_s=2)):
         yield Running(url, backend, None)
     release.set()
+
+
+@pytest.fixture(scope="module")
+def oai(smol_server: Running) -> openai.OpenAI:
+    """The official OpenAI SDK on ``smol_server``, validating every response strictly."""
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", _strict_response_validation=True,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(smol_server: Running) -> anthropic.Anthropic:
+    """The official Anthropic SDK on ``smol_server``, validating every response strictly."""
+    return anthropic.Anthropic(base_url=smol_server.url, api_key="unused", _strict_response_validation=True,
+                               max_retries=0)
 
 
 # -- helpers ------------------------------------------------------------------

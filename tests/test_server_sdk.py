@@ -11,18 +11,6 @@ USER = [{"role": "user", "content": "Name three planets."}]
 
 
 @pytest.fixture(scope="module")
-def oai(smol_server):
-    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", _strict_response_validation=True,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(smol_server):
-    return anthropic.Anthropic(base_url=smol_server.url, api_key="unused", _strict_response_validation=True,
-                               max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def schemas():
     return OpenResponses()
 

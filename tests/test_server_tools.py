@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
-import pytest
-
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
 ASK = "What is the weather in Paris? Use the tool."
@@ -20,18 +16,6 @@ def city_of(arguments: str | dict) -> str:
     args = json.loads(arguments) if isinstance(arguments, str) else arguments
     assert set(args) == {"city"} and isinstance(args["city"], str)
     return args["city"]
-
-
-@pytest.fixture(scope="module")
-def oai(smol_server):
-    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", _strict_response_validation=True,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(smol_server):
-    return anthropic.Anthropic(base_url=smol_server.url, api_key="unused", _strict_response_validation=True,
-                               max_retries=0)
 
 
 def test_chat_round_trip(oai):
