@@ -50,8 +50,8 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="requests decoded together; each slot holds one whole context of KV cache "
                           "(default: %(default)s)")
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
-                     help="host memory for saved prompt states, in MiB; 0 = off (default: %(default)s). "
-                          "Reported in /health; the host-RAM prompt cache is not built yet")
+                     help="host memory for prompt prefixes saved from slots about to be reused, in MiB; "
+                          "0 = off (default: %(default)s)")
     run.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
                           "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
@@ -113,8 +113,9 @@ def _settings(args: argparse.Namespace):
 def _engine_options(args: argparse.Namespace) -> dict:
     from mashbox.engine.config import EngineConfig
 
-    EngineConfig(model=args.model, ctx=args.ctx, slots=args.slots)  # bad values fail here, before loading
-    return {"ctx": args.ctx, "slots": args.slots}
+    options = {"ctx": args.ctx, "slots": args.slots, "cache_ram_mib": args.cache_ram}
+    EngineConfig(model=args.model, **options)  # bad values fail here, before loading
+    return options
 
 
 def chat(args: argparse.Namespace) -> int:

@@ -222,3 +222,20 @@ def test_prefix_cache_hit_gives_the_cold_answer(tiny_model_dir):
     assert warm_text == cold_text
     assert stats.prefix_hit_tokens == warm_finish.timings.cache_n
     assert stats.prefix_lookup_tokens == first_finish.usage.prompt_tokens + warm_finish.usage.prompt_tokens
+
+
+def test_prefix_restored_from_host_memory_gives_the_cold_answer(tiny_model_dir):
+    from mashbox import Engine
+
+    first = " ".join(f"alpha{i} is true." for i in range(90)) + " Question?"
+    other = " ".join(f"beta{i} is false." for i in range(90)) + " Question?"
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, cache_ram_mib=64, quiet=True) as engine:
+        cold_text, cold = run(engine, first, max_tokens=8)
+        run(engine, other, max_tokens=8)
+        warm_text, warm = run(engine, first, max_tokens=8)
+        stats = engine.stats()
+        per_token = engine._core.runner.kv.bytes_per_token
+    assert cold.timings.cache_n == 0 and warm.timings.cache_n >= 256
+    assert warm_text == cold_text
+    assert stats.host_cache_bytes >= 2 * 256 * per_token
+    assert stats.host_cache_cap_bytes == 64 * 2**20 and stats.host_cache_evictions == 0

@@ -14,7 +14,8 @@ HEALTH_FIELDS = {
 
 
 def test_ready():
-    backend = FakeBackend(snapshot=engine_stats(running=3, waiting=1), worker_pid=4242, worker_restarts=2)
+    stats = engine_stats(running=3, waiting=1, host_cache_cap_bytes=512 * 2**20)
+    backend = FakeBackend(snapshot=stats, worker_pid=4242, worker_restarts=2)
     code, body = health(backend, waiting=4, cache_cap_bytes=512 * 2**20)
     assert code == 200
     assert set(body) == HEALTH_FIELDS
@@ -37,6 +38,15 @@ def test_loading():
     assert body["cache_namespace"] is None and body["compiles_after_ready"] is None
     assert "worker_pid" not in body  # in-process: no worker
     assert body["host_cache_cap_bytes"] == 0
+
+
+def test_host_cache_figures_come_from_the_engine():
+    stats = engine_stats(host_cache_bytes=3000, host_cache_cap_bytes=2**20, host_cache_evictions=2)
+    _, body = health(FakeBackend(snapshot=stats), waiting=0, cache_cap_bytes=5)
+    assert body["cache_bytes"] == body["host_cache_bytes"] == 3000
+    assert body["host_cache_cap_bytes"] == 2**20 and body["host_cache_evictions"] == 2
+    _, loading = health(FakeBackend(state="loading", info=None, snapshot=None), waiting=0, cache_cap_bytes=5)
+    assert loading["host_cache_cap_bytes"] == 5 and loading["host_cache_bytes"] == 0
 
 
 def test_worker_restarting_reports_loading_and_counts_restarts():

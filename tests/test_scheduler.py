@@ -3,7 +3,7 @@
 import pytest
 
 from mashbox.engine.request import SamplingParams
-from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.scheduler import Plan, Scheduler
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.slots import SlotTable
 
@@ -142,3 +142,50 @@ def test_prefix_cache_leaves_one_token_to_compute_and_prefers_lru_without_hit():
     s.add(fresh)
     s.schedule()
     assert fresh.slot == 2 and fresh.num_cached == 0, "an empty slot is taken before one holding a prefix"
+
+
+def run_to_end(s: Scheduler, seq_: Sequence) -> Plan:
+    s.add(seq_)
+    first = s.schedule()
+    s.update(first, [7] * sum(w.sample for w in first.work))
+    while s.has_work:
+        step(s)
+    return first
+
+
+def prompt(base: int, n: int = 200) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def test_evicted_prefix_goes_to_host_memory_and_comes_back():
+    from mashbox.engine.prefix_cache import Restore, Save
+
+    s = Scheduler(num_slots=1, ctx=1024, chunk_tokens=64, host_cache_bytes=10_000, kv_bytes_per_token=10)
+    run_to_end(s, Sequence("a", prompt(1000), SamplingParams(), 1))
+    plan_b = run_to_end(s, Sequence("b", prompt(5000), SamplingParams(), 1))
+    assert [type(op) for op in plan_b.cache_ops] == [Save] and plan_b.cache_ops[0].tokens == 192
+    again = Sequence("a2", prompt(1000) + [3, 3], SamplingParams(), 1)
+    plan = run_to_end(s, again)
+    assert [type(op) for op in plan.cache_ops] == [Save, Restore]
+    restore = plan.cache_ops[1]
+    assert restore.entry == plan_b.cache_ops[0].entry and restore.tokens == 192 and again.num_cached == 192
+    assert plan.work[0].position == 192
+    assert s.cache.host.bytes == 2 * 192 * 10 and s.cache.host.evictions == 0
+    s.cache.check_integrity()
+
+
+def test_host_memory_cap_evicts_least_recently_used_but_never_the_prefix_being_restored():
+    from mashbox.engine.prefix_cache import Drop, Restore, Save
+
+    s = Scheduler(num_slots=1, ctx=1024, chunk_tokens=64, host_cache_bytes=2500, kv_bytes_per_token=10)
+    for base in (1000, 5000):
+        run_to_end(s, Sequence(str(base), prompt(base), SamplingParams(), 1))
+    assert s.cache.host.bytes == 1920
+    plan = run_to_end(s, Sequence("a-again", prompt(1000) + [3], SamplingParams(), 1))
+    assert [type(op) for op in plan.cache_ops] == [Restore], "no room for the slot's prefix beside the kept one"
+    plan = run_to_end(s, Sequence("c", prompt(9000), SamplingParams(), 1))
+    assert plan.cache_ops == [], "the slot's prefix is in host memory already"
+    plan = run_to_end(s, Sequence("d", prompt(13000), SamplingParams(), 1))
+    assert [type(op) for op in plan.cache_ops] == [Save, Drop] and s.cache.host.evictions == 1
+    assert s.cache.host.bytes <= 2500
+    s.cache.check_integrity()

@@ -12,6 +12,7 @@ class EngineConfig:
     ``ctx`` is the context length of every slot (``None``: the model's
     default), ``slots`` the number of requests decoded together,
     ``chunk_tokens`` the most prompt tokens prefilled in one device call.
+    ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes.
     ``dtype`` on CPU: ``float16`` (default; fp16 weights packed for fbgemm,
     fp32 activations) or ``float32`` (exact weights); on CUDA: ``bfloat16``
     (default). A greedy request's tokens never depend on what runs beside it
@@ -25,6 +26,7 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     chunk_tokens: int = 256
+    cache_ram_mib: int = 1024
     batch_invariant: bool = True
     quiet: bool = False
 
@@ -33,5 +35,7 @@ class EngineConfig:
             raise ValueError(f"ctx: must be >= 16 (got {self.ctx})")
         if not 1 <= self.slots <= 1024:
             raise ValueError(f"slots: must be between 1 and 1024 (got {self.slots})")
+        if self.cache_ram_mib < 0:
+            raise ValueError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
         if self.chunk_tokens < 16:
             raise ValueError(f"chunk_tokens: must be >= 16 (got {self.chunk_tokens})")

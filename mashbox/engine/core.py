@@ -146,7 +146,8 @@ class EngineCore:
         return EngineStats(
             running=len(running), waiting=len(s.waiting), slots=s.slots.size, ctx=s.ctx,
             kv_cache_bytes=self.runner.kv.nbytes, kv_tokens_used=sum(q.num_computed for q in running),
-            prefix_cached_tokens=s.cache.cached_tokens,
+            prefix_cached_tokens=s.cache.cached_tokens, host_cache_bytes=s.cache.host.bytes,
+            host_cache_cap_bytes=s.cache.host.cap, host_cache_evictions=s.cache.host.evictions,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
             prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens,
             preemptions=c.preemptions, finished=dict(c.finished),

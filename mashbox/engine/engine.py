@@ -84,7 +84,8 @@ class Engine:
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         runner = ModelRunner(loaded.model, config.slots, self.ctx, mode)
-        scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens)
+        scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
+                              runner.kv.bytes_per_token)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
     @property

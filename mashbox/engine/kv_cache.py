@@ -30,6 +30,21 @@ class KVCache:
         self.keys[layer, slots, positions] = k
         self.values[layer, slots, positions] = v
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values one token position holds over all layers."""
+        layers, _, _, heads, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size()
+
+    def save(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host-memory copy of the first ``length`` positions of ``slot``."""
+        return self.keys[:, slot, :length].to("cpu", copy=True), self.values[:, slot, :length].to("cpu", copy=True)
+
+    def restore(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        keys, values = saved
+        self.keys[:, slot, : keys.shape[1]] = keys.to(self.keys.device)
+        self.values[:, slot, : values.shape[1]] = values.to(self.values.device)
+
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [kv_heads, length, head_dim] of one slot."""
         return self.keys[layer, slot, :length].transpose(0, 1), self.values[layer, slot, :length].transpose(0, 1)

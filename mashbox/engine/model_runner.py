@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mashbox.engine import sampler
 from mashbox.engine.kv_cache import KVCache
+from mashbox.engine.prefix_cache import CacheOp, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.weights import Weights
 
@@ -39,10 +40,13 @@ class ModelRunner:
         self.device = self.weights.embed.device
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, self.weights.embed.dtype, self.device)
         self.generators: list[torch.Generator | None] = [None] * num_slots
+        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def run(self, plan: Plan) -> list[int]:
         """Forward every token of ``plan``; one sampled token per sampling work item."""
+        for op in plan.cache_ops:
+            self._move(op)
         batch = self._batch(plan)
         hidden = self.forward(plan.work, batch)
         logits = self.weights.lm_head(hidden[batch.sample_rows])
@@ -57,6 +61,15 @@ class ModelRunner:
             [self._generator(w) for w in plan.work if w.sample],
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
+
+    def _move(self, op: CacheOp) -> None:
+        """Carry out one prefix-cache copy between a slot and host memory."""
+        if isinstance(op, Save):
+            self.host[op.entry] = self.kv.save(op.slot, op.tokens)
+        elif isinstance(op, Restore):
+            self.kv.restore(op.slot, self.host[op.entry])
+        else:
+            self.host.pop(op.entry, None)
 
     @staticmethod
     def _follow(seq, token: int) -> int:

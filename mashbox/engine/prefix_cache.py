@@ -1,14 +1,20 @@
-"""Prompt prefixes kept in free slots, reused by requests that start the same way.
+"""Prompt prefixes kept for reuse by requests that start the same way.
 
 Each slot remembers the tokens whose KV it still holds. A new request takes
 the free slot sharing the longest prefix with its prompt and prefills only the
-rest. Only whole prompt chunks (multiples of ``block`` tokens, prefilled as
-chunks) are reused, so a cached prefix holds exactly the KV a cold prefill
-would compute: answers do not depend on what ran before.
+rest. When a slot's prefix is about to be overwritten it is saved to host RAM
+(capped, least recently used out first), and restored from there into a slot
+when a later prompt starts with it. Only whole prompt chunks (multiples of
+``block`` tokens, prefilled as chunks) are reused, so a cached prefix holds
+exactly the KV a cold prefill would compute: answers do not depend on what ran
+before. The cache decides; the runner moves the bytes (``Save``, ``Restore``,
+``Drop`` in the plan).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -18,20 +24,54 @@ class Match:
     tokens: int
 
 
+@dataclass(slots=True, frozen=True)
+class Save:
+    """Copy the first ``tokens`` positions of ``slot`` to host entry ``entry``."""
+
+    slot: int
+    entry: int
+    tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Restore:
+    """Copy host entry ``entry`` into the first ``tokens`` positions of ``slot``."""
+
+    entry: int
+    slot: int
+    tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Drop:
+    entry: int
+
+
+CacheOp = Save | Restore | Drop
+
+
 class PrefixCache:
-    def __init__(self, num_slots: int, block: int) -> None:
+    def __init__(self, num_slots: int, block: int, host_bytes: int = 0, bytes_per_token: int = 0) -> None:
         self.block = block
         self._tokens: list[tuple[int, ...]] = [()] * num_slots
         self._used: list[int] = [0] * num_slots
         self._clock = 0
+        self.host = HostTier(host_bytes, bytes_per_token)
 
-    def match(self, prompt: list[int], free: list[int]) -> Match:
-        """The free slot to run ``prompt`` in, and how many of its tokens are cached.
-
-        With no hit, the least recently used free slot (emptiest first).
-        """
-        best = max(free, key=lambda s: (self._hit(s, prompt), -self._used[s]))
-        return Match(best, self._hit(best, prompt))
+    def admit(self, prompt: list[int], free: list[int]) -> tuple[Match, list[CacheOp]]:
+        """The free slot to run ``prompt`` in, how many of its tokens are cached there,
+        and the copies that make it so. With no hit, the least recently used free slot."""
+        slot = max(free, key=lambda s: (self._hit(self._tokens[s], prompt), -self._used[s]))
+        tokens = self._hit(self._tokens[slot], prompt)
+        entry, stored = max(((e, self._hit(t, prompt)) for e, t in self.host.entries()), key=lambda x: x[1],
+                            default=(None, 0))
+        restore = entry is not None and stored > tokens
+        ops = self._evict(slot, 0 if restore else tokens, keep=entry if restore else None)
+        if restore:
+            ops.append(Restore(entry, slot, stored))
+            tokens = stored
+        self.insert(slot, prompt[:tokens])
+        return Match(slot, tokens), ops
 
     def insert(self, slot: int, tokens: list[int]) -> None:
         """Record that ``slot`` holds the KV of ``tokens`` (whole blocks only are kept)."""
@@ -48,14 +88,66 @@ class PrefixCache:
         return sum(len(t) for t in self._tokens)
 
     def check_integrity(self) -> None:
-        for tokens in self._tokens:
+        for tokens in [*self._tokens, *(t for _, t in self.host.entries())]:
             if len(tokens) % self.block:
-                raise AssertionError("a slot holds a partial block")
+                raise AssertionError("a cached prefix holds a partial block")
+        if self.host.bytes > self.host.cap:
+            raise AssertionError("the host cache is over its cap")
 
-    def _hit(self, slot: int, prompt: list[int]) -> int:
-        cached = self._tokens[slot]
+    def _evict(self, slot: int, kept: int, keep: int | None) -> list[CacheOp]:
+        """Save what ``slot`` holds beyond ``kept`` tokens before it is overwritten
+        (never pushing out host entry ``keep``, which is about to be restored)."""
+        if keep is not None:
+            self.host.touch(keep)
+        tokens = self._tokens[slot]
+        if len(tokens) <= kept:
+            return []
+        return self.host.store(slot, tokens, keep)
+
+    def _hit(self, cached: tuple[int, ...], prompt: list[int]) -> int:
         limit = min(len(cached), len(prompt) - 1) // self.block * self.block
         n = 0
         while n < limit and cached[n : n + self.block] == tuple(prompt[n : n + self.block]):
             n += self.block
         return n
+
+
+class HostTier:
+    """The index of prefixes saved in host RAM: LRU, capped in bytes."""
+
+    def __init__(self, cap: int, bytes_per_token: int) -> None:
+        self.cap = cap
+        self.bytes_per_token = bytes_per_token
+        self.evictions = 0
+        self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._ids = itertools.count()
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(t) for t in self._entries.values()) * self.bytes_per_token
+
+    def entries(self) -> list[tuple[int, tuple[int, ...]]]:
+        return list(self._entries.items())
+
+    def touch(self, entry: int) -> None:
+        self._entries.move_to_end(entry)
+
+    def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None) -> list[CacheOp]:
+        """Ops that save ``tokens`` from ``slot``, dropping entries it supersedes and, least
+        recently used first, what no longer fits; nothing when it cannot fit beside ``keep``."""
+        size = len(tokens) * self.bytes_per_token
+        pinned = len(self._entries.get(keep, ())) * self.bytes_per_token
+        if size + pinned > self.cap or any(t[: len(tokens)] == tokens for t in self._entries.values()):
+            return []
+        ops: list[CacheOp] = [Drop(e) for e, t in self.entries() if e != keep and tokens[: len(t)] == t]
+        for op in ops:
+            del self._entries[op.entry]
+        for entry in [e for e in self._entries if e != keep]:
+            if self.bytes + size <= self.cap:
+                break
+            del self._entries[entry]
+            self.evictions += 1
+            ops.append(Drop(entry))
+        entry = next(self._ids)
+        self._entries[entry] = tokens
+        return [Save(slot, entry, len(tokens)), *ops]

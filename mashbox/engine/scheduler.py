@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mashbox.engine.prefix_cache import PrefixCache
+from mashbox.engine.prefix_cache import CacheOp, PrefixCache
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.slots import SlotTable
 
@@ -34,9 +34,10 @@ class Work:
 
 @dataclass(slots=True)
 class Plan:
-    """The scheduler's only contract with the runner."""
+    """The scheduler's only contract with the runner: prefix-cache copies first, then the work."""
 
     work: list[Work] = field(default_factory=list)
+    cache_ops: list[CacheOp] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,9 +48,10 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, ctx: int, chunk_tokens: int) -> None:
+    def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
+                 kv_bytes_per_token: int = 0) -> None:
         self.slots = SlotTable(num_slots)
-        self.cache = PrefixCache(num_slots, block=chunk_tokens)
+        self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token)
         self.lookup_tokens = 0
         self.hit_tokens = 0
         self.ctx = ctx
@@ -86,7 +88,7 @@ class Scheduler:
             if self._chunk_len(seq) > budget and plan:
                 break
             self.waiting.popleft()
-            self._admit(seq)
+            plan.cache_ops += self._admit(seq)
             budget -= self._prefill(plan, seq, budget)
         return plan
 
@@ -103,14 +105,14 @@ class Scheduler:
                 self._check_limits(w.seq, token)
         return new
 
-    def _admit(self, seq: Sequence) -> None:
-        """Start ``seq`` in the free slot holding the longest prefix of its prompt."""
-        match = self.cache.match(seq.prompt_ids, self.slots.free_slots)
+    def _admit(self, seq: Sequence) -> list[CacheOp]:
+        """Start ``seq`` in the free slot (or host entry) holding the longest prefix of its prompt."""
+        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots)
         seq.start(self.slots.allocate(match.slot), cached=match.tokens)
-        self.cache.insert(match.slot, seq.prompt_ids[: match.tokens])
         self.lookup_tokens += len(seq.prompt_ids)
         self.hit_tokens += match.tokens
         self.running.append(seq)
+        return ops
 
     def _check_limits(self, seq: Sequence, token: int) -> None:
         if token in seq.eos_ids:

@@ -25,6 +25,9 @@ class EngineStats:
     kv_cache_bytes: int
     kv_tokens_used: int
     prefix_cached_tokens: int
+    host_cache_bytes: int
+    host_cache_cap_bytes: int
+    host_cache_evictions: int
     prompt_tokens: int
     generated_tokens: int
     prefix_lookup_tokens: int

@@ -5,8 +5,9 @@
 when the load failed (the spec names ok and loading; a failed load will
 never be ready, so it is not called loading; the CLI exits on it anyway).
 
-Fields the engine cannot know yet are null, never invented: there is no
-host prompt cache yet (its bytes and evictions are 0), no compiled-program
+Fields the engine cannot know yet are null, never invented: the host prompt
+cache's figures come from the engine once it runs (until then the cap is the
+configured one and the bytes 0); there are no snapshots (0), no compiled-program
 deployment or component set (null), no certification gate (``uncertified``),
 and the engine compiles no programs (``compiles_after_ready`` is 0 once
 ready). ``worker_pid`` is left out where the engine runs in this process.
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from mashbox.engine.info import ModelInfo
     from mashbox.server.backend import Backend
 
-CACHE_POLICY = "slot-prefix/1"  # bump when what a cached prompt state means changes
+CACHE_POLICY = "slot-prefix+host-lru/1"  # bump when what a cached prompt state means changes
 CERTIFICATION = "uncertified"
 _STATUS = {"ready": "ok", "loading": "loading", "failed": "failed"}
 
@@ -38,11 +39,11 @@ def health(backend: Backend, waiting: int, cache_cap_bytes: int = 0) -> tuple[in
         "status": _STATUS.get(backend.state, "loading"),
         "live_rows": stats.running if stats else None,
         "waiting": combined_waiting(waiting, stats.waiting if stats else 0),
-        "cache_bytes": 0,
-        "host_cache_bytes": 0,
+        "cache_bytes": stats.host_cache_bytes if stats else 0,
+        "host_cache_bytes": stats.host_cache_bytes if stats else 0,
         "snapshot_bytes": 0,
-        "host_cache_cap_bytes": cache_cap_bytes,
-        "host_cache_evictions": 0,
+        "host_cache_cap_bytes": stats.host_cache_cap_bytes if stats else cache_cap_bytes,
+        "host_cache_evictions": stats.host_cache_evictions if stats else 0,
         "cache_namespace": cache_namespace(info) if info else None,
         "deployment_id": None,
         "component_set_sha": None,
