@@ -58,11 +58,15 @@ def serve(backend: Backend, settings: Settings, send_buffer: int | None = None) 
         sock.close()
 
 
+def _running(engine: Engine, settings: Settings, send_buffer: int | None = None) -> Iterator[Running]:
+    backend = InProcessBackend.of(engine)
+    for url in serve(backend, settings, send_buffer):
+        yield Running(url, backend, engine)
+
+
 @pytest.fixture(scope="session")
 def smol_server(smol_engine) -> Iterator[Running]:
-    backend = InProcessBackend.of(smol_engine)
-    for url in serve(backend, Settings()):
-        yield Running(url, backend, smol_engine)
+    yield from _running(smol_engine, Settings())
 
 
 @pytest.fixture(scope="session")
@@ -74,16 +78,12 @@ def long_engine(tiny_model_dir) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def tiny_server(long_engine) -> Iterator[Running]:
-    backend = InProcessBackend.of(long_engine)
-    for url in serve(backend, Settings()):
-        yield Running(url, backend, long_engine)
+    yield from _running(long_engine, Settings())
 
 
 @pytest.fixture(scope="session")
 def idle_server(long_engine) -> Iterator[Running]:
-    backend = InProcessBackend.of(long_engine)
-    for url in serve(backend, Settings(idle_timeout_s=1.0), send_buffer=4096):
-        yield Running(url, backend, long_engine)
+    yield from _running(long_engine, Settings(idle_timeout_s=1.0), send_buffer=4096)
 
 
 @pytest.fixture(scope="session")
