@@ -89,7 +89,7 @@ def _operation(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
         body = {"application/json": {"schema": refs[route.request, "validation"]}}
         operation["requestBody"] = {"required": True, "content": body}
     operation["responses"] = {"200": {"description": "OK", **_content(route, refs)}} | {
-        code: {"description": text, **_errors(route, code)} for code, text in route.errors.items() if code != "200"
+        code: {"description": text, **_errors(route)} for code, text in route.errors.items() if code != "200"
     }
     return operation
 
@@ -106,7 +106,7 @@ def _content(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
     return {"content": content}
 
 
-def _errors(route: Route, code: str) -> dict[str, Any]:
+def _errors(route: Route) -> dict[str, Any]:
     if route.method == "head":
         return {}
     shape = "Health" if route.answer is HEALTH else (
