@@ -239,3 +239,12 @@ def test_prefix_restored_from_host_memory_gives_the_cold_answer(tiny_model_dir):
     assert warm_text == cold_text
     assert stats.host_cache_bytes >= 2 * 256 * per_token
     assert stats.host_cache_cap_bytes == 64 * 2**20 and stats.host_cache_evictions == 0
+
+
+def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.stream(EngineRequest(prompt=""))
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.complete(prompt="")
+    assert err.value.param == "prompt"

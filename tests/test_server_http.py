@@ -182,6 +182,26 @@ def test_ignored_fields_header(http):
     assert "x-mashbox-ignored-fields" not in http.post("/v1/chat/completions", json=CHAT).headers
 
 
+def test_ignored_field_names_with_control_characters_still_get_an_answer(http):
+    response = http.post("/v1/chat/completions", json={**CHAT, "bad\r\nname\u0007é": 1, "x" * 5000: 2})
+    assert response.status_code == 200
+    header = response.headers["x-mashbox-ignored-fields"]
+    assert "bad\\r\\nname\\x07\\xe9" in header and len(header) <= 2051 and header.isprintable()
+
+
+def test_conversation_without_content_is_a_400_naming_messages(http):
+    for path in ("/v1/chat/completions", "/v1/messages/count_tokens"):
+        body = {"messages": [{"role": "system", "content": ""}], "max_tokens": 2}
+        response = http.post(path, json=body)
+        assert response.status_code == 400, response.text
+        assert "messages" in response.text
+
+
+def test_empty_prompt_is_a_400_naming_prompt(http):
+    response = http.post("/v1/completions", json={"prompt": "", "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
 def test_session_is_logged(http, caplog):
     with caplog.at_level(logging.INFO, logger="mashbox.server"):
         response = http.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": "sess-42"})

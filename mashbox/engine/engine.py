@@ -32,7 +32,7 @@ from mashbox.engine.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
 from mashbox.engine.weights import weight_mode
-from mashbox.errors import ContextLengthError, MashboxError
+from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError
 
 log = logging.getLogger("mashbox")
 
@@ -124,9 +124,11 @@ class Engine:
 
     def _job(self, request: EngineRequest) -> Job:
         ids = self.encode(request)
+        field = "prompt" if request.prompt is not None else "messages"
+        if not ids:
+            raise InvalidRequestError(field, "is empty: there is no token to continue from")
         room = self.ctx - len(ids)
         if room < 1:
-            field = "prompt" if request.prompt is not None else "messages"
             raise ContextLengthError(
                 field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx"
             )

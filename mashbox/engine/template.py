@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jinja2
+
 from mashbox.engine.request import Message, Tool, ToolCall
 from mashbox.errors import InvalidRequestError
 
@@ -32,10 +34,15 @@ class ChatTemplate:
             kwargs["tools"] = [_tool(t) for t in tools]
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
-        return self.tokenizer.apply_chat_template(
-            self.conversation(messages, () if self.knows_tools else tools), tokenize=False,
-            add_generation_prompt=True, **kwargs,
-        )
+        conversation = self.conversation(messages, () if self.knows_tools else tools)
+        if not conversation:
+            raise InvalidRequestError("messages", "holds no message with content")
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except (jinja2.TemplateError, ValueError) as err:
+            raise InvalidRequestError("messages", f"the model's chat template refuses this conversation: {err}") from err
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]

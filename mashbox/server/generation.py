@@ -28,6 +28,7 @@ from mashbox.server.errors import ApiError
 from mashbox.server.sse import DONE, EventStream, data_frame, event_frame
 
 log = logging.getLogger("mashbox.server")
+MAX_HEADER = 2048  # an ignored-fields header longer than this is cut
 T = TypeVar("T")
 
 
@@ -70,7 +71,8 @@ def ignored_header(req: RequestModel) -> dict[str, str]:
     if not ignored:
         return {}
     log.debug("ignored fields: %s", ", ".join(ignored))
-    return {"x-mashbox-ignored-fields": ", ".join(ignored).encode("ascii", "backslashreplace").decode()}
+    value = ", ".join(name.encode("unicode_escape").decode("ascii") for name in ignored)
+    return {"x-mashbox-ignored-fields": value[:MAX_HEADER] + ("..." if len(value) > MAX_HEADER else "")}
 
 
 async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], request: Request) -> Response:

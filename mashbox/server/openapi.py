@@ -33,6 +33,13 @@ ANTHROPIC_ERRORS = {"400": "Bad request.", "429": "Too many requests of yours ar
                     "529": "The model is still loading, or the server's queue is full."}
 
 
+GUARDS = {
+    "401": "An API key is missing or wrong (only when the server has keys).",
+    "403": "A request from a web page of another origin, or naming a host this server does not answer to.",
+    "415": "The body is not Content-Type: application/json.",
+}
+
+
 class Route(NamedTuple):
     method: str
     path: str
@@ -88,10 +95,18 @@ def _operation(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
     if route.request is not None:
         body = {"application/json": {"schema": refs[route.request, "validation"]}}
         operation["requestBody"] = {"required": True, "content": body}
+    errors = route.errors | _guards(route)
     operation["responses"] = {"200": {"description": "OK", **_content(route, refs)}} | {
-        code: {"description": text, **_errors(route)} for code, text in route.errors.items() if code != "200"
+        code: {"description": text, **_errors(route)} for code, text in sorted(errors.items()) if code != "200"
     }
     return operation
+
+
+def _guards(route: Route) -> dict[str, str]:
+    """The refusals that come before any route: 403 anywhere, 401 where keys apply, 415 on POST."""
+    keyed = route.path in ("/metrics", "/openapi.json") or (route.path.startswith("/v1/") and route.path != "/v1/health")
+    codes = ["403"] + (["401"] if keyed else []) + (["415"] if route.method == "post" else [])
+    return {code: GUARDS[code] for code in codes}
 
 
 def _content(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
