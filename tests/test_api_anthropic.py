@@ -208,6 +208,7 @@ def test_invalid_tool_arguments_give_an_empty_input():
 
 def test_error_event():
     translator, events = _stream(_request(), [TextDelta("x"), Finish("error", USAGE, TIMINGS, error="oom")])
-    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "oom"}}
+    message_id = events[0]["message"]["id"]
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "oom"}, "request_id": message_id}
     assert translator.error("gone")[0].dump()["error"]["message"] == "gone"
     sdk.ErrorResponse.model_validate(events[-1])

@@ -186,6 +186,6 @@ def test_content_is_empty_text_without_tool_calls():
 def test_error_chunk_ends_a_failed_stream():
     translator, _ = _stream(_request(), [TextDelta("x")])
     [chunk] = translator.error("device lost")
-    assert chunk.dump()["error"] == {"message": "device lost", "type": "server_error"}
+    assert chunk.dump()["error"] == {"message": "device lost", "type": "server_error", "request_id": chunk.id}
     _, chunks = _stream(_request(), [Finish("error", USAGE, TIMINGS, error="boom")])
     assert chunks[-1]["error"]["message"] == "boom"

@@ -120,11 +120,16 @@ def test_a_second_failure_is_500(flaky, stream):
 def test_a_failure_after_output_ends_the_stream_with_an_error_event(flaky):
     backend, client = flaky(3, True)
     chat = frames(client.post("/v1/chat/completions", json={**SHORT, "stream": True}).text)
-    assert json.loads(chat[-2][1])["error"]["message"] == "device lost" and chat[-1][1] == "[DONE]"
+    error = json.loads(chat[-2][1])
+    assert error["error"]["message"] == "device lost" and chat[-1][1] == "[DONE]"
+    assert error["error"]["request_id"] == error["id"] == json.loads(chat[0][1])["id"]
     messages = frames(client.post("/v1/messages", json={**SHORT, "stream": True}).text)
     assert messages[-1][0] == "error"
+    assert json.loads(messages[-1][1])["request_id"] == json.loads(messages[0][1])["message"]["id"]
     responses = frames(client.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
     assert [name for name, _ in responses[-2:]] == ["error", "response.failed"]
+    failed = json.loads(responses[-1][1])["response"]
+    assert failed["id"] == json.loads(responses[0][1])["response"]["id"] and failed["status"] == "failed"
     assert backend.runs == 3
 
 

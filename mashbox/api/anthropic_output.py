@@ -145,6 +145,7 @@ class ErrorDetail(OutModel):
 class ErrorEvent(OutModel):
     type: Literal["error"] = "error"
     error: ErrorDetail
+    request_id: str | None = None
 
 
 StreamEvent = Annotated[
@@ -189,7 +190,7 @@ class Translator:
         return [e for change in self._blocks.feed(event) for e in self._on(change)]
 
     def error(self, message: str) -> list[StreamEvent]:
-        return [ErrorEvent(error=ErrorDetail(message=message))]
+        return [ErrorEvent(error=ErrorDetail(message=message), request_id=self._id)]
 
     def response(self) -> AnthropicMessage:
         finish = self._blocks.done()

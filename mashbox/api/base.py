@@ -137,10 +137,12 @@ class SamplingFields(BaseModel):
 
 
 class ErrorBody(OutModel):
-    """The ``error`` a Chat or Completions stream ends with when it fails after starting."""
+    """The ``error`` a Chat or Completions stream ends with when it fails after starting;
+    ``request_id`` is the id of the response the client already holds part of."""
 
     message: str
     type: str = "server_error"
+    request_id: str | None = None
 
 
 def json_object(text: str) -> dict[str, Any]:

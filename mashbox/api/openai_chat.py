@@ -225,7 +225,7 @@ class Translator:
     def error(self, message: str) -> list[ChatCompletionChunk]:
         return [ChatCompletionChunk(
             id=self._id, created=self._created, model=self._model, choices=[],
-            error=ErrorBody(message=message),
+            error=ErrorBody(message=message, request_id=self._id),
         )]
 
     def response(self) -> ChatCompletion:
