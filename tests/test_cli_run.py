@@ -66,9 +66,10 @@ def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
         assert seen[0] in (503, 200) and set(seen) <= {503, 200}
         health = httpx.get(f"{url}/health").json()
         assert health["status"] == "ok" and health["worker_restarts"] == 0
-        answer = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"X-Session-Id": "sess-9"}, json={
             "messages": [{"role": "user", "content": "Name three planets."}], "max_tokens": 8})
         assert answer.status_code == 200, answer.text
+        request_id = answer.headers["x-request-id"]
         assert answer.json()["choices"][0]["finish_reason"] == "length"
         os.kill(health["worker_pid"], signal.SIGKILL)
         wait_for_loading(url)  # the server notices the worker's death and loads the model again
@@ -86,6 +87,7 @@ def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
     assert "Traceback" not in err
     assert gone(restarted["worker_pid"])
     assert "loading the model again (restart 1)" in err
+    assert any(request_id in line and "session=sess-9" in line for line in err.splitlines()), err
 
 
 def test_ctrl_c_stops_the_server_and_its_worker(tiny_model_dir):

@@ -5,6 +5,7 @@ the worker on the way out (Ctrl-C or SIGTERM).
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ class Launch:
 
 def serve(launch: Launch) -> int:
     """Serve until interrupted (0) or until the model fails to load (1)."""
+    _log_requests()
     backend = _backend(launch)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -97,6 +99,15 @@ def _backend(launch: Launch) -> Backend:
 def _url(settings: Settings) -> str:
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     return f"http://{host}:{settings.port}"
+
+
+def _log_requests() -> None:
+    """The server's log (each request with its id, session and tenant) goes to stderr."""
+    handler = logging.StreamHandler(sys.__stderr__ or sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("mashbox")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def _interrupt(signum: int, frame: object) -> None:
