@@ -119,9 +119,6 @@ class Engine:
     def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
         return self._aevents(self._job(request))
 
-    def generate(self, request: EngineRequest) -> list[Event]:
-        return list(self.stream(request))
-
     def _job(self, request: EngineRequest) -> Job:
         ids = self.encode(request)
         field = "prompt" if request.prompt is not None else "messages"

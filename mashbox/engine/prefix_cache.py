@@ -80,9 +80,6 @@ class PrefixCache:
         self._clock += 1
         self._used[slot] = self._clock
 
-    def holds(self, slot: int) -> int:
-        return len(self._tokens[slot])
-
     @property
     def cached_tokens(self) -> int:
         return sum(len(t) for t in self._tokens)

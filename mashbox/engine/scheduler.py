@@ -39,10 +39,6 @@ class Plan:
     work: list[Work] = field(default_factory=list)
     cache_ops: list[CacheOp] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(w.token_ids) for w in self.work)
-
     def __bool__(self) -> bool:
         return bool(self.work)
 
