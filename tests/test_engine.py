@@ -248,3 +248,16 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.complete(prompt="")
     assert err.value.param == "prompt"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "nonsense"])
+def test_a_dtype_the_cpu_cannot_run_is_refused_before_loading(dtype):
+    import torch
+
+    from mashbox.engine.weights import weight_mode
+
+    with pytest.raises(ValueError, match="dtype"):
+        weight_mode(torch.device("cpu"), dtype, batch_invariant=True)
+    assert weight_mode(torch.device("cpu"), "float32", batch_invariant=True) == (torch.float32, "tiled")
+    assert weight_mode(torch.device("cpu"), "float32", batch_invariant=False) == (torch.float32, "plain")
+    assert weight_mode(torch.device("cuda"), None, batch_invariant=True) == (torch.bfloat16, "plain")

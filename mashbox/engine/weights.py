@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers.activations import ACT2FN
 
+from mashbox.engine.loader import pick_dtype
 from mashbox.errors import ModelLoadError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 TILE = 16
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 
 class Linear:
@@ -79,10 +78,11 @@ def weight_mode(device: torch.device, dtype: str | None, batch_invariant: bool) 
     ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
     """
     if device.type != "cpu":
-        return _DTYPES.get(dtype or "bfloat16", torch.bfloat16), "plain"
-    if dtype in (None, "float16", "fp16", "half") and fbgemm_available():
+        return pick_dtype(dtype, device), "plain"
+    asked = None if dtype is None else pick_dtype(dtype, device)
+    if asked in (None, torch.float16) and fbgemm_available():
         return torch.float32, "packed"
-    if dtype not in (None, "float32", "fp32", "float", "float16", "fp16", "half"):
+    if asked not in (None, torch.float16, torch.float32):
         raise ValueError(f"dtype: {dtype!r} is not supported on CPU; use float16 (packed) or float32")
     return torch.float32, "tiled" if batch_invariant else "plain"
 
