@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from mashbox import EngineRequest, Finish, SamplingParams
+from mashbox import Engine, EngineRequest, Finish, SamplingParams
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
@@ -65,12 +65,14 @@ def test_batched_greedy_equals_generate(model, mode):
     assert [s.output_ids for s in seqs] == expected
 
 
-def test_engine_text_equals_generate(tiny_engine, tiny_model_dir, smol_tokenizer):
+def test_engine_text_equals_generate(tiny_model_dir, smol_tokenizer):
+    """Exact fp32 weights: the Engine's text is generate()'s (int8 weights are checked in test_native)."""
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
-    if tiny_engine.info.weights_mode == "packed":
-        model = fp16_weights(model)
     prompts = ["The quick brown fox", "Once upon a time, in a land far away,", "1 2 3"]
-    streams = [tiny_engine.stream(EngineRequest(prompt=p, sampling=SamplingParams(max_tokens=16))) for p in prompts]
+    with Engine(str(tiny_model_dir), ctx=512, slots=4, dtype="float32", quiet=True) as engine:
+        assert engine.info.weights_mode == "tiled"
+        streams = [list(engine.stream(EngineRequest(prompt=p, sampling=SamplingParams(max_tokens=16))))
+                   for p in prompts]
     for prompt, events in zip(prompts, streams):
         events = list(events)
         text = "".join(e.text for e in events[:-1])

@@ -287,7 +287,13 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+_FORMS = {  # Linear mode -> (what the info says, weight bytes against fp32)
+    "packed": ("float16 weights, float32 activations", 0.5),
+    "q8": ("int8 weights, float32 activations", 0.28),
+}
+
+
 def _info(loaded: LoadedModel, ctx: int, slots: int, mode: str) -> ModelInfo:
-    dtype = "float16 weights, float32 activations" if mode == "packed" else str(loaded.dtype).removeprefix("torch.")
-    gb = loaded.gb / 2 if mode == "packed" else loaded.gb
+    dtype, share = _FORMS.get(mode, (str(loaded.dtype).removeprefix("torch."), 1.0))
+    gb = loaded.gb * share
     return ModelInfo(loaded.id, ctx, slots, loaded.weights, loaded.bpw, gb, str(loaded.device), dtype, mode)

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mashbox.engine import sampler
+from mashbox.engine import native, ops, sampler
 from mashbox.engine.kv_cache import KVCache
 from mashbox.engine.prefix_cache import CacheOp, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.weights import Weights
+
+DENSE_ROWS = 32  # a prompt chunk of this many rows runs its q8 matmuls dense, in fp32
 
 
 @dataclass(slots=True)
@@ -32,13 +34,18 @@ class Batch:
     offsets: list[int]
     masks: list[torch.Tensor | None]
     sample_rows: torch.Tensor
+    single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token work item
+    dense: tuple[tuple[int, int], ...]  # row ranges of prompt chunks long enough for a dense matmul
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, ctx: int, mode: str = "tiled") -> None:
-        self.weights = Weights.from_model(model, ctx, mode)
+        lib = native.load() if mode == "q8" else None
+        self.weights = Weights.from_model(model, ctx, mode, lib)
         self.device = self.weights.embed.device
+        self.ops = ops.pick(self.device, native.load(), self.weights.embed.dtype == torch.float32)
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, self.weights.embed.dtype, self.device)
+        self._fused = DecodeLayers(self.weights, self.kv, lib) if DecodeLayers.fits(self.weights) else None
         self.generators: list[torch.Generator | None] = [None] * num_slots
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -48,8 +55,8 @@ class ModelRunner:
         for op in plan.cache_ops:
             self._move(op)
         batch = self._batch(plan)
-        hidden = self.forward(plan.work, batch)
-        logits = self.weights.lm_head(hidden[batch.sample_rows])
+        hidden = self.forward(plan.work, batch)[batch.sample_rows]
+        logits = self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
         sampling = [w.seq for w in plan.work if w.sample]
         for row, seq in zip(logits, sampling):
             if seq.constraint is not None:
@@ -82,33 +89,53 @@ class ModelRunner:
 
     def forward(self, work: list[Work], batch: Batch) -> torch.Tensor:
         w = self.weights
+        w, eps = self.weights, self.weights.spec.eps
         x = w.embed[batch.ids]
-        cos, sin = w.cos[batch.positions], w.sin[batch.positions]
+        if self._fused is not None and batch.single.shape[1] == x.shape[0]:
+            return self._fused(x, batch)
         for i, layer in enumerate(w.layers):
-            q, k, v = layer.qkv(w.rms_norm(x, layer.ln_attn), cos, sin)
+            h = self.ops.rms_norm(x, layer.ln_attn, eps)
+            q, k, v = layer.qkv(h, batch.positions, w.cos, w.sin, self.ops, batch.dense)
             self.kv.write(i, batch.slots, batch.positions, k, v)
-            attn = self._attention(i, work, batch, q)
-            x = x + layer.o(attn)
-            x = x + layer.mlp(w.rms_norm(x, layer.ln_mlp))
-        return w.rms_norm(x, w.norm)
+            x += layer.o(self._attention(i, work, batch, q), batch.dense)
+            x += layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops, batch.dense)
+        return x
 
     def _attention(self, layer: int, work: list[Work], batch: Batch, q: torch.Tensor) -> torch.Tensor:
-        out = []
+        """Each work item attends over exactly its own keys: one-token items in one native call."""
+        native_rows = isinstance(self.ops, ops.NativeOps)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if native_rows and batch.single.shape[1]:
+            self._decode_attention(layer, batch.single, q, out)
         for item, start, mask in zip(work, batch.offsets, batch.masks):
             n = len(item.token_ids)
+            if native_rows and n == 1:
+                continue
             keys, values = self.kv.read(layer, item.slot, item.position + n)
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True,
                 scale=self.weights.spec.scale,
             )
-            out.append(o.squeeze(0).transpose(0, 1).reshape(n, -1))
-        return torch.cat(out)
+            out[start : start + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
+        return out
+
+    def _decode_attention(self, layer: int, single: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+        spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
+        rows, slots, lens = single
+        self.ops.lib.mb_decode_attention(
+            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+            out.data_ptr(), single.shape[1], spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[1],
+            spec.scale)
 
     def _batch(self, plan: Plan) -> Batch:
-        ids, positions, slots, offsets, rows = [], [], [], [], []
+        ids, positions, slots, offsets, rows, single, dense = [], [], [], [], [], [], []
         for item in plan.work:
             n = len(item.token_ids)
+            if n == 1:
+                single.append((len(ids), item.slot, item.position + 1))
+            elif n >= DENSE_ROWS:
+                dense.append((len(ids), len(ids) + n))
             offsets.append(len(ids))
             ids.extend(item.token_ids)
             positions.extend(range(item.position, item.position + n))
@@ -117,7 +144,9 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         masks = [self._causal_mask(w) for w in plan.work]
-        return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), offsets, masks, as_tensor(rows))
+        single_rows = as_tensor(single).reshape(-1, 3).T.contiguous()
+        return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), offsets, masks, as_tensor(rows),
+                     single_rows, tuple(dense))
 
     def _causal_mask(self, item: Work) -> torch.Tensor | None:
         """Prompt chunk rows see the cache before them and the chunk up to themselves."""
@@ -136,3 +165,42 @@ class ModelRunner:
             g.manual_seed(seed if seed is not None else random.getrandbits(63))
             self.generators[item.slot] = g
         return self.generators[item.slot]
+
+
+class DecodeLayers:
+    """Every layer for a batch of one-token rows, each layer in one native call.
+
+    The call runs the same kernels in the same order as ``ModelRunner.forward`` does with
+    native ops, so a row's result does not depend on which path ran it.
+    """
+
+    def __init__(self, weights: Weights, kv: KVCache, lib) -> None:
+        s = weights.spec
+        self.fn = lib.mb_decode_layer
+        self.kv = kv
+        self.cos, self.sin = weights.cos, weights.sin
+        self.layers = [self._args(layer, i) for i, layer in enumerate(weights.layers)]
+        self.shape = (s.num_heads, s.num_kv_heads, s.head_dim, s.eps, s.scale)
+
+    @staticmethod
+    def fits(weights: Weights) -> bool:
+        return all(layer.qkv_proj.mode == layer.o.mode == layer.gate_up.mode == layer.down.mode == "q8"
+                   and layer.q_norm is None and layer.act is None for layer in weights.layers)
+
+    def _args(self, layer, i: int) -> tuple:
+        p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return (layer.down.weight.shape[0], layer.down.weight.shape[1], p(layer.ln_attn),
+                p(layer.qkv_proj.weight), p(layer.qkv_proj._packed), p(layer.qkv_bias),
+                p(layer.o.weight), p(layer.o._packed), p(layer.ln_mlp), p(layer.gate_up.weight),
+                p(layer.gate_up._packed), p(layer.down.weight), p(layer.down._packed),
+                p(self.kv.keys[i]), p(self.kv.values[i]))
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        heads, kv_heads, head_dim, eps, scale = self.shape
+        rows, ctx = x.shape[0], self.kv.keys.shape[2]
+        slots, positions = batch.slots.data_ptr(), batch.positions.data_ptr()
+        cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
+        for dim, inter, ln_attn, qkv_w, qkv_s, bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, k, v in self.layers:
+            self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv_w, qkv_s,
+                    bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, slots, positions, cos, sin, k, v, ctx)
+        return x

@@ -1,0 +1,234 @@
+"""mashbox against the peers it finds, side by side in one run, on the same GGUF and load.
+
+    .venv/bin/python bench/compare.py [--llama-server PATH] [--transformers] [--streams 1 4 16]
+
+Starts each server in turn on 127.0.0.1 (never two at once: they share the machine), waits for
+its health, then drives it with bench/loadgen.py at each stream count (~107-token prompts, 128 new
+tokens, greedy, streaming), times one 2k-token prompt to its first token (prefill speed), and a
+second 2k-token prompt sharing the first's prefix (the prefix cache). Peers: llama.cpp's
+``llama-server`` (``--llama-server``, else on PATH, else where ../shared/bench/build_llama_server.sh
+puts it) with 16 slots on the same GGUF; ``transformers serve`` with ``--transformers``. Prints
+one table with each figure and mashbox's ratio to the best peer, and writes it as JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import loadgen  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_LLAMA = Path("/tmp/llama-peer/build/bin/llama-server")
+CTX = 2048
+SLOTS = 16
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    model: str
+    env: dict[str, str] = field(default_factory=dict)
+    figures: dict[str, float | None] = field(default_factory=dict)
+    note: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def smollm2_gguf() -> Path:
+    from mashbox.engine.catalog import resolve
+
+    return resolve("smollm2-135m").path
+
+
+def amx_without_support() -> bool:
+    """llama.cpp's AMX repacking crashes on some VMs that report AMX: run it with --no-repack there."""
+    try:
+        return "amx" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def mashbox_server(port: int, threads: int) -> Server:
+    command = [str(ROOT / ".venv/bin/mashbox"), "run", "--port", str(port), "--ctx", str(CTX), "--slots", str(SLOTS)]
+    return Server("mashbox", command, "smollm2-135m", {"OMP_NUM_THREADS": str(threads)})
+
+
+def llama_server(binary: str, port: int, threads: int) -> Server:
+    command = [binary, "-m", str(smollm2_gguf()), "--host", "127.0.0.1", "--port", str(port),
+               "-c", str(CTX * SLOTS), "-np", str(SLOTS), "-t", str(threads), "--no-webui"]
+    if amx_without_support():
+        command.append("--no-repack")
+    return Server("llama-server", command, "smollm2-135m")
+
+
+def transformers_server(port: int, threads: int) -> Server:
+    from mashbox.engine.catalog import cache_dir
+
+    converted = sorted((cache_dir() / "converted").glob("SmolLM2*float32"))
+    model = str(converted[0]) if converted else "smollm2-135m"
+    command = [str(ROOT / ".venv/bin/transformers"), "serve", "--port", str(port), "--continuous-batching",
+               "--force-model", model]
+    return Server("transformers serve", command, model, {"OMP_NUM_THREADS": str(threads)})
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float | None:
+    """Seconds until GET /health answers 200, or None if the process died or time ran out."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            return None
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return None
+
+
+def load(url: str, model: str, streams: int, requests: int, max_tokens: int) -> dict:
+    args = argparse.Namespace(
+        url=url, model=model, concurrency=streams, requests=requests, max_tokens=max_tokens, prompt_len=64,
+        prompt_seed=1234, seed=0, warmup=1, request_timeout=300.0, deadline=900.0, no_usage=False,
+        ignore_eos=False, extra_body=None, label="", json_out=None, quiet=True)
+    return asyncio.run(loadgen.run(args))
+
+
+def first_token(url: str, model: str, prompt: str) -> tuple[float, int]:
+    """(seconds to the first streamed token, prompt tokens) of one request."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start, first, prompt_tokens = time.perf_counter(), None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+    return (first or time.perf_counter() - start), prompt_tokens
+
+
+def long_prompt(seed: int, words: int = 1500) -> str:
+    return loadgen.make_prompts(1, words, seed=seed)[0]
+
+
+def measure(server: Server, args) -> None:
+    port = int(server.command[server.command.index("--port") + 1])
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **server.env}
+    proc = subprocess.Popen(server.command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        ready = wait_ready(url, proc, args.ready_timeout)
+        if ready is None:
+            server.note = f"did not become ready: {_tail(proc)}"
+            return
+        server.figures["ready_s"] = ready
+        for n in args.streams:
+            summary = load(url, server.model, n, args.requests, args.max_tokens)
+            server.figures[f"tok_s_{n}"] = summary["output_tok_per_s"] if summary["errors"] == 0 else None
+            server.figures[f"ttft_p50_{n}"] = (summary["ttft_ms"]["p50"] or 0) / 1000
+            print(f"  {server.name}: {n} streams {summary['output_tok_per_s']} tok/s, "
+                  f"TTFT p50 {summary['ttft_ms']['p50']} ms, errors {summary['errors']}", flush=True)
+        cold, tokens = first_token(url, server.model, long_prompt(7) + " Summarise this.")
+        warm, _ = first_token(url, server.model, long_prompt(7) + " List the nouns.")
+        server.figures.update(prefill_tok_s=tokens / cold, cold_ttft_s=cold, warm_ttft_s=warm,
+                              prefix_warm_share=warm / cold)
+        print(f"  {server.name}: {tokens}-token prompt: cold TTFT {cold:.2f} s, shared prefix {warm:.2f} s", flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _tail(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        return "timed out"
+    return (proc.stderr.read() or b"").decode(errors="replace").strip().splitlines()[-1:][0:1].__str__()
+
+
+ROWS = [  # (figure, label, higher is better)
+    ("ready_s", "time to /health 200 (s)", False),
+    *[(f"tok_s_{n}", f"{n} stream{'s' * (n > 1)}: output tok/s", True) for n in (1, 4, 16)],
+    *[(f"ttft_p50_{n}", f"{n} stream{'s' * (n > 1)}: TTFT p50 (s)", False) for n in (1, 4, 16)],
+    ("prefill_tok_s", "2k prompt: prefill tok/s", True),
+    ("cold_ttft_s", "2k prompt: TTFT cold (s)", False),
+    ("warm_ttft_s", "2k shared prefix: TTFT (s)", False),
+    ("prefix_warm_share", "shared prefix TTFT / cold", False),
+]
+
+
+def table(servers: list[Server]) -> str:
+    mine, peers = servers[0], servers[1:]
+    head = ["figure", *(s.name for s in servers), "mashbox / best peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, label, higher in ROWS:
+        values = [s.figures.get(key) for s in servers]
+        if all(v is None for v in values):
+            continue
+        peer_values = [v for v in values[1:] if v]
+        best = (max if higher else min)(peer_values) if peer_values else None
+        mine_value = mine.figures.get(key)
+        ratio = "" if not (best and mine_value) else f"{(mine_value / best if higher else best / mine_value):.2f}x"
+        cells = ["—" if v is None else f"{v:.2f}" if v < 100 else f"{v:.0f}" for v in values]
+        lines.append("| " + " | ".join([label, *cells, ratio]) + " |")
+    notes = [f"{s.name}: {s.note}" for s in servers if s.note]
+    return "\n".join(lines + notes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", default=None, help="the llama-server binary (default: PATH, then "
+                        f"{DEFAULT_LLAMA})")
+    parser.add_argument("--transformers", action="store_true", help="also run `transformers serve`")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=2, help="requests per stream")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--ready-timeout", type=float, default=180)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+
+    servers = [mashbox_server(free_port(), args.threads)]
+    binary = args.llama_server or shutil.which("llama-server") or (str(DEFAULT_LLAMA) if DEFAULT_LLAMA.exists() else None)
+    if binary:
+        servers.append(llama_server(binary, free_port(), args.threads))
+    else:
+        print("no llama-server found: build it with ../shared/bench/build_llama_server.sh", file=sys.stderr)
+    if args.transformers:
+        servers.append(transformers_server(free_port(), args.threads))
+    for server in servers:
+        print(f"{server.name}: {' '.join(server.command)}", flush=True)
+        measure(server, args)
+    print()
+    print(table(servers))
+    if args.json:
+        Path(args.json).write_text(json.dumps({s.name: {"figures": s.figures, "note": s.note} for s in servers}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+/* mashbox's CPU kernels: int8 weight-only matmul and decode attention.
+ *
+ * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
+ * (-O3 -march=native -fopenmp, linked against the OpenMP runtime torch already loaded)
+ * and called through ctypes on torch tensors' memory.
+ *
+ * Batch invariance by construction: every output row is computed by the same
+ * sequence of floating-point operations whatever other rows are in the call,
+ * so a request's tokens never depend on what runs beside it.
+ *
+ * Weights are int8 in blocks of 32 along K with one fp32 scale per block (the Q8_0 layout of
+ * llama.cpp). A matmul quantizes each activation row the same way, then sums int8 products
+ * exactly in int32 per block and scales them in fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MB_AVX2 1
+#endif
+
+#define QK 32
+#define ROWS 4
+
+#ifdef MB_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+/* One activation row as int8 blocks of 32: q[K], s[K / 32] (max |x| / 127 per block). */
+static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *src = x + b * QK;
+        float amax = 0.0f;
+        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(src[l]));
+        float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+        s[b] = scale;
+        for (int l = 0; l < QK; l++) q[b * QK + l] = (int8_t)lrintf(src[l] * inv);
+    }
+}
+
+/* y[r * ldy] = sum over blocks of (int32 dot of block) * xs * ws, for r < rows (<= ROWS):
+ * the same operations for each row whatever `rows` is. Even and odd blocks go to two
+ * accumulators, added at the end. */
+#ifdef MB_AVX2
+static inline __m256 block_dot(__m256i wv, __m256i wabs, const int8_t *x, float scale, __m256 acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(scale), acc);
+}
+
+static inline __attribute__((always_inline)) void dot_rows_n(
+        const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, const int rows,
+        float *y, int64_t ldy) {
+    int64_t nb = K / QK;
+    __m256 even[ROWS], odd[ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + b * QK + QK));
+        __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+        for (int r = 0; r < rows; r++) {
+            even[r] = block_dot(w0, a0, xq + r * K + b * QK, xs[r * nb + b] * ws[b], even[r]);
+            odd[r] = block_dot(w1, a1, xq + r * K + b * QK + QK, xs[r * nb + b + 1] * ws[b + 1], odd[r]);
+        }
+    }
+    if (b < nb) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
+        __m256i a0 = _mm256_sign_epi8(w0, w0);
+        for (int r = 0; r < rows; r++) even[r] = block_dot(w0, a0, xq + r * K + b * QK, xs[r * nb + b] * ws[b], even[r]);
+    }
+    for (int r = 0; r < rows; r++) y[r * ldy] = hsum8(_mm256_add_ps(even[r], odd[r]));
+}
+
+static void dot_rows(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K,
+                     int rows, float *y, int64_t ldy) {
+    switch (rows) {
+    case 1: dot_rows_n(xq, xs, w, ws, K, 1, y, ldy); break;
+    case 2: dot_rows_n(xq, xs, w, ws, K, 2, y, ldy); break;
+    case 3: dot_rows_n(xq, xs, w, ws, K, 3, y, ldy); break;
+    default: dot_rows_n(xq, xs, w, ws, K, 4, y, ldy); break;
+    }
+}
+#else
+static void dot_rows(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K,
+                     int rows, float *y, int64_t ldy) {
+    int64_t nb = K / QK;
+    for (int r = 0; r < rows; r++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t sum = 0;
+            for (int l = 0; l < QK; l++) sum += (int32_t)xq[r * K + b * QK + l] * w[b * QK + l];
+            acc += (float)sum * (xs[r * nb + b] * ws[b]);
+        }
+        y[r * ldy] = acc;
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ dequant(w[N, K], s[N, K/32]).T, with x's rows quantized to int8 blocks. */
+void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
+                  int64_t M, int64_t N, int64_t K) {
+    int64_t nb = K / QK;
+    int8_t *xq = malloc(M * K);
+    float *xs = malloc(sizeof(float) * M * nb);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
+#pragma omp parallel for schedule(static) if (M * N * K > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m = 0; m < M; m += ROWS) {
+            int rows = M - m < ROWS ? (int)(M - m) : ROWS;
+            dot_rows(xq + m * K, xs + m * nb, w + n * K, s + n * nb, K, rows, y + m * N + n, N);
+        }
+    }
+    free(xq);
+    free(xs);
+}
+
+/* w[N, K] (fp32) -> int8 blocks of 32 with one scale each (max |w| / 127). */
+void mb_q8_quantize(const float *w, int8_t *q, float *s, int64_t N, int64_t K) {
+    int64_t nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N * nb; i++) {
+        const float *src = w + i * QK;
+        float amax = 0.0f;
+        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(src[l]));
+        float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+        s[i] = scale;
+        for (int l = 0; l < QK; l++) q[i * QK + l] = (int8_t)lrintf(src[l] * inv);
+    }
+}
+
+/* w[N, K] fp32 from its int8 blocks (for prompt chunks, which run through a dense matmul). */
+void mb_q8_dequantize(const int8_t *q, const float *s, float *w, int64_t N, int64_t K) {
+    int64_t nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N * nb; i++)
+        for (int l = 0; l < QK; l++) w[i * QK + l] = q[i * QK + l] * s[i];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#ifdef MB_AVX2
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum8(acc);
+    }
+#endif
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    int64_t i = 0;
+#ifdef MB_AVX2
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* One query row per request over its own slot's keys and values.
+ * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's cache
+ * [slots, ctx, KVH, D]; for each of R requests,
+ * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to. */
+void mb_decode_attention(const float *q, int64_t ldq, const float *k, const float *v, const int64_t *rows,
+                         const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
+                         int64_t KVH, int64_t D, int64_t ctx, float scale) {
+    int64_t group = H / KVH, max_len = 0;
+    for (int64_t r = 0; r < R; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
+#pragma omp parallel if (R * H * max_len > 4096)
+    {
+        float *p = malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < R * H; i++) {
+            int64_t r = i / H, h = i % H, len = lens[r];
+            const float *qi = q + rows[r] * ldq + h * D;
+            const float *kb = k + (slots[r] * ctx * KVH + h / group) * D;
+            const float *vb = v + (slots[r] * ctx * KVH + h / group) * D;
+            float *o = out + (rows[r] * H + h) * D, top = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < len; t++) {
+                p[t] = dot(qi, kb + t * KVH * D, D) * scale;
+                top = fmaxf(top, p[t]);
+            }
+            for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - top));
+            memset(o, 0, sizeof(float) * D);
+            for (int64_t t = 0; t < len; t++) axpy(o, p[t] / sum, vb + t * KVH * D, D);
+        }
+        free(p);
+    }
+}
+
+/* out[m] = x[m] / rms(x[m]) * w, one row at a time. */
+void mb_rms_norm(const float *x, const float *w, float *out, int64_t M, int64_t D, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * D;
+        float ss = dot(xm, xm, D) / (float)D, inv = 1.0f / sqrtf(ss + eps);
+        for (int64_t i = 0; i < D; i++) out[m * D + i] = w[i] * (xm[i] * inv);
+    }
+}
+
+/* Rotary embedding in place over the first `heads` heads of each row of x (row stride ld):
+ * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [ctx, D] at each row's position. */
+void mb_rope(float *x, int64_t ld, const int64_t *positions, const float *cos, const float *sin,
+             int64_t M, int64_t heads, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + positions[m] * D, *s = sin + positions[m] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *xh = x + m * ld + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                float a = xh[i], b = xh[i + half];
+                xh[i] = a * c[i] - b * s[i];
+                xh[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gated MLP's activation. */
+void mb_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i++) {
+            float g = gu[m * 2 * I + i];
+            out[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
+        }
+}
+
+static void add_rows(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* One decoder layer for M one-token rows, x [M, D] updated in place: the same kernels, in the
+ * same order, as the runner's general path, so a row's result is the same either way. Keys and
+ * values of each row are stored at its slot and position; it attends over positions 0..pos. */
+void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH, int64_t HD,
+                     float eps, float scale, const float *ln_attn, const int8_t *qkv_w, const float *qkv_s,
+                     const float *qkv_bias, const int8_t *o_w, const float *o_s, const float *ln_mlp,
+                     const int8_t *gu_w, const float *gu_s, const int8_t *down_w, const float *down_s,
+                     const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
+                     float *kcache, float *vcache, int64_t ctx) {
+    int64_t ld = (H + 2 * KVH) * HD, kv = KVH * HD, wide = D > I ? D : I;
+    float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
+    float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
+    int64_t *rows = malloc(sizeof(int64_t) * M * 2), *lens = rows + M;
+    mb_rms_norm(x, ln_attn, h, M, D, eps);
+    mb_q8_linear(h, qkv_w, qkv_s, qkv, M, ld, D);
+    if (qkv_bias)
+        for (int64_t m = 0; m < M; m++) add_rows(qkv + m * ld + 0, qkv_bias, ld);
+    mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
+    for (int64_t m = 0; m < M; m++) {
+        int64_t at = (slots[m] * ctx + positions[m]) * kv;
+        memcpy(kcache + at, qkv + m * ld + H * HD, sizeof(float) * kv);
+        memcpy(vcache + at, qkv + m * ld + H * HD + kv, sizeof(float) * kv);
+        rows[m] = m;
+        lens[m] = positions[m] + 1;
+    }
+    mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, lens, attn, M, H, KVH, HD, ctx, scale);
+    mb_q8_linear(attn, o_w, o_s, h, M, D, H * HD);
+    add_rows(x, h, M * D);
+    mb_rms_norm(x, ln_mlp, h, M, D, eps);
+    mb_q8_linear(h, gu_w, gu_s, gu, M, 2 * I, D);
+    mb_silu_mul(gu, h, M, I);
+    mb_q8_linear(h, down_w, down_s, gu, M, D, I);
+    add_rows(x, gu, M * D);
+    free(h);
+    free(qkv);
+    free(attn);
+    free(gu);
+    free(rows);
+}

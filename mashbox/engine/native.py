@@ -1,0 +1,95 @@
+"""mashbox's own CPU kernels (``kernels.c``), compiled once per machine and called through ctypes.
+
+torch offers no fast one-row matmul over 8-bit weights on every CPU (see docs/performance.md), so
+the decode step's matmuls and attention run in a small C file built with the machine's C compiler
+on first use and kept under ``<cache>/kernels/`` (keyed by the source, the compiler and the CPU).
+Without a C compiler, or with ``MASHBOX_NATIVE=0``, ``load()`` returns None and mashbox runs its
+torch kernels instead. The library links the OpenMP runtime torch itself loaded, so both share
+one pool of threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from mashbox.engine.catalog import cache_dir
+
+log = logging.getLogger("mashbox.engine")
+SOURCE = Path(__file__).with_name("kernels.c")
+BLOCK = 32  # weights are int8 in blocks of BLOCK along K, one fp32 scale per block
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "mb_q8_linear": (_P, _P, _P, _P, _I, _I, _I),
+    "mb_q8_quantize": (_P, _P, _P, _I, _I),
+    "mb_q8_dequantize": (_P, _P, _P, _I, _I),
+    "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
+    "mb_decode_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 17, _I),
+    "mb_rms_norm": (_P, _P, _P, _I, _I, _F),
+    "mb_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
+    "mb_silu_mul": (_P, _P, _I, _I),
+}
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, building them if needed; None where they cannot be built."""
+    if os.environ.get("MASHBOX_NATIVE", "1") == "0" or platform.system() != "Linux":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: mashbox's CPU kernels are off, torch's are used")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", err)
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + compiler.encode() + _cpu_id().encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return platform.machine() + "".join(sorted(set(lines)))
+
+
+def ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()

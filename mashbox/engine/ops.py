@@ -1,0 +1,68 @@
+"""The per-token operations of a layer, in two interchangeable forms.
+
+``TorchOps`` runs them as torch tensor ops (any device, the reference). ``NativeOps`` runs them
+through mashbox's compiled CPU kernels (``native.py``): one call each instead of several torch ops,
+which is what a decode step on a small model spends its time on. Each op treats every row on its
+own, so a row's result never depends on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from mashbox.engine.native import ptr
+
+
+class TorchOps:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, >= heads * head_dim] with its first ``heads`` heads rotated (a new tensor)."""
+        rotated = _rotate(x[:, : heads * head_dim].view(-1, heads, head_dim), cos[positions], sin[positions])
+        return torch.cat([rotated.flatten(1), x[:, heads * head_dim :]], dim=1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativeOps(TorchOps):
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.mb_rms_norm(ptr(x), ptr(weight), ptr(out), x.shape[0], x.shape[1], eps)
+        return out
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates in place: ``x`` must be contiguous rows."""
+        self.lib.mb_rope(ptr(x), x.shape[1], ptr(positions), ptr(cos), ptr(sin), x.shape[0], heads, head_dim)
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self.lib.mb_silu_mul(ptr(gate_up), ptr(out), rows, width // 2)
+        return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def pick(device: torch.device, lib: ctypes.CDLL | None, float32: bool) -> TorchOps:
+    """Native ops for float32 tensors on the CPU where the kernels could be built, else torch's."""
+    return NativeOps(lib) if device.type == "cpu" and lib is not None and float32 else TorchOps()

@@ -1,0 +1,143 @@
+"""mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from mashbox import SamplingParams
+from mashbox.engine import native
+from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.ops import NativeOps, TorchOps
+from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.sequence import Sequence
+from mashbox.engine.weights import Linear, dequantize, weight_mode
+
+from tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def lib():
+    assert shutil.which("cc") or shutil.which("gcc"), "these tests need a C compiler, as the set-up installs"
+    lib = native.load()
+    assert lib is not None, "the kernels should build wherever a C compiler is"
+    return lib
+
+
+def q8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes: x's rows as int8 blocks of 32, exact block sums, fp32 scaling."""
+    xb = x.view(x.shape[0], -1, 32)
+    xs = xb.abs().amax(-1) / 127
+    xq = torch.round(xb / torch.where(xs > 0, xs, 1)[..., None]).double()
+    sums = torch.einsum("mbk,nbk->mnb", xq, q.view(q.shape[0], -1, 32).double())
+    return (sums * (xs[:, None, :] * scales[None]).double()).sum(-1).float()
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 576)])
+def test_q8_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
+    g = torch.Generator().manual_seed(k + n)
+    weight = torch.randn(n, k, generator=g)
+    linear = Linear(weight, "q8", lib)
+    assert linear.mode == "q8" and linear.weight.dtype == torch.int8
+    assert torch.allclose(dequantize(lib, linear.weight, linear._packed), weight, atol=weight.abs().max() / 127)
+    x = torch.randn(9, k, generator=g)
+    out = linear(x)
+    assert torch.allclose(out, q8_reference(x, linear.weight, linear._packed), rtol=1e-4, atol=1e-3)
+    assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
+    for rows in range(1, 9):
+        assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"
+
+
+def test_q8_falls_back_when_the_width_is_not_a_multiple_of_32(lib):
+    assert Linear(torch.randn(8, 40), "q8", lib).mode in ("packed", "plain")
+
+
+def test_elementwise_ops_match_torch(lib):
+    g = torch.Generator().manual_seed(0)
+    native_ops, torch_ops = NativeOps(lib), TorchOps()
+    x, w = torch.randn(5, 64, generator=g), torch.randn(64, generator=g)
+    assert torch.allclose(native_ops.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5), atol=1e-5)
+    gate_up = torch.randn(5, 128, generator=g)
+    assert torch.allclose(native_ops.silu_mul(gate_up), torch_ops.silu_mul(gate_up), atol=1e-6)
+    positions = torch.tensor([0, 3, 7, 2, 9])
+    cos, sin = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    qkv = torch.randn(5, 6 * 16, generator=g)
+    expected = torch_ops.rope(qkv, 4, 16, positions, cos, sin)
+    assert torch.allclose(native_ops.rope(qkv.clone(), 4, 16, positions, cos, sin), expected, atol=1e-5)
+
+
+def test_decode_attention_matches_sdpa(lib):
+    g = torch.Generator().manual_seed(1)
+    slots, ctx, kv_heads, heads, dim = 3, 40, 2, 4, 16
+    keys, values = torch.randn(slots, ctx, kv_heads, dim, generator=g), torch.randn(slots, ctx, kv_heads, dim, generator=g)
+    q = torch.randn(2, heads, dim, generator=g)
+    rows, which, lens = torch.tensor([0, 1]), torch.tensor([2, 0]), torch.tensor([17, 40])
+    out = torch.empty(2, heads * dim)
+    lib.mb_decode_attention(q.data_ptr(), heads * dim, keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
+                            which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
+                            dim**-0.5)
+    for r in range(2):
+        k = keys[which[r], : lens[r]].transpose(0, 1)[None]
+        v = values[which[r], : lens[r]].transpose(0, 1)[None]
+        ref = F.scaled_dot_product_attention(q[r][None, :, None], k, v, enable_gqa=True)
+        assert torch.allclose(out[r], ref.reshape(-1), atol=1e-5)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
+    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=64)
+    seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
+    for s in seqs:
+        scheduler.add(s)
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.run(plan))
+    return [s.output_ids for s in seqs]
+
+
+def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_path(lib):
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(tiny_config(1000)).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
+    runner = ModelRunner(model, num_slots=4, ctx=512, mode="q8")
+    assert runner._fused is not None
+    batched = _greedy(runner, prompts)
+    assert [_greedy(runner, [p])[0] for p in prompts] == batched
+    runner._fused = None
+    assert _greedy(runner, prompts) == batched
+    assert len({tuple(b) for b in batched}) == len(prompts)
+
+
+def test_q8_forward_stays_close_to_fp32(lib):
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(tiny_config(1000)).eval()
+    ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = model(ids).logits[0, -1]
+    runner = ModelRunner(model, num_slots=1, ctx=64, mode="q8")
+    scheduler = Scheduler(num_slots=1, ctx=64, chunk_tokens=64)
+    seq = Sequence("a", ids[0].tolist(), SamplingParams(), 1)
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    with torch.inference_mode():
+        hidden = runner.forward(plan.work, runner._batch(plan))[-1:]
+        logits = runner.weights.lm_head(runner.ops.rms_norm(hidden, runner.weights.norm, runner.weights.spec.eps))[0]
+    assert F.cosine_similarity(logits, expected, dim=0) > 0.99
+
+
+def test_int8_is_the_cpu_default_and_the_fallback_works_without_kernels(lib, monkeypatch):
+    cpu = torch.device("cpu")
+    assert weight_mode(cpu, None, batch_invariant=True) == (torch.float32, "q8")
+    assert weight_mode(cpu, "int8", batch_invariant=True) == (torch.float32, "q8")
+    monkeypatch.setenv("MASHBOX_NATIVE", "0")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert weight_mode(cpu, None, batch_invariant=True)[1] in ("packed", "tiled")
+        with pytest.raises(ValueError, match="dtype: int8"):
+            weight_mode(cpu, "int8", batch_invariant=True)
+    finally:
+        monkeypatch.delenv("MASHBOX_NATIVE")
+        native.load.cache_clear()
