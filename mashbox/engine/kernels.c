@@ -5,8 +5,8 @@
  * and called through ctypes on torch tensors' memory.
  *
  * Batch invariance by construction: every output row is computed by the same
- * sequence of floating-point operations whatever other rows are in the call,
- * so a request's tokens never depend on what runs beside it.
+ * sequence of floating-point operations whatever other rows are in the call and
+ * however many threads run it, so a request's tokens never depend on what runs beside it.
  *
  * Weights are int8 in blocks of 32 along K with one fp32 scale per block (the Q8_0 layout of
  * llama.cpp). A matmul quantizes each activation row the same way, then sums int8 products
@@ -23,7 +23,6 @@
 #endif
 
 #define QK 32
-#define ROWS 4
 
 #ifdef MB_AVX2
 static inline float hsum8(__m256 v) {
@@ -39,87 +38,122 @@ static inline float hsum8(__m256 v) {
 static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *src = x + b * QK;
+#ifdef MB_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(src + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+        s[b] = scale;
+        __m256 vi = _mm256_set1_ps(inv);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vi));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vi));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+#else
         float amax = 0.0f;
         for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(src[l]));
         float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
         s[b] = scale;
         for (int l = 0; l < QK; l++) q[b * QK + l] = (int8_t)lrintf(src[l] * inv);
+#endif
     }
 }
 
-/* y[r * ldy] = sum over blocks of (int32 dot of block) * xs * ws, for r < rows (<= ROWS):
- * the same operations for each row whatever `rows` is. Even and odd blocks go to two
- * accumulators, added at the end. */
+/* Outputs are computed in tiles of up to TR activation rows x TC weight rows. Each output has one
+ * accumulator and adds its blocks in order, so its value is the same in any tile. */
+#define TR 4
+#define TC 2
 #ifdef MB_AVX2
-static inline __m256 block_dot(__m256i wv, __m256i wabs, const int8_t *x, float scale, __m256 acc) {
+static inline __m256 block_dot(__m256i wv, __m256i wabs, __m256i xv) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(scale), acc);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones));
 }
 
-static inline __attribute__((always_inline)) void dot_rows_n(
+static inline __attribute__((always_inline)) void tile(
         const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, const int rows,
-        float *y, int64_t ldy) {
+        const int cols, float *y, int64_t ldy) {
     int64_t nb = K / QK;
-    __m256 even[ROWS], odd[ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + b * QK + QK));
-        __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+    __m256 acc[TR][TC];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wv[TC], wa[TC];
+        for (int c = 0; c < cols; c++) {
+            wv[c] = _mm256_loadu_si256((const __m256i *)(w + c * K + b * QK));
+            wa[c] = _mm256_sign_epi8(wv[c], wv[c]);
+        }
         for (int r = 0; r < rows; r++) {
-            even[r] = block_dot(w0, a0, xq + r * K + b * QK, xs[r * nb + b] * ws[b], even[r]);
-            odd[r] = block_dot(w1, a1, xq + r * K + b * QK + QK, xs[r * nb + b + 1] * ws[b + 1], odd[r]);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
+            for (int c = 0; c < cols; c++) {
+                __m256 scale = _mm256_set1_ps(xs[r * nb + b] * ws[c * nb + b]);
+                acc[r][c] = _mm256_fmadd_ps(block_dot(wv[c], wa[c], xv), scale, acc[r][c]);
+            }
         }
     }
-    if (b < nb) {
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        __m256i a0 = _mm256_sign_epi8(w0, w0);
-        for (int r = 0; r < rows; r++) even[r] = block_dot(w0, a0, xq + r * K + b * QK, xs[r * nb + b] * ws[b], even[r]);
-    }
-    for (int r = 0; r < rows; r++) y[r * ldy] = hsum8(_mm256_add_ps(even[r], odd[r]));
-}
-
-static void dot_rows(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K,
-                     int rows, float *y, int64_t ldy) {
-    switch (rows) {
-    case 1: dot_rows_n(xq, xs, w, ws, K, 1, y, ldy); break;
-    case 2: dot_rows_n(xq, xs, w, ws, K, 2, y, ldy); break;
-    case 3: dot_rows_n(xq, xs, w, ws, K, 3, y, ldy); break;
-    default: dot_rows_n(xq, xs, w, ws, K, 4, y, ldy); break;
-    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) y[r * ldy + c] = hsum8(acc[r][c]);
 }
 #else
-static void dot_rows(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K,
-                     int rows, float *y, int64_t ldy) {
+static void tile(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, int rows,
+                 int cols, float *y, int64_t ldy) {
     int64_t nb = K / QK;
-    for (int r = 0; r < rows; r++) {
-        float acc = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            int32_t sum = 0;
-            for (int l = 0; l < QK; l++) sum += (int32_t)xq[r * K + b * QK + l] * w[b * QK + l];
-            acc += (float)sum * (xs[r * nb + b] * ws[b]);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t sum = 0;
+                for (int l = 0; l < QK; l++) sum += (int32_t)xq[r * K + b * QK + l] * w[c * K + b * QK + l];
+                acc += (float)sum * (xs[r * nb + b] * ws[c * nb + b]);
+            }
+            y[r * ldy + c] = acc;
         }
-        y[r * ldy] = acc;
-    }
 }
 #endif
 
-/* y[M, N] = x[M, K] @ dequant(w[N, K], s[N, K/32]).T, with x's rows quantized to int8 blocks. */
+/* Rows m.. (at most TR) against weight rows n.. (TC, or 1 at the end). */
+static void tile_at(const int8_t *xq, const float *xs, const int8_t *w, const float *s, int64_t M, int64_t N,
+                    int64_t K, int64_t m, int64_t n, float *y) {
+    int64_t nb = K / QK;
+    int rows = M - m < TR ? (int)(M - m) : TR;
+    const int8_t *xm = xq + m * K, *wn = w + n * K;
+    const float *sm = xs + m * nb, *sn = s + n * nb;
+    float *ym = y + m * N + n;
+    if (N - n < TC) {
+        for (int i = 0; i < rows; i++) tile(xm + i * K, sm + i * nb, wn, sn, K, 1, 1, ym + i * N, N);
+        return;
+    }
+    switch (rows) {
+    case 1: tile(xm, sm, wn, sn, K, 1, TC, ym, N); break;
+    case 2: tile(xm, sm, wn, sn, K, 2, TC, ym, N); break;
+    case 3: tile(xm, sm, wn, sn, K, 3, TC, ym, N); break;
+    default: tile(xm, sm, wn, sn, K, 4, TC, ym, N); break;
+    }
+}
+
+/* y[M, N] = x[M, K] @ dequant(w[N, K], s[N, K/32]).T, with x's rows quantized to int8 blocks.
+ * One row streams the weights one output at a time; several share each weight load. */
 void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
                   int64_t M, int64_t N, int64_t K) {
     int64_t nb = K / QK;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * nb);
+#pragma omp parallel for schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
+    if (M == 1) {
+#pragma omp parallel for schedule(static) if (N * K > 65536)
+        for (int64_t n = 0; n < N; n++) tile(xq, xs, w + n * K, s + n * nb, K, 1, 1, y + n, N);
+    } else {
 #pragma omp parallel for schedule(static) if (M * N * K > 65536)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m = 0; m < M; m += ROWS) {
-            int rows = M - m < ROWS ? (int)(M - m) : ROWS;
-            dot_rows(xq + m * K, xs + m * nb, w + n * K, s + n * nb, K, rows, y + m * N + n, N);
-        }
+        for (int64_t n = 0; n < N; n += TC)
+            for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, w, s, M, N, K, m, n, y);
     }
     free(xq);
     free(xs);

@@ -21,7 +21,7 @@ from mashbox.engine.prefix_cache import CacheOp, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.weights import Weights
 
-DENSE_ROWS = 32  # a prompt chunk of this many rows runs its q8 matmuls dense, in fp32
+DENSE_ROWS = 128  # a prompt chunk of this many rows runs its q8 matmuls dense, in fp32
 
 
 @dataclass(slots=True)
