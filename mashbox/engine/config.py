@@ -13,11 +13,12 @@ class EngineConfig:
     default), ``slots`` the number of requests decoded together,
     ``chunk_tokens`` the most prompt tokens prefilled in one device call.
     ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes.
-    ``dtype`` on CPU: ``float16`` (default; fp16 weights packed for fbgemm,
-    fp32 activations) or ``float32`` (exact weights); on CUDA: ``bfloat16``
-    (default). A greedy request's tokens never depend on what runs beside it
-    with packed fp16 weights; with ``float32`` that takes ``batch_invariant``
-    (fixed-shape matmul tiles, slower alone).
+    ``dtype`` on CPU: ``int8`` (default where mashbox's kernels build; int8
+    weight blocks, fp32 activations), ``float16`` (fp16 weights packed for
+    fbgemm; the default without a C compiler) or ``float32`` (exact weights);
+    on CUDA: ``bfloat16`` (default). A greedy request's tokens never depend on
+    what runs beside it with int8 or fp16 weights; with ``float32`` that takes
+    ``batch_invariant`` (fixed-shape matmul tiles, slower alone).
     """
 
     model: str = "smollm2-135m"

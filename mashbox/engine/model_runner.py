@@ -4,7 +4,9 @@ The runner reads the weights of a Llama-family transformers model (Llama,
 Mistral, Qwen2, Qwen3) and runs its own forward over fixed KV slots
 allocated once. Prompt chunks and decode rows of all running requests go
 through every layer together; attention runs per request over exactly its
-own keys. It makes no policy decisions.
+own keys. On the CPU with int8 weights, a step of decode rows only runs each
+layer as one native call (``DecodeLayers``), the same kernels in the same
+order as the general path. It makes no policy decisions.
 """
 
 from __future__ import annotations
