@@ -146,10 +146,12 @@ def measure(server: Server, args) -> None:
             server.note = f"did not become ready: {_tail(proc)}"
             return
         server.figures["ready_s"] = ready
+        server.figures["rss_idle_mib"] = tree_rss_mib(proc.pid)
         for n in args.streams:
             summary = load(url, server.model, n, args.requests, args.max_tokens)
             server.figures[f"tok_s_{n}"] = summary["output_tok_per_s"] if summary["errors"] == 0 else None
             server.figures[f"ttft_p50_{n}"] = (summary["ttft_ms"]["p50"] or 0) / 1000
+            server.figures["rss_load_mib"] = max(server.figures.get("rss_load_mib", 0), tree_rss_mib(proc.pid))
             print(f"  {server.name}: {n} streams {summary['output_tok_per_s']} tok/s, "
                   f"TTFT p50 {summary['ttft_ms']['p50']} ms, errors {summary['errors']}", flush=True)
         cold, tokens = first_token(url, server.model, long_prompt(7) + " Summarise this.")
@@ -168,11 +170,29 @@ def measure(server: Server, args) -> None:
 def _tail(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         return "timed out"
-    return (proc.stderr.read() or b"").decode(errors="replace").strip().splitlines()[-1:][0:1].__str__()
+    lines = (proc.stderr.read() or b"").decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"exit code {proc.returncode}"
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants (the server and its worker), MiB."""
+    pids, total = [pid], 0
+    while pids:
+        p = pids.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+        pids += [int(c) for c in children]
+    return total / 1024
 
 
 ROWS = [  # (figure, label, higher is better)
     ("ready_s", "time to /health 200 (s)", False),
+    ("rss_idle_mib", "resident memory idle (MiB)", False),
+    ("rss_load_mib", "resident memory under load (MiB)", False),
     *[(f"tok_s_{n}", f"{n} stream{'s' * (n > 1)}: output tok/s", True) for n in (1, 4, 16)],
     *[(f"ttft_p50_{n}", f"{n} stream{'s' * (n > 1)}: TTFT p50 (s)", False) for n in (1, 4, 16)],
     ("prefill_tok_s", "2k prompt: prefill tok/s", True),

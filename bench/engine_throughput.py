@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ctx", type=int, default=2048)
-    parser.add_argument("--dtype", default=None, help="CPU: float16 (default, packed fp16 weights) or float32")
+    parser.add_argument("--dtype", default=None, help="CPU: int8 (default), float16 (packed fp16 weights) or float32")
     parser.add_argument("--not-batch-invariant", action="store_true", help="float32: plain matmuls (faster alone)")
     args = parser.parse_args()
     with Engine(args.model, ctx=args.ctx, slots=max(args.n), quiet=True, dtype=args.dtype,
