@@ -53,7 +53,7 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as err:
+    except (OSError, subprocess.SubprocessError) as err:
         log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", err)
         return None
     for name, args in _SIGNATURES.items():
