@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
 from mashbox.engine import native
-from mashbox.engine.model_runner import DENSE_ROWS, ModelRunner
+from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.ops import NativeOps, TorchOps
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
@@ -86,7 +86,7 @@ def test_decode_attention_matches_sdpa(lib):
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
-    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=DENSE_ROWS)  # whole chunks run dense
+    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=256, busy_tokens=64)
     seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
     for s in seqs:
         scheduler.add(s)
@@ -103,10 +103,6 @@ def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_pa
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(model, num_slots=4, ctx=512, mode="q8")
     assert runner._fused is not None
-    chunk = Sequence("c", prompts[-2], SamplingParams(), 1)
-    scheduler = Scheduler(num_slots=1, ctx=512, chunk_tokens=DENSE_ROWS)
-    scheduler.add(chunk)
-    assert runner._batch(scheduler.schedule()).dense == ((0, DENSE_ROWS),)
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None

@@ -189,3 +189,27 @@ def test_host_memory_cap_evicts_least_recently_used_but_never_the_prefix_being_r
     assert [type(op) for op in plan.cache_ops] == [Save, Drop] and s.cache.host.evictions == 1
     assert s.cache.host.bytes <= 2500
     s.cache.check_integrity()
+
+
+def test_a_step_runs_several_chunks_when_idle_and_fewer_while_others_decode():
+    s = Scheduler(num_slots=2, ctx=1024, chunk_tokens=32, step_tokens=128, busy_tokens=64)
+    s.add(seq("long", 300, max_new=50))
+    alone = step(s)
+    assert [(w.position, len(w.token_ids), w.fresh, w.sample) for w in alone.work] == [
+        (0, 32, True, False), (32, 32, False, False), (64, 32, False, False), (96, 32, False, False)]
+    while s.running[0].in_prefill:
+        step(s)
+    s.add(seq("other", 200))
+    shapes = [[(w.seq.id, w.position, len(w.token_ids)) for w in step(s).work] for _ in range(2)]
+    assert shapes == [[("long", 300, 1), ("other", 0, 32), ("other", 32, 32)],
+                      [("long", 301, 1), ("other", 64, 32), ("other", 96, 32)]]
+
+
+@pytest.mark.parametrize("fields,name", [({"chunk_tokens": 8}, "chunk_tokens"),
+                                         ({"chunk_tokens": 64, "busy_tokens": 32}, "busy_tokens"),
+                                         ({"step_tokens": 16}, "step_tokens")])
+def test_engine_config_refuses_a_step_budget_smaller_than_a_chunk(fields, name):
+    from mashbox import EngineConfig
+
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**fields)

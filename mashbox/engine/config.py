@@ -11,7 +11,10 @@ class EngineConfig:
 
     ``ctx`` is the context length of every slot (``None``: the model's
     default), ``slots`` the number of requests decoded together,
-    ``chunk_tokens`` the most prompt tokens prefilled in one device call.
+    ``chunk_tokens`` the unit prompts are cut into (at fixed boundaries; also
+    the prefix cache's unit), ``step_tokens`` the most prompt tokens one device
+    call runs when nothing decodes, ``busy_tokens`` while other requests decode
+    (smaller: a long prompt then delays their next tokens less).
     ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes.
     ``dtype`` on CPU: ``int8`` (default where mashbox's kernels build; int8
     weight blocks, fp32 activations), ``float16`` (fp16 weights packed for
@@ -26,7 +29,9 @@ class EngineConfig:
     slots: int = 16
     device: str | None = None
     dtype: str | None = None
-    chunk_tokens: int = 256
+    chunk_tokens: int = 32
+    step_tokens: int = 256
+    busy_tokens: int = 64
     cache_ram_mib: int = 1024
     batch_invariant: bool = True
     quiet: bool = False
@@ -40,3 +45,6 @@ class EngineConfig:
             raise ValueError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
         if self.chunk_tokens < 16:
             raise ValueError(f"chunk_tokens: must be >= 16 (got {self.chunk_tokens})")
+        for name in ("step_tokens", "busy_tokens"):
+            if getattr(self, name) < self.chunk_tokens:
+                raise ValueError(f"{name}: must be >= chunk_tokens ({self.chunk_tokens}), got {getattr(self, name)}")

@@ -85,7 +85,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         runner = ModelRunner(loaded.model, config.slots, self.ctx, mode)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
-                              runner.kv.bytes_per_token)
+                              runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
     @property

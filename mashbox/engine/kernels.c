@@ -173,7 +173,7 @@ void mb_q8_quantize(const float *w, int8_t *q, float *s, int64_t N, int64_t K) {
     }
 }
 
-/* w[N, K] fp32 from its int8 blocks (for prompt chunks, which run through a dense matmul). */
+/* w[N, K] fp32 from its int8 blocks: what the weights stand for. */
 void mb_q8_dequantize(const int8_t *q, const float *s, float *w, int64_t N, int64_t K) {
     int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)

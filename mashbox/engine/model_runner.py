@@ -23,8 +23,6 @@ from mashbox.engine.prefix_cache import CacheOp, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.weights import Weights
 
-DENSE_ROWS = 128  # a prompt chunk of this many rows runs its q8 matmuls dense, in fp32
-
 
 @dataclass(slots=True)
 class Batch:
@@ -37,7 +35,6 @@ class Batch:
     masks: list[torch.Tensor | None]
     sample_rows: torch.Tensor
     single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token work item
-    dense: tuple[tuple[int, int], ...]  # row ranges of prompt chunks long enough for a dense matmul
 
 
 class ModelRunner:
@@ -97,10 +94,10 @@ class ModelRunner:
             return self._fused(x, batch)
         for i, layer in enumerate(w.layers):
             h = self.ops.rms_norm(x, layer.ln_attn, eps)
-            q, k, v = layer.qkv(h, batch.positions, w.cos, w.sin, self.ops, batch.dense)
+            q, k, v = layer.qkv(h, batch.positions, w.cos, w.sin, self.ops)
             self.kv.write(i, batch.slots, batch.positions, k, v)
-            x += layer.o(self._attention(i, work, batch, q), batch.dense)
-            x += layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops, batch.dense)
+            x += layer.o(self._attention(i, work, batch, q))
+            x += layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops)
         return x
 
     def _attention(self, layer: int, work: list[Work], batch: Batch, q: torch.Tensor) -> torch.Tensor:
@@ -131,13 +128,11 @@ class ModelRunner:
             spec.scale)
 
     def _batch(self, plan: Plan) -> Batch:
-        ids, positions, slots, offsets, rows, single, dense = [], [], [], [], [], [], []
+        ids, positions, slots, offsets, rows, single = [], [], [], [], [], []
         for item in plan.work:
             n = len(item.token_ids)
             if n == 1:
                 single.append((len(ids), item.slot, item.position + 1))
-            elif n >= DENSE_ROWS:
-                dense.append((len(ids), len(ids) + n))
             offsets.append(len(ids))
             ids.extend(item.token_ids)
             positions.extend(range(item.position, item.position + n))
@@ -148,7 +143,7 @@ class ModelRunner:
         masks = [self._causal_mask(w) for w in plan.work]
         single_rows = as_tensor(single).reshape(-1, 3).T.contiguous()
         return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), offsets, masks, as_tensor(rows),
-                     single_rows, tuple(dense))
+                     single_rows)
 
     def _causal_mask(self, item: Work) -> torch.Tensor | None:
         """Prompt chunk rows see the cache before them and the chunk up to themselves."""

@@ -1,9 +1,11 @@
 """Which tokens run in the next device call. Pure policy: no torch here.
 
 Every call advances all running requests: one decode token for each request
-past its prompt, plus prompt chunks of new ones up to ``chunk_tokens``.
-Chunks start at multiples of ``chunk_tokens`` so a prompt is cut the same
-way whatever else runs (batch invariance).
+past its prompt, plus prompt chunks of new ones: up to ``step_tokens`` prompt
+tokens when nothing decodes, ``busy_tokens`` while others decode (so a long
+prompt does not stall their next tokens for long). Chunks start at multiples
+of ``chunk_tokens`` so a prompt is cut the same way whatever else runs (batch
+invariance); one request may run several consecutive chunks in one call.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ class Plan:
 
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
-                 kv_bytes_per_token: int = 0) -> None:
+                 kv_bytes_per_token: int = 0, step_tokens: int | None = None, busy_tokens: int | None = None) -> None:
         self.slots = SlotTable(num_slots)
         self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token)
         self.lookup_tokens = 0
         self.hit_tokens = 0
         self.ctx = ctx
         self.chunk_tokens = chunk_tokens
+        self.step_tokens = step_tokens or chunk_tokens
+        self.busy_tokens = busy_tokens or chunk_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -76,7 +80,7 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
-        budget = self.chunk_tokens
+        budget = self.busy_tokens if plan else self.step_tokens
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget)
         while self.waiting and self.slots.num_free and budget > 0:
@@ -124,12 +128,15 @@ class Scheduler:
         return min(len(seq.prompt_ids) - done, self.chunk_tokens - done % self.chunk_tokens)
 
     def _prefill(self, plan: Plan, seq: Sequence, budget: int) -> int:
-        n = self._chunk_len(seq)
-        if n > budget and plan:
-            return 0
-        start = seq.num_computed
-        end = start + n
-        last = end == len(seq.prompt_ids)
-        fresh = start == seq.num_cached
-        plan.work.append(Work(seq, tuple(seq.prompt_ids[start:end]), start, sample=last, fresh=fresh))
-        return n
+        """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty)."""
+        start = position = seq.num_computed
+        prompt = len(seq.prompt_ids)
+        while position < prompt:
+            n = min(prompt - position, self.chunk_tokens - position % self.chunk_tokens)
+            if position - start + n > budget and plan:
+                break
+            end = position + n
+            plan.work.append(Work(seq, tuple(seq.prompt_ids[position:end]), position, sample=end == prompt,
+                                  fresh=position == seq.num_cached))
+            position = end
+        return position - start

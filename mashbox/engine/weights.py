@@ -47,10 +47,9 @@ class Linear:
             self._lib = lib
             self.weight, self._packed = _quantize(lib, weight.float().contiguous())
 
-    def __call__(self, x: torch.Tensor, dense: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
-        """``dense``: row ranges (prompt chunks) that a q8 Linear runs as one fp32 matmul each."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "q8":
-            return self._q8_rows(x, dense) if dense else self._q8(x)
+            return self._q8(x)
         if self.mode == "packed":
             return torch.fbgemm_linear_fp16_weight(x.contiguous(), self._packed, self._bias)
         if self.mode == "plain":
@@ -65,23 +64,6 @@ class Linear:
         self._lib.mb_q8_linear(ptr(x), ptr(self.weight), ptr(self._packed), ptr(out), rows, out.shape[1], k)
         return out
 
-    def _q8_rows(self, x: torch.Tensor, dense: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """Dense ranges through the dequantized weight (fast for many rows), the rest through q8.
-
-        Each range is copied to a fresh tensor first, so its result depends only on its own rows.
-        """
-        out = x.new_empty(x.shape[0], self.weight.shape[0])
-        weight = dequantize(self._lib, self.weight, self._packed)
-        done = 0
-        for start, end in dense:
-            if start > done:
-                out[done:start] = self._q8(x[done:start])
-            out[start:end] = x[start:end].clone() @ weight.T
-            done = end
-        if done < x.shape[0]:
-            out[done:] = self._q8(x[done:])
-        return out
-
 
 def _quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [N, K], fp32 scales [N, K / 32]) of an fp32 weight."""
@@ -93,7 +75,7 @@ def _quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def dequantize(lib: ctypes.CDLL, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight that a ``q8`` Linear computes with."""
+    """The fp32 weight that a ``q8`` Linear's int8 blocks stand for."""
     out = torch.empty(q.shape)
     lib.mb_q8_dequantize(ptr(q), ptr(scales), ptr(out), *q.shape)
     return out
@@ -180,10 +162,10 @@ class Layer:
     act: Callable[[torch.Tensor], torch.Tensor] | None  # None: SiLU, through ops.silu_mul
 
     def qkv(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            ops: TorchOps, dense: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [rows, heads, dim], rotated keys and values [rows, kv_heads, dim]."""
         s = self.spec
-        out = self.qkv_proj(h, dense)
+        out = self.qkv_proj(h)
         if self.qkv_bias is not None:
             out += self.qkv_bias
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -197,11 +179,11 @@ class Layer:
         return (q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim),
                 v.view(-1, s.num_kv_heads, s.head_dim))
 
-    def mlp(self, h: torch.Tensor, ops: TorchOps, dense: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         if self.act is None:
-            return self.down(ops.silu_mul(self.gate_up(h, dense)), dense)
-        gate, up = self.gate_up(h, dense).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up, dense)
+            return self.down(ops.silu_mul(self.gate_up(h)))
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
 
 @dataclass(slots=True)
