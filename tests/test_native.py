@@ -41,10 +41,10 @@ def test_q8_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
     weight = torch.randn(n, k, generator=g)
     linear = Linear(weight, "q8", lib)
     assert linear.mode == "q8" and linear.weight.dtype == torch.int8
-    assert torch.allclose(dequantize(lib, linear.weight, linear._packed), weight, atol=weight.abs().max() / 127)
+    assert torch.allclose(dequantize(lib, linear.weight, linear.scales), weight, atol=weight.abs().max() / 127)
     x = torch.randn(9, k, generator=g)
     out = linear(x)
-    assert torch.allclose(out, q8_reference(x, linear.weight, linear._packed), rtol=1e-4, atol=1e-3)
+    assert torch.allclose(out, q8_reference(x, linear.weight, linear.scales), rtol=1e-4, atol=1e-3)
     assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
     for rows in range(1, 9):
         assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"

@@ -87,7 +87,6 @@ class ModelRunner:
         return token
 
     def forward(self, work: list[Work], batch: Batch) -> torch.Tensor:
-        w = self.weights
         w, eps = self.weights, self.weights.spec.eps
         x = w.embed[batch.ids]
         if self._fused is not None and batch.single.shape[1] == x.shape[0]:
@@ -123,9 +122,9 @@ class ModelRunner:
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
         rows, slots, lens = single
         self.ops.lib.mb_decode_attention(
-            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), slots.data_ptr(), lens.data_ptr(),
-            out.data_ptr(), single.shape[1], spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[1],
-            spec.scale)
+            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), slots.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), single.shape[1], spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            keys.shape[1], spec.scale)
 
     def _batch(self, plan: Plan) -> Batch:
         ids, positions, slots, offsets, rows, single = [], [], [], [], [], []
@@ -187,9 +186,9 @@ class DecodeLayers:
     def _args(self, layer, i: int) -> tuple:
         p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return (layer.down.weight.shape[0], layer.down.weight.shape[1], p(layer.ln_attn),
-                p(layer.qkv_proj.weight), p(layer.qkv_proj._packed), p(layer.qkv_bias),
-                p(layer.o.weight), p(layer.o._packed), p(layer.ln_mlp), p(layer.gate_up.weight),
-                p(layer.gate_up._packed), p(layer.down.weight), p(layer.down._packed),
+                p(layer.qkv_proj.weight), p(layer.qkv_proj.scales), p(layer.qkv_bias),
+                p(layer.o.weight), p(layer.o.scales), p(layer.ln_mlp), p(layer.gate_up.weight),
+                p(layer.gate_up.scales), p(layer.down.weight), p(layer.down.scales),
                 p(self.kv.keys[i]), p(self.kv.values[i]))
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:

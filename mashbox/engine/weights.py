@@ -31,21 +31,21 @@ class Linear:
     ``TILE`` rows, so its result never depends on how many rows run beside it.
     """
 
-    __slots__ = ("weight", "mode", "_packed", "_bias", "_lib")
+    __slots__ = ("weight", "scales", "mode", "_packed", "_bias", "_lib")
 
     def __init__(self, weight: torch.Tensor, mode: str, lib: ctypes.CDLL | None = None) -> None:
         if mode == "q8" and (lib is None or weight.shape[1] % native.BLOCK):
             mode = "packed" if fbgemm_available() else "plain"
         self.mode = mode
         self.weight = weight
-        self._packed = self._bias = self._lib = None
+        self.scales = self._packed = self._bias = self._lib = None
         if mode == "packed":
             self._packed = _quiet(torch.fbgemm_pack_gemm_matrix_fp16, weight.float().contiguous())
             self._bias = torch.zeros(weight.shape[0])
             self.weight = None
         elif mode == "q8":
             self._lib = lib
-            self.weight, self._packed = _quantize(lib, weight.float().contiguous())
+            self.weight, self.scales = _quantize(lib, weight.float().contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "q8":
@@ -56,12 +56,11 @@ class Linear:
             return x @ self.weight.T
         return _tiled(x, self.weight)
 
-
     def _q8(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         rows, k = x.shape
         out = x.new_empty(rows, self.weight.shape[0])
-        self._lib.mb_q8_linear(ptr(x), ptr(self.weight), ptr(self._packed), ptr(out), rows, out.shape[1], k)
+        self._lib.mb_q8_linear(ptr(x), ptr(self.weight), ptr(self.scales), ptr(out), rows, out.shape[1], k)
         return out
 
 
@@ -82,7 +81,7 @@ def dequantize(lib: ctypes.CDLL, q: torch.Tensor, scales: torch.Tensor) -> torch
 
 
 def _quiet(fn, *args):
-    """fbgemm's fp16 functions warn on every call that they are deprecated."""
+    """fbgemm's fp16 functions warn that they are deprecated (called only while loading)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(*args)
