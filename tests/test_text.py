@@ -62,20 +62,41 @@ def test_seeded_sampling_is_reproducible():
 
 def test_top_k_one_is_greedy():
     logits = torch.randn(1000)
-    kept = sampler.filter_logits(logits, SamplingParams(temperature=1.0, top_k=1))
-    assert torch.isfinite(kept).sum() == 1 and int(kept.argmax()) == int(logits.argmax())
+    ids, probs = sampler.support(logits, SamplingParams(temperature=1.0, top_k=1))
+    assert ids.tolist() == [int(logits.argmax())] and probs.tolist() == [1.0]
+
+
+def test_top_k_renormalises_over_the_k_kept():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    ids, probs = sampler.support(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
+    assert ids.tolist() == [1] and abs(float(probs[0]) - 4 / 7) < 1e-6
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = sampler.filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
-    assert torch.isfinite(kept).tolist() == [True, True, False, False]
+    ids, probs = sampler.support(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert ids.tolist() == [0, 1] and torch.allclose(probs, torch.tensor([0.5, 0.3]))
+
+
+def test_top_p_beyond_the_candidates_reads_the_whole_vocabulary():
+    logits = torch.zeros(sampler.CANDIDATES * 4)  # flat: the candidates hold a quarter of the mass
+    ids, _ = sampler.support(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    assert len(ids) == int(0.9 * len(logits)) + 1 or len(ids) == int(0.9 * len(logits))
+    assert len(set(ids.tolist())) == len(ids)
 
 
 def test_min_p_drops_unlikely_tokens():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
-    kept = sampler.filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.25))
-    assert torch.isfinite(kept).tolist() == [True, True, False]
+    ids, _ = sampler.support(logits, SamplingParams(temperature=1.0, min_p=0.25))
+    assert ids.tolist() == [0, 1]
+
+
+def test_filtered_draws_follow_the_filtered_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(temperature=1.0, top_p=0.8, seed=1)
+    g = torch.Generator().manual_seed(1)
+    draws = [sampler.draw(logits, params, g) for _ in range(4000)]
+    assert set(draws) == {0, 1} and abs(draws.count(0) / 4000 - 0.5 / 0.8) < 0.03
 
 
 def test_repetition_penalty_lowers_seen_tokens():

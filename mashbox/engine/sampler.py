@@ -25,28 +25,57 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks on one row."""
+CANDIDATES = 1024  # top-p and min-p look at the most likely tokens first, the whole vocabulary only if needed
+
+
+def support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, probabilities) a filtered row may draw from: top-k, then top-p and min-p.
+
+    Probabilities are those of the temperature-scaled row (renormalised over the top k when
+    top_k is set); ids come most likely first. Only the top ``CANDIDATES`` tokens are sorted
+    unless they hold less than ``top_p`` of the mass.
+    """
     logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    vocab = logits.shape[-1]
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    values, ids = torch.topk(logits, min(k, CANDIDATES) if k == vocab else k)
+    norm = torch.logsumexp(logits if k == vocab else values, -1)
+    probs = torch.exp(values - norm)
+    keep = len(ids)
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        keep = _nucleus(probs, params.top_p)
+        if keep == len(ids) < k:  # the candidates hold less than top_p: take the whole vocabulary
+            values, ids = torch.sort(logits, descending=True)
+            probs = torch.exp(values - norm)
+            keep = _nucleus(probs, params.top_p)
     if params.min_p > 0:
-        probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+        keep = min(keep, int((probs[:keep] >= params.min_p * probs[0]).sum()))
+    return ids[:keep], probs[:keep]
 
 
-def draw(logits: torch.Tensor, generator: torch.Generator) -> int:
-    """Sample one token from a filtered logits row (exponential race)."""
-    probs = torch.softmax(logits.float(), -1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+def _nucleus(probs: torch.Tensor, top_p: float) -> int:
+    """How many of the (descending) ``probs`` the smallest set reaching ``top_p`` takes."""
+    before = probs.cumsum(-1) - probs
+    return max(1, int((before < top_p).sum()))
+
+
+def filtered(params: SamplingParams) -> bool:
+    return bool(params.top_k) or params.top_p < 1.0 or params.min_p > 0
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Sample one token from one row: one uniform number against the cumulative distribution."""
+    if not filtered(params):
+        return _pick(torch.softmax(logits.float() / params.temperature, -1), generator)
+    ids, probs = support(logits.float(), params)
+    return int(ids[_pick(probs, generator)])
+
+
+def _pick(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Index drawn in proportion to ``probs`` (which need not sum to one)."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
 
 
 def sample(
@@ -63,5 +92,5 @@ def sample(
         if not needs_penalty and p.greedy:
             continue
         row = apply_penalties(logits[i].clone(), p, *histories[i]) if needs_penalty else logits[i]
-        tokens[i] = int(torch.argmax(row)) if p.greedy else draw(filter_logits(row, p), generators[i])
+        tokens[i] = int(torch.argmax(row)) if p.greedy else draw(row, p, generators[i])
     return tokens
