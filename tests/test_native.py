@@ -71,7 +71,8 @@ def test_elementwise_ops_match_torch(lib):
 def test_decode_attention_matches_sdpa(lib):
     g = torch.Generator().manual_seed(1)
     slots, ctx, kv_heads, heads, dim = 3, 40, 2, 4, 16
-    keys, values = torch.randn(slots, ctx, kv_heads, dim, generator=g), torch.randn(slots, ctx, kv_heads, dim, generator=g)
+    keys = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()  # the cache holds fp16
+    values = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
     q = torch.randn(2, heads, dim, generator=g)
     rows, which, lens = torch.tensor([0, 1]), torch.tensor([2, 0]), torch.tensor([17, 40])
     out = torch.empty(2, heads * dim)
@@ -79,8 +80,8 @@ def test_decode_attention_matches_sdpa(lib):
                             which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
                             dim**-0.5)
     for r in range(2):
-        k = keys[which[r], : lens[r]].transpose(0, 1)[None]
-        v = values[which[r], : lens[r]].transpose(0, 1)[None]
+        k = keys[which[r], : lens[r]].transpose(0, 1)[None].float()
+        v = values[which[r], : lens[r]].transpose(0, 1)[None].float()
         ref = F.scaled_dot_product_attention(q[r][None, :, None], k, v, enable_gqa=True)
         assert torch.allclose(out[r], ref.reshape(-1), atol=1e-5)
 
@@ -102,7 +103,7 @@ def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_pa
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(model, num_slots=4, ctx=512, mode="q8")
-    assert runner._fused is not None
+    assert runner._fused is not None and runner.kv.keys.dtype == torch.float16
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None

@@ -194,21 +194,53 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
+/* The KV cache holds fp16 (round to nearest even, as torch converts). */
+static inline float h2f(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static inline uint16_t f2h(float x) {
+    _Float16 f = (_Float16)x;
+    uint16_t h;
+    memcpy(&h, &f, 2);
+    return h;
+}
+
+#if defined(MB_AVX2) && defined(__F16C__)
+#define MB_F16C 1
+static inline __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+
+static inline float dot_h(const float *a, const uint16_t *b, int64_t n) {
+#ifdef MB_F16C
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_h8(b + i), acc);
+        return hsum8(acc);
+    }
+#endif
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += a[i] * h2f(b[i]);
+    return acc;
+}
+
+static inline void axpy_h(float *y, float a, const uint16_t *x, int64_t n) {
     int64_t i = 0;
-#ifdef MB_AVX2
+#ifdef MB_F16C
     __m256 va = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_h8(x + i), _mm256_loadu_ps(y + i)));
 #endif
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i < n; i++) y[i] += a * h2f(x[i]);
 }
 
 /* One query row per request over its own slot's keys and values.
- * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's cache
+ * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
  * [slots, ctx, KVH, D]; for each of R requests,
  * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to. */
-void mb_decode_attention(const float *q, int64_t ldq, const float *k, const float *v, const int64_t *rows,
+void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
                          int64_t KVH, int64_t D, int64_t ctx, float scale) {
     int64_t group = H / KVH, max_len = 0;
@@ -220,16 +252,16 @@ void mb_decode_attention(const float *q, int64_t ldq, const float *k, const floa
         for (int64_t i = 0; i < R * H; i++) {
             int64_t r = i / H, h = i % H, len = lens[r];
             const float *qi = q + rows[r] * ldq + h * D;
-            const float *kb = k + (slots[r] * ctx * KVH + h / group) * D;
-            const float *vb = v + (slots[r] * ctx * KVH + h / group) * D;
+            const uint16_t *kb = k + (slots[r] * ctx * KVH + h / group) * D;
+            const uint16_t *vb = v + (slots[r] * ctx * KVH + h / group) * D;
             float *o = out + (rows[r] * H + h) * D, top = -INFINITY, sum = 0.0f;
             for (int64_t t = 0; t < len; t++) {
-                p[t] = dot(qi, kb + t * KVH * D, D) * scale;
+                p[t] = dot_h(qi, kb + t * KVH * D, D) * scale;
                 top = fmaxf(top, p[t]);
             }
             for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - top));
             memset(o, 0, sizeof(float) * D);
-            for (int64_t t = 0; t < len; t++) axpy(o, p[t] / sum, vb + t * KVH * D, D);
+            for (int64_t t = 0; t < len; t++) axpy_h(o, p[t] / sum, vb + t * KVH * D, D);
         }
         free(p);
     }
@@ -283,7 +315,7 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
                      const float *qkv_bias, const int8_t *o_w, const float *o_s, const float *ln_mlp,
                      const int8_t *gu_w, const float *gu_s, const int8_t *down_w, const float *down_s,
                      const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
-                     float *kcache, float *vcache, int64_t ctx) {
+                     uint16_t *kcache, uint16_t *vcache, int64_t ctx) {
     int64_t ld = (H + 2 * KVH) * HD, kv = KVH * HD, wide = D > I ? D : I;
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -295,8 +327,10 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
     for (int64_t m = 0; m < M; m++) {
         int64_t at = (slots[m] * ctx + positions[m]) * kv;
-        memcpy(kcache + at, qkv + m * ld + H * HD, sizeof(float) * kv);
-        memcpy(vcache + at, qkv + m * ld + H * HD + kv, sizeof(float) * kv);
+        for (int64_t i = 0; i < kv; i++) {
+            kcache[at + i] = f2h(qkv[m * ld + H * HD + i]);
+            vcache[at + i] = f2h(qkv[m * ld + H * HD + kv + i]);
+        }
         rows[m] = m;
         lens[m] = positions[m] + 1;
     }

@@ -27,8 +27,8 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store each token's keys/values [tokens, kv_heads, head_dim] at its slot and position."""
-        self.keys[layer, slots, positions] = k
-        self.values[layer, slots, positions] = v
+        self.keys[layer, slots, positions] = k.to(self.keys.dtype)
+        self.values[layer, slots, positions] = v.to(self.values.dtype)
 
     @property
     def bytes_per_token(self) -> int:

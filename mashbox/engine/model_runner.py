@@ -42,8 +42,9 @@ class ModelRunner:
         lib = native.load() if mode == "q8" else None
         self.weights = Weights.from_model(model, ctx, mode, lib)
         self.device = self.weights.embed.device
-        self.ops = ops.pick(self.device, native.load(), self.weights.embed.dtype == torch.float32)
-        self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, self.weights.embed.dtype, self.device)
+        self.ops = ops.pick(self.device, native.load(), mode)
+        kv_dtype = torch.float16 if isinstance(self.ops, ops.NativeOps) else self.weights.embed.dtype
+        self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, kv_dtype, self.device)
         self._fused = DecodeLayers(self.weights, self.kv, lib) if DecodeLayers.fits(self.weights) else None
         self.generators: list[torch.Generator | None] = [None] * num_slots
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -110,6 +111,7 @@ class ModelRunner:
             if native_rows and n == 1:
                 continue
             keys, values = self.kv.read(layer, item.slot, item.position + n)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True,

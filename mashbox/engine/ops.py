@@ -63,6 +63,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def pick(device: torch.device, lib: ctypes.CDLL | None, float32: bool) -> TorchOps:
-    """Native ops for float32 tensors on the CPU where the kernels could be built, else torch's."""
-    return NativeOps(lib) if device.type == "cpu" and lib is not None and float32 else TorchOps()
+def pick(device: torch.device, lib: ctypes.CDLL | None, mode: str) -> TorchOps:
+    """Native ops for the CPU's 8- and 16-bit weight forms where the kernels could be built, else
+    torch's (the exact ``float32`` forms keep torch's arithmetic and an fp32 KV cache)."""
+    return NativeOps(lib) if device.type == "cpu" and lib is not None and mode in ("q8", "packed") else TorchOps()
