@@ -20,8 +20,9 @@ class EngineConfig:
     weight blocks, fp32 activations), ``float16`` (fp16 weights packed for
     fbgemm; the default without a C compiler) or ``float32`` (exact weights);
     on CUDA: ``bfloat16`` (default). A greedy request's tokens never depend on
-    what runs beside it with int8 or fp16 weights; with ``float32`` that takes
-    ``batch_invariant`` (fixed-shape matmul tiles, slower alone).
+    what runs beside it with int8 weights; with ``float32`` that takes
+    ``batch_invariant`` (fixed-shape matmul tiles, slower alone); fbgemm's fp16
+    kernel does not promise it on every CPU.
     """
 
     model: str = "smollm2-135m"
