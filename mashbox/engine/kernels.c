@@ -1,4 +1,5 @@
-/* mashbox's CPU kernels: int8 weight-only matmul and decode attention.
+/* mashbox's CPU kernels: int8-weight matmul, decode attention over an fp16 KV cache, the
+ * per-row norm, rotary and gate ops, and a whole decode layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
  * (-O3 -march=native -fopenmp, linked against the OpenMP runtime torch already loaded)
