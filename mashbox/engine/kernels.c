@@ -35,7 +35,7 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* One activation row as int8 blocks of 32: q[K], s[K / 32] (max |x| / 127 per block). */
+/* One row as int8 blocks of 32: q[K], s[K / 32] (max |x| / 127 per block, rounded to nearest even). */
 static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *src = x + b * QK;
@@ -160,26 +160,11 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
     free(xs);
 }
 
-/* w[N, K] (fp32) -> int8 blocks of 32 with one scale each (max |w| / 127). */
+/* w[N, K] (fp32) -> int8 blocks of 32 with one scale each, the same way as activation rows. */
 void mb_q8_quantize(const float *w, int8_t *q, float *s, int64_t N, int64_t K) {
     int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * nb; i++) {
-        const float *src = w + i * QK;
-        float amax = 0.0f;
-        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(src[l]));
-        float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
-        s[i] = scale;
-        for (int l = 0; l < QK; l++) q[i * QK + l] = (int8_t)lrintf(src[l] * inv);
-    }
-}
-
-/* w[N, K] fp32 from its int8 blocks: what the weights stand for. */
-void mb_q8_dequantize(const int8_t *q, const float *s, float *w, int64_t N, int64_t K) {
-    int64_t nb = K / QK;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * nb; i++)
-        for (int l = 0; l < QK; l++) w[i * QK + l] = q[i * QK + l] * s[i];
+    for (int64_t n = 0; n < N; n++) quantize_row(w + n * K, q + n * K, s + n * nb, K);
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {

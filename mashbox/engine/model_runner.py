@@ -39,10 +39,10 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, ctx: int, mode: str = "tiled") -> None:
-        lib = native.load() if mode == "q8" else None
+        lib = native.load() if mode in ("q8", "packed") else None
         self.weights = Weights.from_model(model, ctx, mode, lib)
         self.device = self.weights.embed.device
-        self.ops = ops.pick(self.device, native.load(), mode)
+        self.ops = ops.pick(self.device, lib, mode)
         kv_dtype = torch.float16 if isinstance(self.ops, ops.NativeOps) else self.weights.embed.dtype
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, kv_dtype, self.device)
         self._fused = DecodeLayers(self.weights, self.kv, lib) if DecodeLayers.fits(self.weights) else None

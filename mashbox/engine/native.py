@@ -33,7 +33,6 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "mb_q8_linear": (_P, _P, _P, _P, _I, _I, _I),
     "mb_q8_quantize": (_P, _P, _P, _I, _I),
-    "mb_q8_dequantize": (_P, _P, _P, _I, _I),
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
     "mb_decode_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 17, _I),
     "mb_rms_norm": (_P, _P, _P, _I, _I, _F),

@@ -85,7 +85,7 @@ class Scheduler:
             budget -= self._prefill(plan, seq, budget)
         while self.waiting and self.slots.num_free and budget > 0:
             seq = self.waiting[0]
-            if self._chunk_len(seq) > budget and plan:
+            if self._chunk_len(seq, seq.num_computed) > budget and plan:
                 break
             self.waiting.popleft()
             plan.cache_ops += self._admit(seq)
@@ -123,16 +123,16 @@ class Scheduler:
     def _decode(self, seq: Sequence) -> Work:
         return Work(seq, (seq.output_ids[-1],), seq.num_tokens - 1, sample=True, fresh=False)
 
-    def _chunk_len(self, seq: Sequence) -> int:
-        done = seq.num_computed
-        return min(len(seq.prompt_ids) - done, self.chunk_tokens - done % self.chunk_tokens)
+    def _chunk_len(self, seq: Sequence, position: int) -> int:
+        """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""
+        return min(len(seq.prompt_ids) - position, self.chunk_tokens - position % self.chunk_tokens)
 
     def _prefill(self, plan: Plan, seq: Sequence, budget: int) -> int:
         """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty)."""
         start = position = seq.num_computed
         prompt = len(seq.prompt_ids)
         while position < prompt:
-            n = min(prompt - position, self.chunk_tokens - position % self.chunk_tokens)
+            n = self._chunk_len(seq, position)
             if position - start + n > budget and plan:
                 break
             end = position + n

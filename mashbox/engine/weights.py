@@ -26,7 +26,7 @@ class Linear:
     ``q8``: int8 weights in blocks of 32 with a scale each, fp32 activations, through
     mashbox's compiled kernel (a quarter of fp32's memory traffic; each row computed alone).
     ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
-    memory traffic, and each row's result is independent of the batch by design.
+    memory traffic (fbgemm does not promise a row's bits independent of the batch).
     ``plain``: one matmul. ``tiled``: every row goes through a matmul of exactly
     ``TILE`` rows, so its result never depends on how many rows run beside it.
     """
@@ -71,13 +71,6 @@ def _quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     scales = torch.empty(n, k // native.BLOCK)
     lib.mb_q8_quantize(ptr(weight), ptr(q), ptr(scales), n, k)
     return q, scales
-
-
-def dequantize(lib: ctypes.CDLL, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight that a ``q8`` Linear's int8 blocks stand for."""
-    out = torch.empty(q.shape)
-    lib.mb_q8_dequantize(ptr(q), ptr(scales), ptr(out), *q.shape)
-    return out
 
 
 def _quiet(fn, *args):
