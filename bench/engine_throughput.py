@@ -18,7 +18,7 @@ import time
 import torch
 
 from mashbox import Engine, EngineRequest, Finish, Message, SamplingParams
-from mashbox.engine.loader import load
+from mashbox.engine.loader import hf_model
 
 TOPICS = ["the sea", "a lighthouse", "mountains", "a robot", "the moon", "a forest", "a train", "rain",
           "a library", "a volcano", "bees", "a desert", "winter", "a city at night", "a garden", "the wind"]
@@ -77,7 +77,7 @@ def main() -> None:
         for n in args.n:
             r = asyncio.run(round_of(engine, n, args.max_tokens))
             print(f"{r['n']:>4} {r['tokens']:>7} {r['tok_s']:>7.1f} {r['ttft_p50']:>8.2f}s {r['ttft_max']:>8.2f}s")
-        model = load(args.model, quiet=True).model
+        model = hf_model(args.model)
         print(f"transformers generate(), batch 1: {generate_baseline(engine, model, args.max_tokens):.1f} tok/s")
 
 

@@ -19,7 +19,8 @@ import math
 import torch
 
 from mashbox import Engine, EngineRequest, Message, SamplingParams
-from mashbox.engine.loader import load
+from mashbox.engine.checkpoint import Checkpoint
+from mashbox.engine.loader import hf_model, load
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
@@ -100,12 +101,12 @@ def main() -> None:
     loaded = load(args.model, quiet=True)
     ids = loaded.tokenizer.encode(text())[:2048]
     print(f"model {loaded.id}; text: docstrings of {len(MODULES)} stdlib modules, {len(ids)} tokens")
-    print(f"transformers fp32 perplexity: {perplexity_hf(loaded.model, ids):.3f}")
+    print(f"transformers fp32 perplexity: {perplexity_hf(hf_model(args.model), ids):.3f}")
     reference = None
     print("form      Linear  perplexity  greedy: same 32 tokens  mean agreeing pieces")
     for form in args.forms:
         _, mode = weight_mode(torch.device("cpu"), form, batch_invariant=True)
-        ppl = perplexity_engine(ModelRunner(loaded.model, 1, len(ids) + 1, mode), ids)
+        ppl = perplexity_engine(ModelRunner(loaded.checkpoint, 1, len(ids) + 1, mode), ids)
         with Engine(args.model, dtype=form, ctx=512, slots=16, quiet=True) as engine:
             outputs = greedy(engine, args.prompts, args.tokens)
         reference = reference or outputs

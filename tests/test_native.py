@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
 from mashbox.engine import native
+from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.ops import NativeOps, TorchOps
 from mashbox.engine.scheduler import Scheduler
@@ -103,7 +104,7 @@ def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_pa
     model = LlamaForCausalLM(tiny_config(1000)).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    runner = ModelRunner(model, num_slots=4, ctx=512, mode="q8")
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="q8")
     assert runner._fused is not None and runner.kv.keys.dtype == torch.float16
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
@@ -118,7 +119,7 @@ def test_q8_forward_stays_close_to_fp32(lib):
     ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = model(ids).logits[0, -1]
-    runner = ModelRunner(model, num_slots=1, ctx=64, mode="q8")
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=1, ctx=64, mode="q8")
     scheduler = Scheduler(num_slots=1, ctx=64, chunk_tokens=64)
     seq = Sequence("a", ids[0].tolist(), SamplingParams(), 1)
     scheduler.add(seq)

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams
+from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
@@ -51,7 +52,7 @@ def test_batched_greedy_equals_generate(model, mode):
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert all(len(set(e)) > 3 for e in expected), "the oracle should not be a constant stream"
 
-    runner = ModelRunner(model, num_slots=4, ctx=512, mode=mode)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode=mode)
     scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=64)
     seqs = [Sequence(str(i), p, SamplingParams(), NEW) for i, p in enumerate(prompts)]
     for s in seqs:

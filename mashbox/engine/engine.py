@@ -83,7 +83,7 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
-        runner = ModelRunner(loaded.model, config.slots, self.ctx, mode)
+        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
@@ -282,8 +282,7 @@ def _merge(request: Any, fields: dict[str, Any]) -> Any:
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     ids = {loaded.tokenizer.eos_token_id}
-    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
+    ids.update(loaded.checkpoint.eos_ids)
     return frozenset(i for i in ids if i is not None)
 
 

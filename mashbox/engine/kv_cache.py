@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mashbox.engine.weights import Spec
+    from mashbox.engine.checkpoint import Spec
 
 
 @dataclass(slots=True)

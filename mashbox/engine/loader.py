@@ -1,13 +1,15 @@
-"""Load a model (catalog id, HF model directory or ``.gguf`` file) with transformers, offline.
+"""Load a model (catalog id, HF model directory or ``.gguf`` file), offline.
 
 ``load()`` resolves the argument through the catalog, picks the device (CUDA + bfloat16 when a GPU
-is there, else CPU + float32), reads tokenizer and weights with ``local_files_only=True`` and shows
-a transient rich progress bar on a terminal. transformers' own logging, warnings and tqdm bars are
-silenced during the load.
+is there, else CPU + float32), reads the tokenizer with transformers and the weights as a
+``Checkpoint`` (safetensors read directly; transformers builds the model only for what it alone
+can read), with ``local_files_only=True``, and shows a transient rich progress bar on a terminal.
+transformers' own logging, warnings and tqdm bars are silenced during the load.
 
 Reading a GGUF with transformers is slow (parsing metadata and dequantizing: ~20 s for SmolLM2 on
 2 CPU cores), so the first load of a GGUF saves the dequantized model as an HF directory under
-``<cache>/converted/`` (keyed by file path, size, mtime and dtype); later loads read that (~3 s).
+``<cache>/converted/`` (keyed by file path, size, mtime and dtype); later loads read that (well
+under a second).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -29,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a mod
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from mashbox.engine import checkpoint  # noqa: E402
 from mashbox.engine.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
 
@@ -45,10 +48,10 @@ _DONE = "complete"  # marker file in a converted directory, written last
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to run: eval mode, on ``device``, in ``dtype``."""
+    """A model ready to run: its checkpoint on ``device``, in ``dtype``."""
 
     id: str
-    model: transformers.PreTrainedModel
+    checkpoint: checkpoint.Checkpoint
     tokenizer: transformers.PreTrainedTokenizerBase
     weights: str
     bpw: float
@@ -67,19 +70,32 @@ def load(model: str, *, device: str | torch.device | None = None,
     converted = converted_dir(source, dt)
     cold = converted is not None and not (converted / _DONE).is_file()
     show = not quiet and sys.stderr.isatty()
-    with _progress(source.id, show, total=4 if cold else 3) as step, _hush():
+    with _progress(source.id, show, total=4 if cold else 2) as step, _hush():
         read = source if cold or converted is None else _as_hf(source, converted)
         step("reading tokenizer")
         tokenizer = _load_tokenizer(read)
-        step("reading weights, building model")
-        net = _load_model(read, dt)
-        if cold:
-            step("saving converted weights for faster loads")
-            _save_converted(net, tokenizer, converted)
-        step(f"moving to {dev}")
-        net = net.to(dev).eval()
-    return LoadedModel(source.id, net, tokenizer, str(source.path), _bpw(source, net),
-                       _weight_bytes(net) / 1e9, _ctx_default(source, net), dev, dt)
+        step("reading weights")
+        ckpt = _read_checkpoint(read, dev, dt) if read.kind == "hf" else None
+        if ckpt is None:
+            net = _load_model(read, dt)
+            if cold:
+                step("saving converted weights for faster loads")
+                _save_converted(net, tokenizer, converted)
+            step(f"moving to {dev}")
+            ckpt = checkpoint.Checkpoint.from_model(net.to(dev))
+    return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt),
+                       ckpt.nbytes / 1e9, _ctx_default(source, ckpt), dev, dt)
+
+
+def hf_model(model: str, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    """``model`` as a transformers model on CPU (for references in benchmarks and tests), from the
+    converted copy of a GGUF when there is one."""
+    source = resolve(model)
+    converted = converted_dir(source, dtype)
+    if converted is not None and (converted / _DONE).is_file():
+        source = _as_hf(source, converted)
+    with _hush():
+        return _load_model(source, dtype).eval()
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -143,15 +159,39 @@ def _hush() -> Iterator[None]:
 
 
 def _load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     if source.kind == "hf":
-        return _hf_call(source, AutoTokenizer.from_pretrained, str(source.path))
+        # The generic class when the directory names it: AutoTokenizer's class lookup imports
+        # most of transformers (a second here).
+        generic = _tokenizer_class(source.path) in ("TokenizersBackend", "PreTrainedTokenizerFast")
+        cls = PreTrainedTokenizerFast if generic else AutoTokenizer
+        return _hf_call(source, cls.from_pretrained, str(source.path))
     tokenizer = _gguf_call(source, AutoTokenizer.from_pretrained)
     if not tokenizer.chat_template:
         tokenizer.chat_template = gguf_chat_template(source.path)
     return tokenizer
 
 
+def _tokenizer_class(path: Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _read_checkpoint(source: ModelSource, device: torch.device, dtype: torch.dtype) -> checkpoint.Checkpoint | None:
+    try:
+        return checkpoint.read(source.path, device, dtype)
+    except Exception as err:  # json, a missing config field, safetensors' own SafetensorError
+        raise ModelLoadError(
+            f"Cannot read the model in '{source.path}' ({type(err).__name__}: {err}). It needs "
+            "config.json and the weights (*.safetensors), as save_pretrained writes them.") from err
+
+
 def _load_model(source: ModelSource, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
     if source.kind == "hf":
         return _hf_call(source, AutoModelForCausalLM.from_pretrained, str(source.path), dtype=dtype)
     return _gguf_call(source, AutoModelForCausalLM.from_pretrained, dtype=dtype)
@@ -222,21 +262,15 @@ def gguf_chat_template(path: Path) -> str | None:
     return None if field is None else str(field.contents())
 
 
-def _weight_bytes(net: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in net.parameters())
-
-
-def _bpw(source: ModelSource, net: torch.nn.Module) -> float:
+def _bpw(source: ModelSource, ckpt: checkpoint.Checkpoint) -> float:
     if source.bpw is not None:
         return source.bpw
     files = [source.path] if source.path.is_file() else [
         p for p in source.path.iterdir() if p.suffix in (".safetensors", ".bin")]
-    params = sum(p.numel() for p in net.parameters())
-    return round(sum(p.stat().st_size for p in files) * 8 / max(params, 1), 2)
+    return round(sum(p.stat().st_size for p in files) * 8 / max(ckpt.numel, 1), 2)
 
 
-def _ctx_default(source: ModelSource, net: transformers.PreTrainedModel) -> int:
+def _ctx_default(source: ModelSource, ckpt: checkpoint.Checkpoint) -> int:
     if source.ctx_default is not None:
         return source.ctx_default
-    trained = getattr(net.config, "max_position_embeddings", None) or CTX_CAP
-    return min(int(trained), CTX_CAP)
+    return min(int(ckpt.trained_ctx or CTX_CAP), CTX_CAP)

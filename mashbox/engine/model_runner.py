@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mashbox.engine import native, ops, sampler
+from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.kv_cache import KVCache
 from mashbox.engine.prefix_cache import CacheOp, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
@@ -38,9 +39,9 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_slots: int, ctx: int, mode: str = "tiled") -> None:
+    def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, mode: str = "tiled") -> None:
         lib = native.load() if mode in ("q8", "packed") else None
-        self.weights = Weights.from_model(model, ctx, mode, lib)
+        self.weights = Weights.from_checkpoint(ckpt, ctx, mode, lib)
         self.device = self.weights.embed.device
         self.ops = ops.pick(self.device, lib, mode)
         kv_dtype = torch.float16 if isinstance(self.ops, ops.NativeOps) else self.weights.embed.dtype

@@ -8,15 +8,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers.activations import ACT2FN
 
 from mashbox.engine import native
+from mashbox.engine.checkpoint import SUPPORTED, Checkpoint, Spec
 from mashbox.engine.loader import pick_dtype
 from mashbox.engine.native import ptr
 from mashbox.engine.ops import TorchOps
 from mashbox.errors import ModelLoadError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 TILE = 16
 
 
@@ -126,19 +125,6 @@ def weight_mode(device: torch.device, dtype: str | None, batch_invariant: bool) 
     return torch.float32, "tiled" if batch_invariant else "plain"
 
 
-@dataclass(slots=True, frozen=True)
-class Spec:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim**-0.5
-
-
 @dataclass(slots=True)
 class Layer:
     spec: Spec
@@ -189,65 +175,51 @@ class Weights:
     sin: torch.Tensor
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, ctx: int, mode: str, lib: ctypes.CDLL | None = None) -> Weights:
-        config = model.config
-        if config.model_type not in SUPPORTED:
+    def from_checkpoint(cls, ckpt: Checkpoint, ctx: int, mode: str, lib: ctypes.CDLL | None = None) -> Weights:
+        if ckpt.model_type not in SUPPORTED:
             raise ModelLoadError(
-                f"model type {config.model_type!r} is not supported; mashbox runs {', '.join(SUPPORTED)} models"
+                f"model type {ckpt.model_type!r} is not supported; mashbox runs {', '.join(SUPPORTED)} models"
             )
-        spec = _spec(config)
-        body = model.model
-        cos, sin = _rope(body, ctx)
+        t = ckpt.tensors
+        embed = t["model.embed_tokens.weight"]
+        act = _activation(ckpt.hidden_act)
+        cos, sin = ckpt.cos_sin(ctx, embed.dtype)
         return cls(
-            spec=spec,
-            embed=body.embed_tokens.weight.detach(),
-            layers=[_layer(spec, layer, config, mode, lib) for layer in body.layers],
-            norm=body.norm.weight.detach(),
-            lm_head=Linear(model.lm_head.weight.detach(), mode, lib),
+            spec=ckpt.spec,
+            embed=embed,
+            layers=[_layer(t, f"model.layers.{i}.", ckpt.spec, act, mode, lib) for i in range(ckpt.spec.num_layers)],
+            norm=t["model.norm.weight"],
+            lm_head=Linear(t.get("lm_head.weight", embed), mode, lib),
             cos=cos,
             sin=sin,
         )
 
 
-def _spec(config) -> Spec:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return Spec(
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-        head_dim=head_dim,
-        eps=config.rms_norm_eps,
-    )
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """None for SiLU (the gated MLP's fused kernel); else transformers' function of that name."""
+    if name == "silu":
+        return None
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
-def _layer(spec: Spec, layer: torch.nn.Module, config, mode: str, lib: ctypes.CDLL | None) -> Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+def _layer(t: dict[str, torch.Tensor], at: str, spec: Spec, act, mode: str, lib: ctypes.CDLL | None) -> Layer:
+    attn, mlp = at + "self_attn.", at + "mlp."
+    projections = [f"{attn}{p}_proj." for p in "qkv"]
     bias = None
-    if attn.q_proj.bias is not None:
-        bias = torch.cat([p.bias.detach() for p in projections])
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
+    if projections[0] + "bias" in t:
+        bias = torch.cat([t[p + "bias"] for p in projections])
     return Layer(
         spec=spec,
-        ln_attn=layer.input_layernorm.weight.detach(),
-        qkv_proj=Linear(torch.cat([p.weight.detach() for p in projections]).contiguous(), mode, lib),
+        ln_attn=t[at + "input_layernorm.weight"],
+        qkv_proj=Linear(torch.cat([t[p + "weight"] for p in projections]), mode, lib),
         qkv_bias=bias,
-        q_norm=q_norm.weight.detach() if q_norm is not None else None,
-        k_norm=k_norm.weight.detach() if k_norm is not None else None,
-        o=Linear(attn.o_proj.weight.detach(), mode, lib),
-        ln_mlp=layer.post_attention_layernorm.weight.detach(),
-        gate_up=Linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous(),
-                       mode, lib),
-        down=Linear(mlp.down_proj.weight.detach(), mode, lib),
-        act=None if config.hidden_act == "silu" else ACT2FN[config.hidden_act],
+        q_norm=t.get(attn + "q_norm.weight"),
+        k_norm=t.get(attn + "k_norm.weight"),
+        o=Linear(t[attn + "o_proj.weight"], mode, lib),
+        ln_mlp=t[at + "post_attention_layernorm.weight"],
+        gate_up=Linear(torch.cat([t[mlp + "gate_proj.weight"], t[mlp + "up_proj.weight"]]), mode, lib),
+        down=Linear(t[mlp + "down_proj.weight"], mode, lib),
+        act=act,
     )
-
-
-def _rope(body: torch.nn.Module, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions 0..ctx-1 from the model's own rotary embedding."""
-    embed = body.embed_tokens.weight
-    positions = torch.arange(ctx, device=embed.device)[None]
-    with torch.no_grad():
-        cos, sin = body.rotary_emb(embed[:1][None], positions)
-    return cos[0].to(embed.dtype).contiguous(), sin[0].to(embed.dtype).contiguous()

@@ -1,0 +1,153 @@
+"""A model as the runner reads it: its shape, its rotary frequencies and its tensors by name.
+
+``read()`` takes it straight from an HF directory's ``config.json`` and safetensors files
+(memory-mapped, no model object built: a fraction of a second, where building the transformers
+model costs over a second of imports alone); ``from_model()`` takes it from a transformers model
+already in memory (a GGUF's first load, a directory of ``.bin`` files, the tests' tiny models).
+Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+_NEEDED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
+
+
+@dataclass(slots=True, frozen=True)
+class Spec:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+@dataclass(slots=True, frozen=True)
+class Checkpoint:
+    model_type: str
+    spec: Spec
+    hidden_act: str
+    trained_ctx: int | None  # max_position_embeddings
+    inv_freq: torch.Tensor  # rotary inverse frequencies [head_dim / 2], fp32
+    rope_scale: float  # applied to cos and sin
+    eos_ids: tuple[int, ...]  # from the generation config
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> Checkpoint:
+        """The checkpoint of a transformers causal LM (its tensors are shared, not copied)."""
+        rotary = model.model.rotary_emb
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        tensors = {name: t.detach() for name, t in model.state_dict().items()}
+        return _build(model.config.to_dict(), tensors, rotary.inv_freq.float(), float(rotary.attention_scaling),
+                      _ids(eos))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in _unique(self.tensors))
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in _unique(self.tensors))
+
+    def cos_sin(self, ctx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [ctx, head_dim] for positions 0..ctx-1, as the model's rotary embedding makes them."""
+        positions = torch.arange(ctx, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return ((angles.cos() * self.rope_scale).to(dtype).contiguous(),
+                (angles.sin() * self.rope_scale).to(dtype).contiguous())
+
+
+def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
+    """The checkpoint in HF directory ``path``; None when it has no safetensors weights under the
+    usual names (the caller then loads it through transformers, which knows every layout)."""
+    from safetensors.torch import load_file
+
+    files = _weight_files(path)
+    if not files:
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file, device=str(device)))
+    _tie(tensors)
+    if any(name not in tensors for name in _NEEDED):
+        return None
+    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    config = json.loads((path / "config.json").read_text())
+    inv_freq, scale = _rope(path, config, device)
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    return _build(config, tensors, inv_freq, scale, _ids(eos))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def _tie(tensors: dict[str, torch.Tensor]) -> None:
+    """Tied embeddings are saved under one of their two names: give them both."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if head in tensors and embed not in tensors:
+        tensors[embed] = tensors[head]
+    elif embed in tensors and head not in tensors:
+        tensors[head] = tensors[embed]
+
+
+def _build(config: dict[str, Any], tensors: dict[str, torch.Tensor], inv_freq: torch.Tensor, scale: float,
+           eos_ids: tuple[int, ...]) -> Checkpoint:
+    heads = config["num_attention_heads"]
+    spec = Spec(
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        eps=config.get("rms_norm_eps", 1e-6),
+    )
+    return Checkpoint(config.get("model_type", "llama"), spec, config.get("hidden_act", "silu"),
+                      config.get("max_position_embeddings"), inv_freq, scale, eos_ids, tensors)
+
+
+def _rope(path: Path, config: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, scale) of the model's rotary embedding. The plain kind is computed
+    here; scaled kinds (llama3, yarn, ...) go through transformers' own functions."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        return inv_freq.to(device), 1.0
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](AutoConfig.from_pretrained(path, local_files_only=True), device)
+    return inv_freq.float(), float(scale)
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if v is not None)
+
+
+def _unique(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each storage once (a tied lm_head shares the embedding's)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors.values():
+        seen.setdefault(t.data_ptr(), t)
+    return list(seen.values())

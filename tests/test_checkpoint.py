@@ -1,0 +1,85 @@
+"""A checkpoint read straight from a saved directory is the model transformers builds from it:
+the same tensors, shape, rotary frequencies and end ids, for each supported family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from mashbox import Engine, EngineRequest, Finish, SamplingParams
+from mashbox.engine import checkpoint
+from mashbox.engine.checkpoint import Checkpoint
+from mashbox.engine.loader import load
+
+SHAPE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    "llama, tied": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True)),
+    "llama3 rope scaling": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256})),
+    "qwen2, qkv bias": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=False)),
+    "qwen3, q/k norms": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_read_equals_the_model_transformers_builds(family: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    model.save_pretrained(tmp_path)
+    expected = Checkpoint.from_model(model)
+    got = checkpoint.read(tmp_path, torch.device("cpu"), torch.float32)
+    assert got is not None
+    assert (got.model_type, got.spec, got.hidden_act, got.trained_ctx, got.eos_ids) == (
+        expected.model_type, expected.spec, expected.hidden_act, expected.trained_ctx, expected.eos_ids)
+    assert got.rope_scale == pytest.approx(expected.rope_scale)
+    assert torch.allclose(got.inv_freq, expected.inv_freq, rtol=1e-6, atol=0)
+    assert got.tensors.keys() == expected.tensors.keys()
+    for name, tensor in expected.tensors.items():
+        assert torch.equal(got.tensors[name], tensor), name
+
+
+def test_rotary_tables_match_the_models_own(tmp_path: Path) -> None:
+    model = FAMILIES["llama3 rope scaling"]().eval()
+    positions = torch.arange(300)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    got = Checkpoint.from_model(model).cos_sin(300, torch.float32)
+    assert torch.allclose(got[0], cos[0], atol=1e-6) and torch.allclose(got[1], sin[0], atol=1e-6)
+
+
+def test_a_directory_of_bin_weights_is_read_through_transformers(tmp_path: Path, smol_tokenizer) -> None:
+    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "vocab_size": len(smol_tokenizer)})).eval()
+    model.save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    assert checkpoint.read(tmp_path, torch.device("cpu"), torch.float32) is None
+    loaded = load(str(tmp_path), quiet=True)
+    assert torch.equal(loaded.checkpoint.tensors["model.layers.1.mlp.up_proj.weight"],
+                       model.state_dict()["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_engine_on_a_saved_qwen2_answers_as_transformers_does(tmp_path: Path, smol_tokenizer) -> None:
+    """The whole path: a directory read without transformers' model, greedy text equal to generate()."""
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**SHAPE, "vocab_size": len(smol_tokenizer)}, initializer_range=0.3))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # transformers starts them at zero
+    model.eval().save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    ids = smol_tokenizer.encode("one two three four")
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    with Engine(str(tmp_path), dtype="float32", ctx=128, slots=2, quiet=True) as engine:
+        request = EngineRequest(prompt="one two three four", sampling=SamplingParams(max_tokens=12))
+        events = list(engine.stream(request))
+    assert isinstance(events[-1], Finish)
+    text = "".join(e.text for e in events if hasattr(e, "text"))
+    assert len(text) > 5 and text == smol_tokenizer.decode(expected, skip_special_tokens=True)
