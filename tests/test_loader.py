@@ -44,6 +44,10 @@ def test_catalog_lists_both_models() -> None:
 def test_embedded_model_loads(smol: LoadedModel) -> None:
     assert smol.id == "smollm2-135m"
     assert smol.checkpoint.model_type == "llama" and smol.checkpoint.spec.num_layers == 30
+    # every Q4_1 matrix of the GGUF kept as blocks (q and k rows put back in HF order: each
+    # dequantizes to exactly transformers' fp32 tensor, or it would have been left out)
+    assert len(smol.checkpoint.blocks) == 30 * 7
+    assert smol.checkpoint.blocks["model.layers.3.self_attn.q_proj.weight"].shape == (576, 576 // 32 * 20)
     assert smol.weights.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert smol.device == torch.device("cpu") and smol.dtype == torch.float32
     assert smol.ctx_default == 8192

@@ -1,5 +1,6 @@
 """mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
-from mashbox.engine import native
+from mashbox.engine import blocks, native
 from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.ops import NativeOps, TorchOps
@@ -50,6 +51,45 @@ def test_q8_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
     assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
     for rows in range(1, 9):
         assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"
+
+
+def q41_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as GGUF Q4_1 blocks, quantized as llama.cpp does (d = range / 15, m = min)."""
+    n = weight.shape[0]
+    b = weight.view(n, -1, 32)
+    d, m = ((b.amax(-1) - b.amin(-1)) / 15).half(), b.amin(-1).half()
+    q = torch.round((b - m.float()[..., None]) / torch.where(d > 0, d, 1).float()[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8)
+    raw = [d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2), q[..., :16] | (q[..., 16:] << 4)]
+    return torch.cat(raw, dim=-1).view(n, -1)
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574)])
+def test_q41_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
+    g = torch.Generator().manual_seed(k + n)
+    rows = q41_blocks(torch.randn(n, k, generator=g))
+    weight = blocks.dequantize(rows)
+    linear = Linear(weight, "gguf", lib, rows)
+    assert linear.mode == "q41" and linear.nbytes == n * k // 32 * 20
+    x = torch.randn(9, k, generator=g)
+    out = linear(x)
+    # q = (w - m) / d exactly, so the int8-activation reference is q8's with d and m split out
+    xb = x.view(9, -1, 32)
+    xs = xb.abs().amax(-1) / 127
+    xq = torch.round(xb / xs[..., None]).double()
+    d = rows.view(n, -1, 20)[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
+    m = rows.view(n, -1, 20)[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
+    q = ((weight.view(n, -1, 32).double() - m[..., None]) / torch.where(d > 0, d, 1)[..., None]).round()
+    sums = torch.einsum("xbk,nbk->xnb", xq, q)
+    expected = (sums * d[None] * xs[:, None].double() + m[None] * (xq.sum(-1) * xs.double())[:, None]).sum(-1)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
+    for r in range(1, 9):
+        assert torch.equal(linear(x[:r])[r - 1], out[r - 1]), f"row {r - 1} changed with {r} rows"
+
+
+def test_gguf_mode_without_blocks_is_int8(lib):
+    assert Linear(torch.randn(64, 64), "gguf", lib).mode == "q8"
 
 
 def test_q8_falls_back_when_the_width_is_not_a_multiple_of_32(lib):
@@ -113,6 +153,29 @@ def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_pa
     assert len({tuple(b) for b in batched}) == len(prompts)
 
 
+def test_q41_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_path(lib):
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(tiny_config(1000)).eval()
+    found = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:  # the layers' matrices, as a Q4_1 GGUF holds them
+                found[name] = q41_blocks(p)
+                p.copy_(blocks.dequantize(found[name]))
+    ckpt = dataclasses.replace(Checkpoint.from_model(model), blocks=found)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
+    runner = ModelRunner(ckpt, num_slots=4, ctx=512, mode="gguf")
+    assert runner._fused is not None and {layer.gate_up.mode for layer in runner.weights.layers} == {"q41"}
+    batched = _greedy(runner, prompts)
+    assert [_greedy(runner, [p])[0] for p in prompts] == batched
+    runner._fused = None
+    assert _greedy(runner, prompts) == batched
+    exact = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="plain")
+    same = sum(a[:4] == b[:4] for a, b in zip(_greedy(exact, prompts), batched))
+    assert same >= 4, "Q4_1 weights used as blocks should mostly agree with the same weights in fp32"
+
+
 def test_q8_forward_stays_close_to_fp32(lib):
     torch.manual_seed(7)
     model = LlamaForCausalLM(tiny_config(1000)).eval()
@@ -130,9 +193,9 @@ def test_q8_forward_stays_close_to_fp32(lib):
     assert F.cosine_similarity(logits, expected, dim=0) > 0.99
 
 
-def test_int8_is_the_cpu_default_and_the_fallback_works_without_kernels(lib, monkeypatch):
+def test_gguf_blocks_are_the_cpu_default_and_the_fallback_works_without_kernels(lib, monkeypatch):
     cpu = torch.device("cpu")
-    assert weight_mode(cpu, None, batch_invariant=True) == (torch.float32, "q8")
+    assert weight_mode(cpu, None, batch_invariant=True) == (torch.float32, "gguf")
     assert weight_mode(cpu, "int8", batch_invariant=True) == (torch.float32, "q8")
     monkeypatch.setenv("MASHBOX_NATIVE", "0")
     native.load.cache_clear()

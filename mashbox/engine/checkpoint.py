@@ -10,7 +10,7 @@ Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class Checkpoint:
     rope_scale: float  # applied to cos and sin
     eos_ids: tuple[int, ...]  # from the generation config
     tensors: dict[str, torch.Tensor]
+    blocks: dict[str, torch.Tensor] = field(default_factory=dict)  # a GGUF's Q4_1 blocks (blocks.py)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:

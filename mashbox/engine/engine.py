@@ -31,7 +31,7 @@ from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
-from mashbox.engine.weights import weight_mode
+from mashbox.engine.weights import Weights, weight_mode
 from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError
 
 log = logging.getLogger("mashbox")
@@ -79,11 +79,11 @@ class Engine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.ctx = config.ctx or loaded.ctx_default
-        self.info = _info(loaded, self.ctx, config.slots, mode)
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode)
+        self.info = _info(loaded, self.ctx, config.slots, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
@@ -286,13 +286,20 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
-_FORMS = {  # Linear mode -> (what the info says, weight bytes against fp32)
-    "packed": ("float16 weights, float32 activations", 0.5),
-    "q8": ("int8 weights, float32 activations", 0.28),
+_FORMS = {  # Linear mode -> what the info says of those weights
+    "q41": "GGUF Q4_1 blocks",
+    "q8": "int8",
+    "packed": "float16 (packed)",
 }
 
 
-def _info(loaded: LoadedModel, ctx: int, slots: int, mode: str) -> ModelInfo:
-    dtype, share = _FORMS.get(mode, (str(loaded.dtype).removeprefix("torch."), 1.0))
-    gb = loaded.gb * share
-    return ModelInfo(loaded.id, ctx, slots, loaded.weights, loaded.bpw, gb, str(loaded.device), dtype, mode)
+def _info(loaded: LoadedModel, ctx: int, slots: int, weights: Weights) -> ModelInfo:
+    modes = sorted({lin.mode for lin in weights.linears}, key=list(_FORMS).index) if all(
+        lin.mode in _FORMS for lin in weights.linears) else []
+    if modes:
+        dtype = " + ".join(_FORMS[m] for m in modes) + " weights, float32 activations"
+    else:
+        dtype = str(loaded.dtype).removeprefix("torch.")
+    mode = "+".join(modes) or weights.linears[0].mode
+    return ModelInfo(loaded.id, ctx, slots, loaded.weights, loaded.bpw, weights.nbytes / 1e9,
+                     str(loaded.device), dtype, mode)

@@ -9,9 +9,11 @@
  * sequence of floating-point operations whatever other rows are in the call and
  * however many threads run it, so a request's tokens never depend on what runs beside it.
  *
- * Weights are int8 in blocks of 32 along K with one fp32 scale per block (the Q8_0 layout of
- * llama.cpp). A matmul quantizes each activation row the same way, then sums int8 products
- * exactly in int32 per block and scales them in fp32.
+ * Weights come in blocks of 32 along K, in one of two forms: int8 with one fp32 scale per block
+ * (llama.cpp's Q8_0, with the scale widened), or a GGUF's own Q4_1 blocks kept as the file has
+ * them (fp16 d and m, then 32 four-bit q; w = d * q + m). A matmul quantizes each activation row
+ * to int8 blocks, sums int8 x int8 (or x uint4) products exactly in int32 per block and scales
+ * them in fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,6 +74,7 @@ static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
  * accumulator and adds its blocks in order, so its value is the same in any tile. */
 #define TR 4
 #define TC 2
+#define TC1 4 /* weight rows per tile when there is one activation row */
 #ifdef MB_AVX2
 static inline __m256 block_dot(__m256i wv, __m256i wabs, __m256i xv) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -82,11 +85,11 @@ static inline __attribute__((always_inline)) void tile(
         const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, const int rows,
         const int cols, float *y, int64_t ldy) {
     int64_t nb = K / QK;
-    __m256 acc[TR][TC];
+    __m256 acc[TR][TC1];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i wv[TC], wa[TC];
+        __m256i wv[TC1], wa[TC1];
         for (int c = 0; c < cols; c++) {
             wv[c] = _mm256_loadu_si256((const __m256i *)(w + c * K + b * QK));
             wa[c] = _mm256_sign_epi8(wv[c], wv[c]);
@@ -148,7 +151,10 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
     float *xs = malloc(sizeof(float) * M * nb);
 #pragma omp parallel for schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
-    if (M == 1) {
+    if (M == 1 && N % TC1 == 0) {
+#pragma omp parallel for schedule(static) if (N * K > 65536)
+        for (int64_t n = 0; n < N; n += TC1) tile(xq, xs, w + n * K, s + n * nb, K, 1, TC1, y + n, N);
+    } else if (M == 1) {
 #pragma omp parallel for schedule(static) if (N * K > 65536)
         for (int64_t n = 0; n < N; n++) tile(xq, xs, w + n * K, s + n * nb, K, 1, 1, y + n, N);
     } else {
@@ -158,6 +164,124 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
     }
     free(xq);
     free(xs);
+}
+
+/* A GGUF Q4_1 block: fp16 d and m, then 16 bytes holding q[i] in the low nibble of byte i and
+ * q[16 + i] in the high one. */
+#define Q41_BYTES 20
+
+static inline float h2f(uint16_t h);
+
+/* Per block of an activation row: xs * (sum of its int8 values) / 8, the weight of m. An eighth
+ * so that it can be added to each of the 8 lanes of an accumulator (exact: a power of two). */
+static void block_sums(const int8_t *q, const float *s, float *out, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        int32_t sum = 0;
+        for (int l = 0; l < QK; l++) sum += q[b * QK + l];
+        out[b] = s[b] * (float)sum * 0.125f;
+    }
+}
+
+#ifdef MB_AVX2
+static inline __m256i unpack4(const uint8_t *p) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+static inline __attribute__((always_inline)) void tile41(
+        const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, const int rows,
+        const int cols, float *y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t nb = K / QK, row = nb * Q41_BYTES;
+    __m256 acc[TR][TC1];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wq[TC1];
+        __m256 d[TC1], m[TC1];
+        for (int c = 0; c < cols; c++) {
+            const uint8_t *blk = w + c * row + b * Q41_BYTES;
+            wq[c] = unpack4(blk + 4);
+            d[c] = _mm256_set1_ps(h2f(*(const uint16_t *)blk));
+            m[c] = _mm256_set1_ps(h2f(*(const uint16_t *)(blk + 2)));
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
+            __m256 s = _mm256_set1_ps(xs[r * nb + b]), sm = _mm256_set1_ps(xm[r * nb + b]);
+            for (int c = 0; c < cols; c++) {
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq[c], xv), ones));
+                acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[c], s), acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(m[c], sm, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) y[r * ldy + c] = hsum8(acc[r][c]);
+}
+#else
+static void tile41(const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, int rows,
+                   int cols, float *y, int64_t ldy) {
+    int64_t nb = K / QK, row = nb * Q41_BYTES;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + c * row + b * Q41_BYTES;
+                const int8_t *x = xq + r * K + b * QK;
+                int32_t sum = 0;
+                for (int j = 0; j < QK / 2; j++) sum += (blk[4 + j] & 15) * x[j] + (blk[4 + j] >> 4) * x[QK / 2 + j];
+                acc += (float)sum * (h2f(*(const uint16_t *)blk) * xs[r * nb + b]);
+                acc += h2f(*(const uint16_t *)(blk + 2)) * xm[r * nb + b] * 8.0f;
+            }
+            y[r * ldy + c] = acc;
+        }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ dequant(w).T for Q4_1 blocks w [N, K / 32, 20 bytes]. */
+void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t nb = K / QK, row = nb * Q41_BYTES;
+    int8_t *xq = malloc(M * K);
+    float *xs = malloc(sizeof(float) * M * nb * 2), *xm = xs + M * nb;
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
+        block_sums(xq + m * K, xs + m * nb, xm + m * nb, K);
+    }
+    if (M == 1 && N % TC1 == 0) {
+#pragma omp parallel for schedule(static) if (N * K > 65536)
+        for (int64_t n = 0; n < N; n += TC1) tile41(xq, xs, xm, w + n * row, K, 1, TC1, y + n, N);
+    } else {
+#pragma omp parallel for schedule(static) if (M * N * K > 65536)
+        for (int64_t n = 0; n < N; n += TC)
+            for (int64_t m = 0; m < M; m += TR) {
+                int rows = M - m < TR ? (int)(M - m) : TR;
+                const int8_t *xr = xq + m * K;
+                const float *sr = xs + m * nb, *mr = xm + m * nb;
+                float *yr = y + m * N + n;
+                if (N - n < TC) {
+                    for (int i = 0; i < rows; i++) tile41(xr + i * K, sr + i * nb, mr + i * nb, w + n * row, K, 1, 1, yr + i * N, N);
+                    continue;
+                }
+                switch (rows) {
+                case 1: tile41(xr, sr, mr, w + n * row, K, 1, TC, yr, N); break;
+                case 2: tile41(xr, sr, mr, w + n * row, K, 2, TC, yr, N); break;
+                case 3: tile41(xr, sr, mr, w + n * row, K, 3, TC, yr, N); break;
+                default: tile41(xr, sr, mr, w + n * row, K, 4, TC, yr, N); break;
+                }
+            }
+    }
+    free(xq);
+    free(xs);
+}
+
+/* Either form: Q8 when s (its scales) is given, else Q4_1 blocks. */
+void mb_linear(const float *x, const void *w, const float *s, float *y, int64_t M, int64_t N, int64_t K) {
+    if (s)
+        mb_q8_linear(x, w, s, y, M, N, K);
+    else
+        mb_q41_linear(x, w, y, M, N, K);
 }
 
 /* w[N, K] (fp32) -> int8 blocks of 32 with one scale each, the same way as activation rows. */
@@ -294,12 +418,13 @@ static void add_rows(float *x, const float *y, int64_t n) {
 }
 
 /* One decoder layer for M one-token rows, x [M, D] updated in place: the same kernels, in the
- * same order, as the runner's general path, so a row's result is the same either way. Keys and
+ * same order, as the runner's general path, so a row's result is the same either way. Each
+ * weight is Q8 with its scales, or Q4_1 blocks with NULL scales (mb_linear). Keys and
  * values of each row are stored at its slot and position; it attends over positions 0..pos. */
 void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH, int64_t HD,
-                     float eps, float scale, const float *ln_attn, const int8_t *qkv_w, const float *qkv_s,
-                     const float *qkv_bias, const int8_t *o_w, const float *o_s, const float *ln_mlp,
-                     const int8_t *gu_w, const float *gu_s, const int8_t *down_w, const float *down_s,
+                     float eps, float scale, const float *ln_attn, const void *qkv_w, const float *qkv_s,
+                     const float *qkv_bias, const void *o_w, const float *o_s, const float *ln_mlp,
+                     const void *gu_w, const float *gu_s, const void *down_w, const float *down_s,
                      const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
                      uint16_t *kcache, uint16_t *vcache, int64_t ctx) {
     int64_t ld = (H + 2 * KVH) * HD, kv = KVH * HD, wide = D > I ? D : I;
@@ -307,7 +432,7 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
     int64_t *rows = malloc(sizeof(int64_t) * M * 2), *lens = rows + M;
     mb_rms_norm(x, ln_attn, h, M, D, eps);
-    mb_q8_linear(h, qkv_w, qkv_s, qkv, M, ld, D);
+    mb_linear(h, qkv_w, qkv_s, qkv, M, ld, D);
     if (qkv_bias)
         for (int64_t m = 0; m < M; m++) add_rows(qkv + m * ld + 0, qkv_bias, ld);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
@@ -321,12 +446,12 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
         lens[m] = positions[m] + 1;
     }
     mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, lens, attn, M, H, KVH, HD, ctx, scale);
-    mb_q8_linear(attn, o_w, o_s, h, M, D, H * HD);
+    mb_linear(attn, o_w, o_s, h, M, D, H * HD);
     add_rows(x, h, M * D);
     mb_rms_norm(x, ln_mlp, h, M, D, eps);
-    mb_q8_linear(h, gu_w, gu_s, gu, M, 2 * I, D);
+    mb_linear(h, gu_w, gu_s, gu, M, 2 * I, D);
     mb_silu_mul(gu, h, M, I);
-    mb_q8_linear(h, down_w, down_s, gu, M, D, I);
+    mb_linear(h, down_w, down_s, gu, M, D, I);
     add_rows(x, gu, M * D);
     free(h);
     free(qkv);

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import io
 import json
@@ -33,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a mod
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from mashbox.engine import checkpoint  # noqa: E402
+from mashbox.engine import blocks, checkpoint  # noqa: E402
 from mashbox.engine.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
 
@@ -83,6 +84,8 @@ def load(model: str, *, device: str | torch.device | None = None,
                 _save_converted(net, tokenizer, converted)
             step(f"moving to {dev}")
             ckpt = checkpoint.Checkpoint.from_model(net.to(dev))
+        if converted is not None and dev.type == "cpu":
+            ckpt = dataclasses.replace(ckpt, blocks=blocks.cached(source.path, converted, ckpt))
     return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt),
                        ckpt.nbytes / 1e9, _ctx_default(source, ckpt), dev, dt)
 

@@ -40,7 +40,7 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, mode: str = "tiled") -> None:
-        lib = native.load() if mode in ("q8", "packed") else None
+        lib = native.load() if mode in ops.NATIVE_MODES else None
         self.weights = Weights.from_checkpoint(ckpt, ctx, mode, lib)
         self.device = self.weights.embed.device
         self.ops = ops.pick(self.device, lib, mode)
@@ -183,12 +183,12 @@ class DecodeLayers:
 
     @staticmethod
     def fits(weights: Weights) -> bool:
-        return all(layer.qkv_proj.mode == layer.o.mode == layer.gate_up.mode == layer.down.mode == "q8"
+        return all({layer.qkv_proj.mode, layer.o.mode, layer.gate_up.mode, layer.down.mode} <= {"q8", "q41"}
                    and layer.q_norm is None and layer.act is None for layer in weights.layers)
 
     def _args(self, layer, i: int) -> tuple:
         p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return (layer.down.weight.shape[0], layer.down.weight.shape[1], p(layer.ln_attn),
+        return (*layer.down.shape, p(layer.ln_attn),
                 p(layer.qkv_proj.weight), p(layer.qkv_proj.scales), p(layer.qkv_bias),
                 p(layer.o.weight), p(layer.o.scales), p(layer.ln_mlp), p(layer.gate_up.weight),
                 p(layer.gate_up.scales), p(layer.down.weight), p(layer.down.scales),

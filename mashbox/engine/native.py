@@ -32,6 +32,8 @@ BLOCK = 32  # weights are int8 in blocks of BLOCK along K, one fp32 scale per bl
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "mb_q8_linear": (_P, _P, _P, _P, _I, _I, _I),
+    "mb_q41_linear": (_P, _P, _P, _I, _I, _I),
+    "mb_linear": (_P, _P, _P, _P, _I, _I, _I),
     "mb_q8_quantize": (_P, _P, _P, _I, _I),
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
     "mb_decode_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 17, _I),

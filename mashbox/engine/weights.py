@@ -20,23 +20,28 @@ TILE = 16
 
 
 class Linear:
-    """``x @ weight.T`` in one of four forms, chosen once per model.
+    """``x @ weight.T`` in one of five forms, chosen once per model.
 
-    ``q8``: int8 weights in blocks of 32 with a scale each, fp32 activations, through
-    mashbox's compiled kernel (a quarter of fp32's memory traffic; each row computed alone).
+    ``q41``: a GGUF's own Q4_1 blocks (``blocks.py``; 5 bits a weight), fp32 activations, through
+    mashbox's compiled kernel. ``q8``: int8 weights in blocks of 32 with a scale each, the same
+    way (a quarter of fp32's memory traffic). Both compute each row alone.
     ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
     memory traffic (fbgemm does not promise a row's bits independent of the batch).
     ``plain``: one matmul. ``tiled``: every row goes through a matmul of exactly
     ``TILE`` rows, so its result never depends on how many rows run beside it.
     """
 
-    __slots__ = ("weight", "scales", "mode", "_packed", "_bias", "_lib")
+    __slots__ = ("weight", "scales", "shape", "mode", "_packed", "_bias", "_lib")
 
-    def __init__(self, weight: torch.Tensor, mode: str, lib: ctypes.CDLL | None = None) -> None:
-        if mode == "q8" and (lib is None or weight.shape[1] % native.BLOCK):
+    def __init__(self, weight: torch.Tensor, mode: str, lib: ctypes.CDLL | None = None,
+                 blocks: torch.Tensor | None = None) -> None:
+        if mode == "gguf":
+            mode = "q8" if blocks is None else "q41"
+        if mode in ("q8", "q41") and (lib is None or weight.shape[1] % native.BLOCK):
             mode = "packed" if fbgemm_available() else "plain"
         self.mode = mode
         self.weight = weight
+        self.shape = tuple(weight.shape)
         self.scales = self._packed = self._bias = self._lib = None
         if mode == "packed":
             self._packed = _quiet(torch.fbgemm_pack_gemm_matrix_fp16, weight.float().contiguous())
@@ -45,21 +50,31 @@ class Linear:
         elif mode == "q8":
             self._lib = lib
             self.weight, self.scales = _quantize(lib, weight.float().contiguous())
+        elif mode == "q41":
+            self._lib = lib
+            self.weight = blocks
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "q8":
-            return self._q8(x)
+        if self._lib is not None:
+            return self._native(x)
         if self.mode == "packed":
             return torch.fbgemm_linear_fp16_weight(x.contiguous(), self._packed, self._bias)
         if self.mode == "plain":
             return x @ self.weight.T
         return _tiled(x, self.weight)
 
-    def _q8(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def nbytes(self) -> int:
+        if self._packed is not None:
+            return self.shape[0] * self.shape[1] * 2
+        return sum(t.nbytes for t in (self.weight, self.scales) if t is not None)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         rows, k = x.shape
-        out = x.new_empty(rows, self.weight.shape[0])
-        self._lib.mb_q8_linear(ptr(x), ptr(self.weight), ptr(self.scales), ptr(out), rows, out.shape[1], k)
+        out = x.new_empty(rows, self.shape[0])
+        scales = None if self.scales is None else ptr(self.scales)
+        self._lib.mb_linear(ptr(x), ptr(self.weight), scales, ptr(out), rows, out.shape[1], k)
         return out
 
 
@@ -106,14 +121,15 @@ INT8 = ("int8", "q8")
 def weight_mode(device: torch.device, dtype: str | None, batch_invariant: bool) -> tuple[torch.dtype, str]:
     """(dtype to load the model in, Linear mode) for a device and the dtype asked for.
 
-    On CPU the default is int8 weights for mashbox's own kernels (fp32 activations), where a C
-    compiler could build them, else fp16 weights packed for fbgemm; ``int8`` and ``float16`` ask
-    for one of those, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
+    On CPU the default is mashbox's own kernels (fp32 activations), where a C compiler could build
+    them: a GGUF's Q4_1 blocks as the file has them, int8 for every other weight (``gguf``); else
+    fp16 weights packed for fbgemm. ``int8`` asks for int8 everywhere, ``float16`` for the packed
+    form, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
     """
     if device.type != "cpu":
         return pick_dtype(dtype, device), "plain"
     if dtype in (None, *INT8) and native.load() is not None:
-        return torch.float32, "q8"
+        return torch.float32, "gguf" if dtype is None else "q8"
     if dtype in INT8:
         raise ValueError("dtype: int8 weights need mashbox's CPU kernels, which could not be built here "
                          "(no C compiler, or MASHBOX_NATIVE=0); use float16 or float32")
@@ -174,6 +190,15 @@ class Weights:
     cos: torch.Tensor
     sin: torch.Tensor
 
+    @property
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [lin for l in self.layers for lin in (l.qkv_proj, l.o, l.gate_up, l.down)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights hold in memory (the embedding stays in full precision for lookups)."""
+        return self.embed.nbytes + sum(lin.nbytes for lin in self.linears)
+
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, ctx: int, mode: str, lib: ctypes.CDLL | None = None) -> Weights:
         if ckpt.model_type not in SUPPORTED:
@@ -187,9 +212,9 @@ class Weights:
         return cls(
             spec=ckpt.spec,
             embed=embed,
-            layers=[_layer(t, f"model.layers.{i}.", ckpt.spec, act, mode, lib) for i in range(ckpt.spec.num_layers)],
+            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, lib) for i in range(ckpt.spec.num_layers)],
             norm=t["model.norm.weight"],
-            lm_head=Linear(t.get("lm_head.weight", embed), mode, lib),
+            lm_head=_linear(ckpt, ["lm_head.weight"], mode, lib),
             cos=cos,
             sin=sin,
         )
@@ -204,22 +229,35 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return ACT2FN[name]
 
 
-def _layer(t: dict[str, torch.Tensor], at: str, spec: Spec, act, mode: str, lib: ctypes.CDLL | None) -> Layer:
+def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None) -> Layer:
+    t = ckpt.tensors
     attn, mlp = at + "self_attn.", at + "mlp."
-    projections = [f"{attn}{p}_proj." for p in "qkv"]
+    qkv = [f"{attn}{p}_proj.weight" for p in "qkv"]
     bias = None
-    if projections[0] + "bias" in t:
-        bias = torch.cat([t[p + "bias"] for p in projections])
+    if attn + "q_proj.bias" in t:
+        bias = torch.cat([t[name.removesuffix("weight") + "bias"] for name in qkv])
     return Layer(
-        spec=spec,
+        spec=ckpt.spec,
         ln_attn=t[at + "input_layernorm.weight"],
-        qkv_proj=Linear(torch.cat([t[p + "weight"] for p in projections]), mode, lib),
+        qkv_proj=_linear(ckpt, qkv, mode, lib),
         qkv_bias=bias,
         q_norm=t.get(attn + "q_norm.weight"),
         k_norm=t.get(attn + "k_norm.weight"),
-        o=Linear(t[attn + "o_proj.weight"], mode, lib),
+        o=_linear(ckpt, [attn + "o_proj.weight"], mode, lib),
         ln_mlp=t[at + "post_attention_layernorm.weight"],
-        gate_up=Linear(torch.cat([t[mlp + "gate_proj.weight"], t[mlp + "up_proj.weight"]]), mode, lib),
-        down=Linear(t[mlp + "down_proj.weight"], mode, lib),
+        gate_up=_linear(ckpt, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], mode, lib),
+        down=_linear(ckpt, [mlp + "down_proj.weight"], mode, lib),
         act=act,
     )
+
+
+def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None) -> Linear:
+    """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one),
+    with the GGUF's blocks when every part has them."""
+    tensors = [ckpt.tensors[name] for name in names]
+    weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    blocks = None
+    if all(name in ckpt.blocks for name in names):
+        parts = [ckpt.blocks[name] for name in names]
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return Linear(weight, mode, lib, blocks)
