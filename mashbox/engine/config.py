@@ -16,11 +16,12 @@ class EngineConfig:
     call runs when nothing decodes, ``busy_tokens`` while other requests decode
     (smaller: a long prompt then delays their next tokens less).
     ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes.
-    ``dtype`` on CPU: ``int8`` (default where mashbox's kernels build; int8
-    weight blocks, fp32 activations), ``float16`` (fp16 weights packed for
+    ``dtype`` on CPU: unset (default where mashbox's kernels build: a GGUF's
+    Q4_1 blocks as the file has them, int8 blocks elsewhere, fp32 activations),
+    ``int8`` (int8 blocks everywhere), ``float16`` (fp16 weights packed for
     fbgemm; the default without a C compiler) or ``float32`` (exact weights);
     on CUDA: ``bfloat16`` (default). A greedy request's tokens never depend on
-    what runs beside it with int8 weights; with ``float32`` that takes
+    what runs beside it with mashbox's kernels; with ``float32`` that takes
     ``batch_invariant`` (fixed-shape matmul tiles, slower alone); fbgemm's fp16
     kernel does not promise it on every CPU.
     """
