@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from server import claude, idle_server, loading_server, long_engine, oai, smol_server, tiny_server  # noqa: F401
+from server import (  # noqa: F401
+    claude, fuzz_server, idle_server, loading_server, long_engine, oai, smol_server, tiny_server,
+)
 from tiny import tiny_config
 from transformers import AutoTokenizer, LlamaForCausalLM
 

@@ -82,6 +82,12 @@ def tiny_server(long_engine) -> Iterator[Running]:
 
 
 @pytest.fixture(scope="session")
+def fuzz_server(tiny_engine) -> Iterator[Running]:
+    """The tiny random Llama with a 512-token context: any max_tokens a fuzzer draws ends fast."""
+    yield from _running(tiny_engine, Settings())
+
+
+@pytest.fixture(scope="session")
 def idle_server(long_engine) -> Iterator[Running]:
     yield from _running(long_engine, Settings(idle_timeout_s=1.0), send_buffer=4096)
 

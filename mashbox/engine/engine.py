@@ -80,6 +80,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.ctx = config.ctx or loaded.ctx_default
         self.eos_ids = _eos_ids(loaded)
+        self._chars_per_token = _most_chars_per_token(self.tokenizer)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode)
@@ -101,7 +102,16 @@ class Engine:
     # -- the core: canonical requests in, engine events out ---------------
 
     def encode(self, request: EngineRequest) -> list[int]:
-        """The prompt tokens ``request`` runs on (after the chat template)."""
+        """The prompt tokens ``request`` runs on (after the chat template).
+
+        A prompt that cannot fit the context whatever its tokens is refused first, from a cheap
+        lower bound, so that a huge request costs no rendering or tokenizing."""
+        floor = _fewest_tokens(request, self._chars_per_token)
+        if floor > self.ctx:
+            field = "prompt" if request.prompt is not None else "messages"
+            raise ContextLengthError(
+                field, f"the prompt is at least {floor} tokens but the context holds {self.ctx}; shorten it or raise ctx"
+            )
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
         tools = request.tools if request.tool_choice != "none" else ()
@@ -278,6 +288,23 @@ def _merge(request: Any, fields: dict[str, Any]) -> Any:
     if fields:
         raise MashboxError("pass a request object or keyword fields, not both")
     return request
+
+
+def _most_chars_per_token(tokenizer: Any) -> int:
+    """At most how many characters of text one token stands for: its longest vocabulary entry,
+    times 4 where the tokenizer normalizes text first (NFC/NFKC compose up to 4 code points into one)."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (1 if backend is not None and backend.normalizer is None else 4)
+
+
+def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:
+    """A lower bound on the prompt's tokens, from lengths alone: every chat template writes at
+    least one token per message, and no token holds more than ``chars_per_token`` characters."""
+    if request.prompt is not None:
+        return -(-len(request.prompt) // chars_per_token)
+    chars = sum(len(m.content.strip()) for m in request.messages)  # templates may trim
+    return max(len(request.messages), -(-chars // chars_per_token))
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from litestar import Litestar
+from typing import Any
+
+from litestar import Litestar, Request
 from litestar.di import Provide
 
 from mashbox.server import openapi
 from mashbox.server.backend import Backend
 from mashbox.server.context import Context
-from mashbox.server.errors import handler
+from mashbox.server.errors import ApiError, handler
 from mashbox.server.gate import Gate
 from mashbox.server.routes import HANDLERS
 from mashbox.server.settings import Settings
@@ -23,11 +25,22 @@ def create_app(backend: Backend, settings: Settings) -> Litestar:
         route_handlers=HANDLERS,
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handler(settings.retry_after_s)},
+        request_class=BodyRequest,
         openapi_config=None,
         logging_config=None,
     )
     app.asgi_handler = Gate(app.asgi_handler, ctx)
     return app
+
+
+class BodyRequest(Request):
+    """A request whose JSON body, if nested too deeply for the decoder, is the client's error."""
+
+    async def json(self) -> Any:
+        try:
+            return await super().json()
+        except RecursionError:
+            raise ApiError(400, "the JSON body is nested too deeply to decode") from None
 
 
 def _version() -> str:

@@ -22,6 +22,7 @@ from mashbox.api import anthropic_messages, openai_chat, openai_completions, ope
 from mashbox.api.base import RequestModel, parse
 from mashbox.engine.events import Event, Finish
 from mashbox.engine.request import EngineRequest
+from mashbox.errors import ContextLengthError
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
@@ -40,12 +41,26 @@ class Protocol:
     frame: Callable[[dict[str, Any]], bytes]
     done: bytes = b""
     any_model: bool = False
+    turns: str | None = "messages"  # the body's list of conversation items
 
 
 CHAT = Protocol("chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)
-COMPLETIONS = Protocol("completions", openai_completions, openai_completions.CompletionRequest, data_frame, DONE)
-RESPONSES = Protocol("responses", openai_responses, openai_responses.ResponsesRequest, event_frame)
+COMPLETIONS = Protocol("completions", openai_completions, openai_completions.CompletionRequest, data_frame, DONE,
+                       turns=None)
+RESPONSES = Protocol("responses", openai_responses, openai_responses.ResponsesRequest, event_frame, turns="input")
 MESSAGES = Protocol("messages", anthropic_messages, anthropic_messages.MessagesRequest, event_frame, any_model=True)
+
+
+def refuse_overlong(ctx: Context, body: dict[str, Any], turns: str | None) -> None:
+    """Refuse, before validating it, a conversation with more items than the context has tokens:
+    every message takes at least one token; reasoning items may take none."""
+    items, info = body.get(turns) if turns else None, ctx.backend.info
+    if not isinstance(items, list) or info is None or len(items) <= info.ctx:
+        return
+    n = sum(not (isinstance(item, dict) and item.get("type") == "reasoning") for item in items)
+    if n > info.ctx:
+        raise ContextLengthError(turns, f"the prompt is at least {n} tokens ({n} items of at least one each) "
+                                        f"but the context holds {info.ctx}; shorten it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +93,7 @@ def ignored_header(req: RequestModel) -> dict[str, str]:
 async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], request: Request) -> Response:
     """Answer one request of ``protocol``: a JSON body, or its stream of events."""
     served = ctx.served()
+    refuse_overlong(ctx, body, protocol.turns)
     req = parse(protocol.request, body)
     model = getattr(req, "model", None)
     if model not in (None, served) and not protocol.any_model:

@@ -12,7 +12,7 @@ from mashbox.api.anthropic_messages import CountTokensRequest, TokenCount, to_en
 from mashbox.api.base import parse
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
-from mashbox.server.generation import CHAT, COMPLETIONS, MESSAGES, RESPONSES, generate
+from mashbox.server.generation import CHAT, COMPLETIONS, MESSAGES, RESPONSES, generate, refuse_overlong
 from mashbox.server.health import health
 from mashbox.server.metrics import CONTENT_TYPE
 from mashbox.server.models import AnthropicModel, AnthropicModelList, Model, ModelList
@@ -66,6 +66,7 @@ async def messages(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
 @post("/v1/messages/count_tokens", status_code=200, summary="Count tokens")
 async def count_tokens(ctx: Ctx, data: Body) -> dict[str, Any]:
     ctx.served()
+    refuse_overlong(ctx, data, "messages")
     req = parse(CountTokensRequest, data)
     return TokenCount(input_tokens=await ctx.backend.count(to_engine(req))).dump()
 

@@ -1,0 +1,89 @@
+"""Hostile but plausible bodies on the five generation routes, over real HTTP: each answered with a
+4xx in the route's own error shape, before any costly work, and the server healthy afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+USER = [{"role": "user", "content": "hi"}]
+ROUTES = {  # route -> (path, a valid body, the field holding the conversation)
+    "chat": ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}, "messages"),
+    "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "prompt"),
+    "responses": ("/v1/responses", {"input": USER, "max_output_tokens": 2}, "input"),
+    "messages": ("/v1/messages", {"messages": USER, "max_tokens": 2}, "messages"),
+    "count_tokens": ("/v1/messages/count_tokens", {"messages": USER}, "messages"),
+}
+
+
+@pytest.fixture
+def http(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as client:
+        yield client
+        assert client.get("/health").json()["status"] == "ok"
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def post(http: httpx.Client, route: str, raw: str) -> httpx.Response:
+    return http.post(ROUTES[route][0], content=raw.encode(), headers={"content-type": "application/json"})
+
+
+def error_message(route: str, response: httpx.Response, status: int = 400) -> str:
+    """The message of an error answer, checked to be in the route's shape."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    if route in ("messages", "count_tokens"):
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        return body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("depth", [100_000, 5_000])
+def test_a_body_nested_too_deeply_is_a_400(http, route, depth):
+    path, body, field = ROUTES[route]
+    raw = json.dumps(body)[:-1] + f', "{field}": {nested(depth)}}}'
+    assert "nested too deeply" in error_message(route, post(http, route, raw))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_deep_but_decodable_nesting_anywhere_is_never_a_500(http, route):
+    path, body, field = ROUTES[route]
+    for where in (field, "metadata", "tools", "unknown_field"):
+        raw = json.dumps({k: v for k, v in body.items() if k != where})[:-1] + f', "{where}": {nested(200)}}}'
+        response = post(http, route, raw)
+        assert response.status_code < 500, (where, response.text)
+
+
+@pytest.mark.parametrize("route", ["chat", "responses", "messages", "count_tokens"])
+def test_more_messages_than_the_context_has_tokens_are_refused_unread(http, route, tiny_server):
+    path, body, field = ROUTES[route]
+    ctx = tiny_server.backend.info.ctx
+    hostile = {**body, field: USER * 200_000}
+    assert 200_000 > ctx
+    message = error_message(route, http.post(path, json=hostile))
+    assert f"at least 200000 tokens" in message and str(ctx) in message
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(http, route, tiny_server):
+    """9 MB of text (under the 10 MB body cap): refused from its length, not after tokenizing it."""
+    path, body, field = ROUTES[route]
+    text = "word " * 1_800_000
+    hostile = {**body, field: text if route == "completions" else [{"role": "user", "content": text}]}
+    message = error_message(route, http.post(path, json=hostile))
+    assert "the prompt is at least" in message and str(tiny_server.backend.info.ctx) in message
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_lone_surrogate_is_a_400(http, route):
+    path, body, field = ROUTES[route]
+    value = '"\\ud800"' if route == "completions" else '[{"role": "user", "content": "\\ud800"}]'
+    raw = json.dumps({k: v for k, v in body.items() if k != field})[:-1] + f', "{field}": {value}}}'
+    assert error_message(route, post(http, route, raw))
