@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mashbox import ContextLengthError, EngineRequest, InvalidRequestError, Message, SamplingParams, TextDelta
+from mashbox import ContextLengthError, Engine, EngineRequest, InvalidRequestError, Message, SamplingParams, TextDelta
 from mashbox.engine.detokenizer import Detokenizer
 
 
@@ -48,6 +48,18 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny_engine):
     batched = run_concurrently(lambda p, s: run(tiny_engine, p, temperature=1.0, seed=s, max_tokens=16)[0], crowd)
     assert first == again == batched[0]
     assert first != other
+
+
+def test_a_seed_gives_the_same_text_for_a_long_prompt_whatever_ran_in_its_slot_before(tiny_model_dir):
+    """A prompt longer than one step's prompt tokens is sampled from its own seed, not from the
+    random stream the slot's previous request left behind."""
+    long = "Request with a long preamble. " + " ".join(f"w{i}" for i in range(120))
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, quiet=True) as fresh:
+        assert len(fresh.tokenizer.encode(long)) > fresh.config.step_tokens
+        expected = run(fresh, long, temperature=1.0, seed=5, max_tokens=16)[0]
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, quiet=True) as used:
+        run(used, "Something else first:", temperature=1.0, seed=99, max_tokens=8)
+        assert run(used, long, temperature=1.0, seed=5, max_tokens=16)[0] == expected
 
 
 def test_max_tokens_gives_length(tiny_engine):

@@ -122,7 +122,7 @@ def test_prefix_cache_reuses_whole_chunks_of_a_finished_prompt():
     s.add(second)
     plan = s.schedule()
     assert second.slot == first.slot and second.num_cached == 256
-    assert [(w.position, len(w.token_ids), w.fresh) for w in plan.work] == [(256, 54, True)]
+    assert [(w.position, len(w.token_ids)) for w in plan.work] == [(256, 54)]
     assert (s.lookup_tokens, s.hit_tokens) == (610, 256)
     s.cache.check_integrity()
 

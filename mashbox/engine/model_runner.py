@@ -22,6 +22,7 @@ from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.kv_cache import KVCache
 from mashbox.engine.prefix_cache import CacheOp, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
+from mashbox.engine.sequence import Sequence
 from mashbox.engine.weights import Weights
 
 
@@ -47,7 +48,6 @@ class ModelRunner:
         kv_dtype = torch.float16 if isinstance(self.ops, ops.NativeOps) else self.weights.embed.dtype
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, kv_dtype, self.device)
         self._fused = DecodeLayers(self.weights, self.kv, lib) if DecodeLayers.fits(self.weights) else None
-        self.generators: list[torch.Generator | None] = [None] * num_slots
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -66,7 +66,7 @@ class ModelRunner:
             logits,
             [s.sampling for s in sampling],
             [(s.prompt_ids, s.output_ids) for s in sampling],
-            [self._generator(w) for w in plan.work if w.sample],
+            [self._generator(seq) for seq in sampling],
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
 
@@ -155,15 +155,16 @@ class ModelRunner:
         rows = torch.arange(item.position, item.position + n, device=self.device)[:, None]
         return torch.arange(item.position + n, device=self.device)[None, :] <= rows
 
-    def _generator(self, item: Work) -> torch.Generator | None:
-        if item.seq.sampling.greedy:
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """The request's own random stream, seeded at its first draw: the same seed gives the same
+        draws whatever ran in its slot before, however long its prompt, and across a preemption."""
+        if seq.sampling.greedy:
             return None
-        if item.fresh or self.generators[item.slot] is None:
-            seed = item.seq.sampling.seed
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed if seed is not None else random.getrandbits(63))
-            self.generators[item.slot] = g
-        return self.generators[item.slot]
+        if seq.generator is None:
+            seed = seq.sampling.seed
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(seed if seed is not None else random.getrandbits(63))
+        return seq.generator
 
 
 class DecodeLayers:

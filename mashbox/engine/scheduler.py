@@ -26,7 +26,6 @@ class Work:
     token_ids: tuple[int, ...]
     position: int
     sample: bool
-    fresh: bool
 
     @property
     def slot(self) -> int:
@@ -121,7 +120,7 @@ class Scheduler:
             self.finish(seq, Status.FINISHED_LENGTH)
 
     def _decode(self, seq: Sequence) -> Work:
-        return Work(seq, (seq.output_ids[-1],), seq.num_tokens - 1, sample=True, fresh=False)
+        return Work(seq, (seq.output_ids[-1],), seq.num_tokens - 1, sample=True)
 
     def _chunk_len(self, seq: Sequence, position: int) -> int:
         """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""
@@ -136,7 +135,6 @@ class Scheduler:
             if position - start + n > budget and plan:
                 break
             end = position + n
-            plan.work.append(Work(seq, tuple(seq.prompt_ids[position:end]), position, sample=end == prompt,
-                                  fresh=position == seq.num_cached))
+            plan.work.append(Work(seq, tuple(seq.prompt_ids[position:end]), position, sample=end == prompt))
             position = end
         return position - start
