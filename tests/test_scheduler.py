@@ -195,8 +195,8 @@ def test_a_step_runs_several_chunks_when_idle_and_fewer_while_others_decode():
     s = Scheduler(num_slots=2, ctx=1024, chunk_tokens=32, step_tokens=128, busy_tokens=64)
     s.add(seq("long", 300, max_new=50))
     alone = step(s)
-    assert [(w.position, len(w.token_ids), w.fresh, w.sample) for w in alone.work] == [
-        (0, 32, True, False), (32, 32, False, False), (64, 32, False, False), (96, 32, False, False)]
+    assert [(w.position, len(w.token_ids), w.sample) for w in alone.work] == [
+        (0, 32, False), (32, 32, False), (64, 32, False), (96, 32, False)]
     while s.running[0].in_prefill:
         step(s)
     s.add(seq("other", 200))
