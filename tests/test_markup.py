@@ -110,3 +110,10 @@ def test_tagged_calls_with_tool_names_known_drop_the_blank_between_them():
     expected = [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Paris"})]
     for cut in range(len(text) + 1):
         assert parse([text[:cut], text[cut:]], names=NAMES) == expected
+
+
+@pytest.mark.parametrize(("text", "kept"), [('x <tool_call>{"name": "f", "argu', "x"), ("x\n<tool", "x\n"),
+                                           ("x\n<tool_call>", "x")])
+def test_where_only_calls_are_written_a_cut_off_call_is_dropped(text, kept):
+    assert parse([text], cut_calls_are_text=False) == [("text", kept)]
+    assert parse([text]) == [("text", text)]  # elsewhere it stays text

@@ -73,3 +73,40 @@ def test_responses_round_trip(oai):
                {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
     answer = oai.responses.create(model="smollm2-135m", input=history, tools=tools, max_output_tokens=40)
     assert answer.output_text
+
+
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": PARAMETERS}}]
+
+
+def test_required_without_parallel_calls_gives_one_call_and_ends(oai, claude):
+    """tool_choice required with parallel calls off: exactly one call, finished as a tool call, on
+    all three protocols (the embedded model, left free, repeats the call until max_tokens)."""
+    messages = [{"role": "user", "content": ASK}]
+    chat = oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=CHAT_TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=150)
+    (call,) = chat.choices[0].message.tool_calls
+    assert chat.choices[0].finish_reason == "tool_calls" and not chat.choices[0].message.content
+    city_of(call.function.arguments)
+
+    tools = [{"type": "function", "name": "get_weather", "parameters": PARAMETERS, "strict": False}]
+    response = oai.responses.create(model="smollm2-135m", input=ASK, tools=tools, tool_choice="required",
+                                    max_output_tokens=150)  # the spec's default: parallel_tool_calls false
+    (item,) = response.output
+    assert item.type == "function_call" and response.status == "completed" and response.parallel_tool_calls is False
+
+    message = claude.messages.create(model="m", max_tokens=150, messages=messages, tool_choice={
+        "type": "any", "disable_parallel_tool_use": True},
+        tools=[{"name": "get_weather", "input_schema": PARAMETERS}])
+    (use,) = message.content
+    assert use.type == "tool_use" and message.stop_reason == "tool_use"
+
+
+def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_the_text(oai):
+    for max_tokens in (20, 30, 45, 60):  # cut inside a call's JSON, inside its opening tag, ...
+        chat = oai.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": ASK}],
+                                           tools=CHAT_TOOLS, tool_choice="required", parallel_tool_calls=True,
+                                           max_tokens=max_tokens)
+        choice = chat.choices[0]
+        assert choice.finish_reason == "length"
+        assert not choice.message.content, (max_tokens, choice.message.content)

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
@@ -122,3 +123,19 @@ def test_thinking_off_emits_no_reasoning(thinking_engine):
     answer = thinking_engine.chat(messages=[{"role": "user", "content": "hi"}], enable_thinking=False, max_tokens=12)
     assert answer.choices[0].message.reasoning_content is None
     assert answer.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_required_lets_the_model_end_after_any_call_and_one_call_only_without_parallel(tiny_engine):
+    """After a complete call the grammar allows the end of the answer (or, with parallel calls, a
+    newline and another call); without parallel calls only the end."""
+    tool = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}})
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    tok = tiny_engine.tokenizer
+    eos = tok.eos_token_id
+    for parallel, expected in ((True, {eos, *tok.encode("\n", add_special_tokens=False)}), (False, {eos})):
+        constraint = tiny_engine.grammars.for_tools((tool,), "required", parallel)
+        for token in tok.encode(call, add_special_tokens=False):
+            constraint.accept(token)
+        row = torch.zeros(len(tok))
+        constraint.mask(row)
+        assert set((row == 0).nonzero().flatten().tolist()) == expected

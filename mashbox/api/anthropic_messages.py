@@ -104,6 +104,7 @@ class AnthropicTool(Part):
 class ToolChoice(Part):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class ThinkingConfig(Part):
@@ -164,6 +165,7 @@ def to_engine(req: CountTokensRequest) -> EngineRequest:
             Tool(t.name, t.description or "", t.input_schema or {}) for t in req.tools or () if t.usable()
         ),
         tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
         enable_thinking=thinking.enabled() if thinking is not None else None,
         thinking_budget=thinking.budget_tokens if thinking is not None and thinking.enabled() else None,
     )

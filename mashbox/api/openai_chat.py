@@ -120,6 +120,7 @@ class ChatRequest(RequestModel, SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[ChatTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -160,6 +161,7 @@ def to_engine(req: ChatRequest) -> EngineRequest:
             if t.function is not None and t.type == "function"
         ),
         tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=req.thinking(),
     )
 

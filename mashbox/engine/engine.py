@@ -143,7 +143,7 @@ class Engine:
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids)
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
-        seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice)
+        seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
         return Job(seq, self._markup(request, ids), self._budget(request))
 
     def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
@@ -151,7 +151,8 @@ class Engine:
         think = self.template.knows_thinking and request.enable_thinking is not False
         in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
         names = frozenset(t.name for t in request.tools) if calls else frozenset()
-        return Markup(calls=calls, think=think, in_think=in_think, names=names)
+        forced = calls is not None and request.tool_choice != "auto"  # the grammar writes only calls
+        return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:

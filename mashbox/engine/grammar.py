@@ -57,14 +57,16 @@ class Grammars:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
         return self._tokenizer
 
-    def for_tools(self, tools: tuple[Tool, ...], choice: str) -> Constraint | None:
+    def for_tools(self, tools: tuple[Tool, ...], choice: str, parallel: bool = True) -> Constraint | None:
+        """The constraint of a forced call: ``required`` (one call, or one or more when
+        ``parallel``; the model may end after any complete call) or a named tool (one call)."""
         if choice in ("auto", "none") or not tools:
             return None
         if choice != "required":
             tools = tuple(t for t in tools if t.name == choice)
             if not tools:
                 raise InvalidRequestError("tool_choice", f"names a tool that is not in tools: {choice!r}")
-        return Constraint(self.tokenizer, tool_grammar(tools, many=choice == "required"))
+        return Constraint(self.tokenizer, tool_grammar(tools, many=choice == "required" and parallel))
 
 
 class Constraint:

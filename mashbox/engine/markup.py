@@ -50,8 +50,9 @@ class Markup:
     """Splits model text into text, reasoning and tool-call events."""
 
     def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False,
-                 names: frozenset[str] = frozenset()) -> None:
+                 names: frozenset[str] = frozenset(), cut_calls_are_text: bool = True) -> None:
         self.calls = calls
+        self.cut_calls_are_text = cut_calls_are_text  # False: a call cut off unparsed is dropped
         self.think = think
         self.state = "think" if in_think else "text"
         self.held = ""
@@ -75,7 +76,7 @@ class Markup:
         held, self.held = self.held, ""
         if self.state == "call":
             self._end_call(self.body + held, events, closed=False)
-        elif held:
+        elif held and not self._cut_open_tag(held):
             self._emit(held, events)
         if self.bare and not self.bare.text.strip():
             self.blank += self.bare.release()
@@ -88,6 +89,10 @@ class Markup:
             events.append(TextDelta(self.blank))
         self.blank = ""
         return events
+
+    def _cut_open_tag(self, held: str) -> bool:
+        """The start of a call's opening tag, cut off where only calls are written: dropped."""
+        return not self.cut_calls_are_text and self.calls is not None and self.calls.open.startswith(held)
 
     def _step(self, buf: str, events: list[Event]) -> str:
         tags = self._tags()
@@ -168,8 +173,9 @@ class Markup:
         parsed = self.calls.parse(body.strip()) if self.calls else None
         blank, self.blank = self.blank, ""
         if parsed is None:
-            raw = self.calls.open + body + (self.calls.close if closed else "")
-            events.append(TextDelta(blank + raw))
+            if closed or self.cut_calls_are_text:
+                raw = self.calls.open + body + (self.calls.close if closed else "")
+                events.append(TextDelta(blank + raw))
             return
         events += self._call_events(*parsed)
 

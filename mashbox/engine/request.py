@@ -98,6 +98,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True  # False: at most one call
     enable_thinking: bool | None = None
     thinking_budget: int | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
