@@ -83,7 +83,33 @@ def test_abort_frees_the_slot(worker):
     asyncio.run(scenario())
 
 
+def drained(changes):
+    out = []
+    while not changes.empty():
+        change = changes.get()
+        out.append((change.state, change.restarts))
+    return out
+
+
+def test_stats_are_the_last_snapshot_the_worker_sent_never_a_wait(worker):
+    async def scenario():
+        await collect(worker.astream(chat("Count to three.", max_tokens=4)))
+        await until(lambda: worker.stats() is not None and worker.stats().generated_tokens >= 4, 5)
+
+    asyncio.run(scenario())
+    os.kill(worker.worker_pid, signal.SIGSTOP)  # a worker that answers nothing
+    try:
+        time.sleep(0.3)  # older than any "fresh enough" window
+        snapshot, started = worker.stats(), time.monotonic()
+        assert all(worker.stats() is snapshot for _ in range(20))
+        assert time.monotonic() - started < 0.5  # asking the worker and waiting 0.1 s each took 2 s
+    finally:
+        os.kill(worker.worker_pid, signal.SIGCONT)
+
+
 def test_killed_worker_restarts_and_ends_its_streams_with_an_error(worker):
+    drained(worker.changes)
+
     async def scenario():
         old_pid = worker.worker_pid
         streamed = worker.astream(chat("Tell me everything.", max_tokens=400))
@@ -97,6 +123,8 @@ def test_killed_worker_restarts_and_ends_its_streams_with_an_error(worker):
     restarts = worker.worker_restarts
     asyncio.run(scenario())
     assert worker.wait(60) == "ready" and worker.worker_restarts == restarts + 1
+    # every state change is queued for the terminal, however quickly the next one follows
+    assert drained(worker.changes) == [("loading", restarts + 1), ("ready", restarts + 1)]
 
 
 def test_request_in_flight_when_the_worker_dies_is_answered_over_http(worker, tiny_engine):

@@ -82,6 +82,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.streams: dict[str, Stream] = {}
         self.counters = Counters()
+        self.snapshot = self._stats()  # replaced, never changed: other threads read it without a lock
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
         self._thread.start()
@@ -104,6 +105,7 @@ class EngineCore:
         while self._drain(block=not self.scheduler.has_work):
             if self.scheduler.has_work:
                 self.step()
+            self.snapshot = self._stats()
         for stream in list(self.streams.values()):
             self._end(stream, Status.FINISHED_ABORT, "engine closed")
 
@@ -141,6 +143,10 @@ class EngineCore:
                 self._close(self.streams.pop(seq.id))
 
     def stats(self) -> EngineStats:
+        """The snapshot the engine thread published after its last step (never waits on it)."""
+        return self.snapshot
+
+    def _stats(self) -> EngineStats:
         s, c = self.scheduler, self.counters
         running = list(s.running)
         return EngineStats(
@@ -155,6 +161,7 @@ class EngineCore:
 
     def _close(self, stream: Stream, error: str | None = None) -> None:
         self.counters.finished[stream.seq.finish_reason or "error"] += 1
+        self.snapshot = self._stats()  # counted before its client can see the end
         stream.finish(error)
 
     def _emit(self, stream: Stream, token: int) -> None:

@@ -246,7 +246,7 @@ class Engine:
         return translator.response()
 
     def stats(self) -> EngineStats:
-        """Requests running and waiting, KV use and token counters, now."""
+        """Requests running and waiting, KV use and token counters, as of the engine's last step."""
         return self._core.stats()
 
     # -- lifetime -----------------------------------------------------------

@@ -7,8 +7,10 @@ background so the server answers ``loading`` before the model is ready.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from mashbox.engine.events import Event
@@ -22,7 +24,19 @@ if TYPE_CHECKING:  # torch loads only where an engine is built
 State = Literal["loading", "ready", "failed"]
 
 
+@dataclass(slots=True, frozen=True)
+class Change:
+    """A backend's state as it changed to it: what the terminal reports."""
+
+    state: State
+    restarts: int
+    error: str | None
+    info: ModelInfo | None
+
+
 class Backend(Protocol):
+    changes: queue.SimpleQueue[Change]  # every state change, in order (read by one watcher)
+
     @property
     def state(self) -> State: ...
     @property
@@ -55,6 +69,7 @@ class InProcessBackend:
         self._model_id = model_id
         self._engine: Engine | None = None
         self._error: str | None = None
+        self.changes: queue.SimpleQueue[Change] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._load, args=(build,), name="mashbox-load", daemon=True)
         self._thread.start()
 
@@ -70,6 +85,7 @@ class InProcessBackend:
             self._engine = build()
         except Exception as exc:  # reported through state/error, and by the CLI
             self._error = f"{type(exc).__name__}: {exc}"
+        self.changes.put(Change(self.state, 0, self._error, self.info))
 
     def wait(self, timeout: float | None = None) -> State:
         self._thread.join(timeout)

@@ -6,6 +6,7 @@ the worker on the way out (Ctrl-C or SIGTERM).
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from mashbox.server.app import create_app
-from mashbox.server.backend import Backend, InProcessBackend
+from mashbox.server.backend import Backend, Change, InProcessBackend
 from mashbox.server.settings import Settings
 from mashbox.server.worker import WorkerBackend
 
@@ -65,25 +66,23 @@ class Watch:
         while not self.server.started and not self.server.should_exit:
             time.sleep(self.every)
         _say(f"serving {self.backend.model_id} on {self.url} (loading...)")
-        last = "loading"
         while not self.server.should_exit:
-            state = self.backend.state
-            if state != last:
-                self._report(state)
-                last = state
-            if state == "failed":
+            try:
+                change = self.backend.changes.get(timeout=self.every)
+            except queue.Empty:
+                continue
+            self._report(change)
+            if change.state == "failed":
                 self.failed = self.server.should_exit = True
-            time.sleep(self.every)
 
-    def _report(self, state: str) -> None:
-        backend = self.backend
-        if state == "ready" and backend.info is not None:
-            info = backend.info
+    def _report(self, change: Change) -> None:
+        if change.state == "ready" and change.info is not None:
+            info = change.info
             _say(f"{info.id} ready on {self.url} (ctx {info.ctx}, {info.slots} slots, {info.device})")
-        elif state == "loading":
-            _say(f"the worker stopped; loading the model again (restart {backend.worker_restarts})")
-        elif state == "failed":
-            _say(f"the model did not load: {backend.error}")
+        elif change.state == "loading":
+            _say(f"the worker stopped; loading the model again (restart {change.restarts})")
+        elif change.state == "failed":
+            _say(f"the model did not load: {change.error}")
 
 
 def _backend(launch: Launch) -> Backend:

@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -30,7 +29,7 @@ from mashbox.engine.events import Event, Finish
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
-from mashbox.server.backend import State
+from mashbox.server.backend import Change, State
 from mashbox.server.worker_child import serve
 from mashbox.server.worker_messages import (
     Abort,
@@ -42,8 +41,7 @@ from mashbox.server.worker_messages import (
     Failed,
     Ready,
     Reply,
-    Stats,
-    StatsReply,
+    StatsSnapshot,
     Stop,
     Submit,
     error_finish,
@@ -83,12 +81,11 @@ class Pending:
 class WorkerBackend:
     """A ``Backend`` whose ``Engine(model, **engine_options)`` runs in a child process."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any], *, stop_timeout: float = 10.0,
-                 stats_max_age: float = 0.25, stats_wait: float = 0.1) -> None:
+    def __init__(self, model: str, engine_options: dict[str, Any], *, stop_timeout: float = 10.0) -> None:
         self._model = model
         self._options = dict(engine_options)
         self._stop_timeout = stop_timeout
-        self._stats_max_age, self._stats_wait = stats_max_age, stats_wait
+        self.changes: queue.SimpleQueue[Change] = queue.SimpleQueue()
         self._spawn = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -101,8 +98,6 @@ class WorkerBackend:
         self._restarts = 0
         self._closed = False
         self._stats: EngineStats | None = None
-        self._stats_at = 0.0
-        self._stats_fresh = threading.Event()
         with self._lock:
             self._worker = self._start()
 
@@ -163,11 +158,7 @@ class WorkerBackend:
             self._forget(pending, abort=False)
 
     def stats(self) -> EngineStats | None:
-        """The worker's latest stats; asks for fresh ones, waiting at most ``stats_wait`` s."""
-        if self._state == "ready" and time.monotonic() - self._stats_at > self._stats_max_age:
-            self._stats_fresh.clear()
-            self._send(Stats(next(self._ids)))
-            self._stats_fresh.wait(self._stats_wait)
+        """The latest stats the worker sent (it sends them when they change; never waits)."""
         return self._stats
 
     def wait(self, timeout: float | None = None) -> State:
@@ -277,9 +268,8 @@ class WorkerBackend:
                 self._ready(worker, info, threads)
             case Failed(error):
                 self._failed(worker, error)
-            case StatsReply(stats=stats):
-                self._stats, self._stats_at = stats, time.monotonic()
-                self._stats_fresh.set()
+            case StatsSnapshot(stats=stats):
+                self._stats = stats
             case EventMsg() | Error() | Counted():
                 if (pending := self._pending.get(reply.request_id)) is not None:
                     pending.channel.put(reply)
@@ -289,6 +279,7 @@ class WorkerBackend:
             worker.ready = True
             self._info, self._threads, self._state = info, threads, "ready"
             self._changed.notify_all()
+            self._announce()
         log.info("worker %s ready: %s", worker.process.pid, info.id)
 
     def _failed(self, worker: Incarnation, error: str) -> None:
@@ -296,6 +287,7 @@ class WorkerBackend:
             worker.failed = self._error = error
             self._state = "failed"
             self._changed.notify_all()
+            self._announce()
 
     def _exited(self, worker: Incarnation) -> None:
         """The worker's pipe closed: fail, or start a new worker and retry requests."""
@@ -314,6 +306,11 @@ class WorkerBackend:
                 self._worker = self._start()
                 self._lose_all("worker restarted", final=False)
             self._changed.notify_all()
+            self._announce()
+
+    def _announce(self) -> None:
+        """Queue the state as it is now (lock held): every change reaches the terminal."""
+        self.changes.put(Change(self._state, self._restarts, self._error, self._info))
 
 
 def _stop(process: BaseProcess, timeout: float) -> None:

@@ -3,7 +3,9 @@
 The main thread reads commands in order. Each submitted request streams on
 one asyncio loop in a pump thread (``Engine.astream``), which sends its
 events back as they come; an ``Abort`` cancels that stream, which frees the
-request's slot at the engine's next step. torch is imported here only.
+request's slot at the engine's next step. A stats thread sends the engine's
+stats snapshot whenever it changed, so the server never asks and waits.
+torch is imported here only.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from mashbox.server.worker_messages import (
     EventMsg,
     Failed,
     Ready,
+    STATS_EVERY,
     Reply,
-    Stats,
-    StatsReply,
+    StatsSnapshot,
     Stop,
     Submit,
     error_finish,
@@ -78,13 +80,23 @@ class Worker:
 
     def run(self) -> None:
         self._pump.start()
+        done = threading.Event()
+        threading.Thread(target=self._publish_stats, args=(done,), name="mashbox-stats", daemon=True).start()
         try:
             while (command := self._receive()) is not None:
                 self._handle(command)
         finally:
+            done.set()
             self._engine.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._pump.join(timeout=5)
+
+    def _publish_stats(self, done: threading.Event) -> None:
+        sent = None
+        while not done.wait(STATS_EVERY):
+            if (stats := self._engine.stats()) is not sent:
+                self._send(StatsSnapshot(stats))
+                sent = stats
 
     def _receive(self) -> Command | None:
         try:
@@ -102,8 +114,6 @@ class Worker:
                     stream.cancel()
             case Count(request_id, request):
                 self._count(request_id, request)
-            case Stats(request_id):
-                self._send(StatsReply(request_id, self._engine.stats()))
 
     def _submit(self, request_id: int, request: EngineRequest) -> None:
         try:

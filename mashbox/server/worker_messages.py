@@ -37,16 +37,11 @@ class Count:
 
 
 @dataclass(slots=True, frozen=True)
-class Stats:
-    request_id: int
-
-
-@dataclass(slots=True, frozen=True)
 class Stop:
     """Close the engine and exit."""
 
 
-Command = Submit | Abort | Count | Stats | Stop
+Command = Submit | Abort | Count | Stop
 
 # -- replies: worker -> server ----------------------------------------------
 
@@ -105,12 +100,14 @@ class Counted:
 
 
 @dataclass(slots=True, frozen=True)
-class StatsReply:
-    request_id: int
+class StatsSnapshot:
+    """The engine's stats, sent by the worker whenever they changed (at most every ``STATS_EVERY`` s)."""
+
     stats: EngineStats
 
 
-Reply = Ready | Failed | EventMsg | Error | Counted | StatsReply
+STATS_EVERY = 0.2
+Reply = Ready | Failed | EventMsg | Error | Counted | StatsSnapshot
 
 
 def error_finish(error: str) -> Finish:
