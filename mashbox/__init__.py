@@ -11,6 +11,7 @@ from mashbox.engine.events import (
     Event,
     Finish,
     ReasoningDelta,
+    Started,
     TextDelta,
     Timings,
     ToolCallDelta,
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ContextLengthError", "Engine", "EngineConfig", "EngineRequest", "Event", "Finish",
     "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo",
-    "ModelLoadError", "ReasoningDelta", "SamplingParams", "TextDelta", "Timings", "Tool", "ToolCall",
+    "ModelLoadError", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool", "ToolCall",
     "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",
 ]
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server import frames, serve
 
-from mashbox.engine.events import Event, Finish, Timings, Usage
+from mashbox.engine.events import Event, Finish, Started, Timings, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
@@ -79,7 +79,10 @@ class Flaky:
         self.failures -= 1
         if self.after_output:
             events = self.inner.astream(request)
-            yield await anext(events)
+            async for event in events:  # up to the first output
+                yield event
+                if not isinstance(event, Started):
+                    break
             await events.aclose()
         yield FAILED
 

@@ -78,7 +78,7 @@ def test_abort_frees_the_slot(worker):
         events = worker.astream(chat("Tell me everything.", max_tokens=400))
         await anext(events)
         await events.aclose()
-        await until(lambda: worker.stats().running == 0 and worker.stats().finished.get("abort", 0) >= 1, 5)
+        await until(lambda: (s := worker.stats()) is not None and s.running == 0 and s.finished.get("abort", 0) >= 1, 5)
 
     asyncio.run(scenario())
 

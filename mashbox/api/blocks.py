@@ -14,6 +14,7 @@ from mashbox.engine.events import (
     Event,
     Finish,
     ReasoningDelta,
+    Started,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
@@ -64,6 +65,8 @@ class BlockTracker:
         if isinstance(event, Finish):
             self.finish = event
             return [*self._close(), Change("finish")]
+        if isinstance(event, Started):
+            return []
         raise TypeError(f"not an engine event: {event!r}")
 
     def done(self) -> Finish:

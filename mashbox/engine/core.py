@@ -16,7 +16,7 @@ from typing import Any
 
 from mashbox.engine.channel import Channel
 from mashbox.engine.detokenizer import Detokenizer
-from mashbox.engine.events import Event, Finish, Timings, Usage
+from mashbox.engine.events import Event, Finish, Started, Timings, Usage
 from mashbox.engine.markup import Markup
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
@@ -48,6 +48,7 @@ class Stream:
     stop: StopMatcher
     markup: Markup
     budget: ThinkBudget | None = None
+    started: bool = False
     reasoning_tokens: int = 0
     channel: Channel[Event] = field(default_factory=Channel)
 
@@ -128,6 +129,11 @@ class EngineCore:
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
+        for item in plan.work:
+            stream = self.streams.get(item.seq.id)
+            if stream is not None and not stream.started:  # its first step with a slot: say so at once
+                stream.started = True
+                stream.channel.put(Started(item.seq.num_cached))
         try:
             tokens = self.runner.run(plan)
         except Exception as exc:  # a device fault fails the requests it ran, not the engine

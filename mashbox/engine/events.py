@@ -14,6 +14,15 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 @dataclass(slots=True, frozen=True)
+class Started:
+    """The request has a slot: its prompt is being computed (once, before any output).
+    ``cached`` prompt tokens came from the prefix cache."""
+
+    cached: int
+    type: Literal["started"] = "started"
+
+
+@dataclass(slots=True, frozen=True)
 class TextDelta:
     text: str
     type: Literal["text"] = "text"
@@ -90,4 +99,4 @@ class Finish:
     type: Literal["finish"] = "finish"
 
 
-Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
+Event = Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

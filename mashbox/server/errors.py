@@ -53,7 +53,7 @@ def answer(path: str, error: ApiError) -> tuple[int, dict[str, Any], dict[str, s
         body = {"message": error.message, "type": kind, "param": error.param, "code": error.code}
         return error.status, {"error": body}, headers
     status = OVERLOADED if error.overloaded else error.status
-    if status == OVERLOADED:
+    if error.status == 503:  # not ready (loading, or a worker starting again): the SDKs retry
         headers["x-should-retry"] = "true"
     message = f"{error.param}: {error.message}" if error.param else error.message
     kind = ANTHROPIC_TYPES.get(status, "invalid_request_error")

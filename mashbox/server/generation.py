@@ -20,7 +20,7 @@ from litestar.types import Receive
 
 from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import RequestModel, parse
-from mashbox.engine.events import Event, Finish
+from mashbox.engine.events import Event, Finish, Started
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ContextLengthError
 from mashbox.server import security
@@ -114,7 +114,6 @@ class Run:
         self._ticket = ctx.admission.admit(tag.tenant)
         self._t0 = time.monotonic()
         self._ttft: float | None = None
-        self._running = False
         self._resent = False
         self._finish: Finish | None = None
         self._events: AsyncIterator[Event] | None = None
@@ -188,13 +187,15 @@ class Run:
         return await self._next()
 
     async def _next(self) -> Event:
+        """The next event for the client; the engine's ``Started`` (a slot) ends the ticket's wait."""
         assert self._events is not None
         event = await anext(self._events)
+        if not isinstance(event, Finish):
+            self._ticket.running()
+        if isinstance(event, Started):
+            event = await anext(self._events)
         if self._ttft is None:
             self._ttft = time.monotonic() - self._t0
-        if not self._running:
-            self._running = True
-            self._ticket.running()
         if isinstance(event, Finish):
             self._finish = event
         return event

@@ -93,10 +93,12 @@ class Worker:
 
     def _publish_stats(self, done: threading.Event) -> None:
         sent = None
-        while not done.wait(STATS_EVERY):
+        while True:
             if (stats := self._engine.stats()) is not sent:
                 self._send(StatsSnapshot(stats))
                 sent = stats
+            if done.wait(STATS_EVERY):
+                return
 
     def _receive(self) -> Command | None:
         try:
