@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 import sys
 
-from mashbox import Engine, EngineRequest, Message, SamplingParams
+from mashbox import Engine, EngineRequest, Message, SamplingParams, Started
 
 sys.path.insert(0, str(Path(__file__).parent))
 import loadgen  # noqa: E402
@@ -26,7 +26,9 @@ async def stream(engine: Engine, text: str, max_tokens: int, gaps: list[float]) 
     request = EngineRequest(messages=(Message("user", text),), sampling=SamplingParams(max_tokens=max_tokens))
     start = last = time.perf_counter()
     first = None
-    async for _ in engine.astream(request):
+    async for event in engine.astream(request):
+        if isinstance(event, Started):  # a slot, not a token
+            continue
         now = time.perf_counter()
         if first is None:
             first = now - start

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from mashbox import Engine, EngineRequest, SamplingParams
+from mashbox import Engine, EngineRequest, SamplingParams, Started
 
 
 def ttft(engine: Engine, prompt: str) -> tuple[float, int]:
     start = time.perf_counter()
-    events = engine.stream(EngineRequest(prompt=prompt, sampling=SamplingParams(max_tokens=1)))
+    events = (e for e in engine.stream(EngineRequest(prompt=prompt, sampling=SamplingParams(max_tokens=1)))
+              if not isinstance(e, Started))  # a slot, not a token
     first = next(events)
     elapsed = time.perf_counter() - start
     finish = list(events)[-1] if first.type != "finish" else first

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from mashbox import Engine, EngineRequest, Finish, SamplingParams
+from mashbox import Engine, EngineRequest, Finish, SamplingParams, TextDelta
 from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
@@ -76,7 +76,7 @@ def test_engine_text_equals_generate(tiny_model_dir, smol_tokenizer):
                    for p in prompts]
     for prompt, events in zip(prompts, streams):
         events = list(events)
-        text = "".join(e.text for e in events[:-1])
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
         ids = smol_tokenizer.encode(prompt)
         expected = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
         assert isinstance(events[-1], Finish)

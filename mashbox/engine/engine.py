@@ -119,7 +119,8 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, request: EngineRequest) -> Iterator[Event]:
-        """Submit ``request``; iterate its events, ending with one ``Finish``.
+        """Submit ``request``; iterate its events: ``Started`` once it has a slot, then its text,
+        reasoning and tool-call events, ending with one ``Finish``.
 
         Errors in the request raise here, before any work. Closing the
         iterator early aborts the request and frees its slot.
