@@ -107,7 +107,8 @@ def _settings(args: argparse.Namespace):
     from mashbox.server.settings import Settings
 
     keys = load_keys(args.api_key_file, os.environ.get("MASHBOX_API_KEY"))
-    return Settings(host=args.host, port=args.port, api_keys=keys, ui=args.ui, cache_ram_mib=args.cache_ram)
+    return Settings(host=args.host, port=args.port, api_keys=keys, key_file=args.api_key_file, ui=args.ui,
+                    cache_ram_mib=args.cache_ram)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:

@@ -125,3 +125,38 @@ def test_help_documents_every_flag():
     for flag in FLAGS:
         assert flag in out
     assert out.count("(default:") >= len(FLAGS) + 1  # every flag and the model say their default
+
+
+def test_sighup_reads_the_key_file_again_and_a_bad_file_keeps_the_keys(tiny_model_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-old alice\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "2",
+                      "--api-key-file", str(keys), env={"MASHBOX_API_KEY": ""})
+
+    def status(key):
+        return httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=5).status_code
+
+    def until(check, timeout=20):
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    try:
+        poll_health(url, process)
+        assert (status("sk-old"), status("sk-new")) == (200, 401)
+        keys.write_text("sk-new bob\n")
+        process.send_signal(signal.SIGHUP)
+        until(lambda: status("sk-new") == 200)
+        assert status("sk-old") == 401
+        keys.write_text("# no keys at all\n")  # a file that does not read: the keys in use stay
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        assert (status("sk-new"), status("sk-old")) == (200, 401)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert "API keys read again" in err and "kept the API keys in use" in err and "sk-new" not in err

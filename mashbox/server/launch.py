@@ -6,6 +6,7 @@ the worker on the way out (Ctrl-C or SIGTERM).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import sys
@@ -35,6 +36,8 @@ def serve(launch: Launch) -> int:
     _log_requests()
     backend = _backend(launch)
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    if launch.settings.key_file:
+        signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))
     try:
         return _serve(backend, launch.settings)
     except KeyboardInterrupt:
@@ -93,6 +96,19 @@ def _backend(launch: Launch) -> Backend:
     from mashbox.engine.engine import Engine  # torch loads in this process only with --in-process
 
     return InProcessBackend(launch.model, lambda: Engine(launch.model, **launch.engine_options))
+
+
+def _reload_keys(settings: Settings) -> None:
+    """SIGHUP: read the key file again; a file that does not read keeps the keys in use."""
+    from mashbox.server.security import load_keys
+
+    try:
+        keys = load_keys(settings.key_file, os.environ.get("MASHBOX_API_KEY"))
+    except ValueError as err:
+        _say(f"kept the API keys in use: {err}")
+        return
+    settings.api_keys.replace(keys)  # type: ignore[attr-defined]  # a KeyRing
+    _say(f"API keys read again from {settings.key_file}: {len(keys)} keys")
 
 
 def _url(settings: Settings) -> str:

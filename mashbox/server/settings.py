@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -15,13 +16,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class KeyRing(Mapping[str, str]):
+    """Key -> tenant, replaced whole when the key file is read again: a reader sees the old keys or
+    the new ones, never a mix."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._keys = dict(keys)
+
+    def replace(self, keys: Mapping[str, str]) -> None:
+        self._keys = dict(keys)
+
+    def items(self):  # the current dict's own view, however long the caller iterates
+        return self._keys.items()
+
+    def __getitem__(self, key: str) -> str:
+        return self._keys[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 @dataclass(slots=True, frozen=True)
 class Settings:
-    """How the server answers. ``api_keys`` maps each key to its tenant."""
+    """How the server answers. ``api_keys`` maps each key to its tenant; ``key_file`` is where
+    they were read from (read again on SIGHUP)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: dict[str, str] = field(default_factory=dict)
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    key_file: str | None = None
     ui: bool = False
     max_waiting_per_tenant: int = 32
     max_waiting: int = 256
@@ -30,6 +56,8 @@ class Settings:
     cache_ram_mib: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.api_keys, KeyRing):
+            object.__setattr__(self, "api_keys", KeyRing(self.api_keys))
         if not is_loopback(self.host) and not self.api_keys:
             raise ValueError(
                 f"host: {self.host} is not a loopback address, so API keys are required; "
