@@ -213,3 +213,17 @@ def test_engine_config_refuses_a_step_budget_smaller_than_a_chunk(fields, name):
 
     with pytest.raises(ValueError, match=name):
         EngineConfig(**fields)
+
+
+def test_a_prefix_is_shared_only_under_its_salt_in_slots_and_in_host_memory():
+    """Tenants' prompts never hit each other's cached prefixes, wherever those are kept."""
+    s = Scheduler(num_slots=1, ctx=1024, chunk_tokens=64, host_cache_bytes=10_000, kv_bytes_per_token=10)
+    run_to_end(s, Sequence("alice", prompt(1000), SamplingParams(), 1, cache_salt="alice"))
+    bob = Sequence("bob", prompt(1000), SamplingParams(), 1, cache_salt="bob")
+    run_to_end(s, bob)  # the same prompt, in the slot alice's prefix is in
+    assert bob.num_cached == 0
+    again = Sequence("alice2", prompt(1000), SamplingParams(), 1, cache_salt="alice")
+    plan = run_to_end(s, again)  # alice's prefix went to host memory when bob took the slot
+    assert again.num_cached == 192 and any(type(op).__name__ == "Restore" for op in plan.cache_ops)
+    assert {salt for _, salt, _ in s.cache.host.entries()} == {"alice", "bob"}
+    s.cache.check_integrity()

@@ -136,3 +136,17 @@ def test_a_long_prefill_that_holds_a_slot_no_longer_waits(smol_server):
             assert (await answer).status_code == 200
 
     asyncio.run(scenario())
+
+
+def test_one_tenants_prompts_never_hit_another_tenants_cached_prefix(one_slot):
+    body = {"messages": [{"role": "user", "content": "shared preamble " * 60 + str(time.time_ns())}],
+            "max_tokens": 1}
+
+    def cached(tenant: str) -> int:
+        answer = httpx.post(f"{one_slot.url}/v1/chat/completions", json=body, headers=auth(tenant), timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("t5") == 0
+    assert cached("t6") == 0  # the same prompt, another tenant: computed again
+    assert cached("t5") > 100 and cached("t6") > 100  # each tenant's own prefix is kept

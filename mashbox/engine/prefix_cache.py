@@ -54,28 +54,31 @@ class PrefixCache:
     def __init__(self, num_slots: int, block: int, host_bytes: int = 0, bytes_per_token: int = 0) -> None:
         self.block = block
         self._tokens: list[tuple[int, ...]] = [()] * num_slots
+        self._salts: list[str] = [""] * num_slots  # whose prefix each slot holds: no other salt hits it
         self._used: list[int] = [0] * num_slots
         self._clock = 0
         self.host = HostTier(host_bytes, bytes_per_token)
 
-    def admit(self, prompt: list[int], free: list[int]) -> tuple[Match, list[CacheOp]]:
+    def admit(self, prompt: list[int], free: list[int], salt: str = "") -> tuple[Match, list[CacheOp]]:
         """The free slot to run ``prompt`` in, how many of its tokens are cached there,
-        and the copies that make it so. With no hit, the least recently used free slot."""
-        slot = max(free, key=lambda s: (self._hit(self._tokens[s], prompt), -self._used[s]))
-        tokens = self._hit(self._tokens[slot], prompt)
-        entry, stored = max(((e, self._hit(t, prompt)) for e, t in self.host.entries()), key=lambda x: x[1],
-                            default=(None, 0))
+        and the copies that make it so. With no hit, the least recently used free slot. Only
+        prefixes cached under the same ``salt`` (a tenant) hit."""
+        slot = max(free, key=lambda s: (self._hit(self._tokens[s], prompt, self._salts[s] == salt), -self._used[s]))
+        tokens = self._hit(self._tokens[slot], prompt, self._salts[slot] == salt)
+        entry, stored = max(((e, self._hit(t, prompt, s == salt)) for e, s, t in self.host.entries()),
+                            key=lambda x: x[1], default=(None, 0))
         restore = entry is not None and stored > tokens
         ops = self._evict(slot, 0 if restore else tokens, keep=entry if restore else None)
         if restore:
             ops.append(Restore(entry, slot, stored))
             tokens = stored
-        self.insert(slot, prompt[:tokens])
+        self.insert(slot, prompt[:tokens], salt)
         return Match(slot, tokens), ops
 
-    def insert(self, slot: int, tokens: list[int]) -> None:
+    def insert(self, slot: int, tokens: list[int], salt: str = "") -> None:
         """Record that ``slot`` holds the KV of ``tokens`` (whole blocks only are kept)."""
         keep = len(tokens) // self.block * self.block
+        self._salts[slot] = salt
         self._tokens[slot] = tuple(tokens[:keep])
         self._clock += 1
         self._used[slot] = self._clock
@@ -85,7 +88,7 @@ class PrefixCache:
         return sum(len(t) for t in self._tokens)
 
     def check_integrity(self) -> None:
-        for tokens in [*self._tokens, *(t for _, t in self.host.entries())]:
+        for tokens in [*self._tokens, *(t for _, _, t in self.host.entries())]:
             if len(tokens) % self.block:
                 raise AssertionError("a cached prefix holds a partial block")
         if self.host.bytes > self.host.cap:
@@ -99,9 +102,11 @@ class PrefixCache:
         tokens = self._tokens[slot]
         if len(tokens) <= kept:
             return []
-        return self.host.store(slot, tokens, keep)
+        return self.host.store(slot, tokens, keep, self._salts[slot])
 
-    def _hit(self, cached: tuple[int, ...], prompt: list[int]) -> int:
+    def _hit(self, cached: tuple[int, ...], prompt: list[int], same_salt: bool = True) -> int:
+        if not same_salt:
+            return 0
         limit = min(len(cached), len(prompt) - 1) // self.block * self.block
         n = 0
         while n < limit and cached[n : n + self.block] == tuple(prompt[n : n + self.block]):
@@ -116,27 +121,28 @@ class HostTier:
         self.cap = cap
         self.bytes_per_token = bytes_per_token
         self.evictions = 0
-        self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[str, tuple[int, ...]]] = OrderedDict()  # entry -> (salt, tokens)
         self._ids = itertools.count()
 
     @property
     def bytes(self) -> int:
-        return sum(len(t) for t in self._entries.values()) * self.bytes_per_token
+        return sum(len(t) for _, t in self._entries.values()) * self.bytes_per_token
 
-    def entries(self) -> list[tuple[int, tuple[int, ...]]]:
-        return list(self._entries.items())
+    def entries(self) -> list[tuple[int, str, tuple[int, ...]]]:
+        """(entry, salt, tokens), least recently used first."""
+        return [(e, salt, t) for e, (salt, t) in self._entries.items()]
 
     def touch(self, entry: int) -> None:
         self._entries.move_to_end(entry)
 
-    def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None) -> list[CacheOp]:
-        """Ops that save ``tokens`` from ``slot``, dropping entries it supersedes and, least
-        recently used first, what no longer fits; nothing when it cannot fit beside ``keep``."""
+    def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None, salt: str = "") -> list[CacheOp]:
+        """Ops that save ``tokens`` from ``slot``, dropping entries of its salt it supersedes and,
+        least recently used first, what no longer fits; nothing when it cannot fit beside ``keep``."""
         size = len(tokens) * self.bytes_per_token
-        pinned = len(self._entries.get(keep, ())) * self.bytes_per_token
-        if size + pinned > self.cap or any(t[: len(tokens)] == tokens for t in self._entries.values()):
+        pinned = len(self._entries.get(keep, ("", ()))[1]) * self.bytes_per_token
+        if size + pinned > self.cap or any(s == salt and t[: len(tokens)] == tokens for s, t in self._entries.values()):
             return []
-        ops: list[CacheOp] = [Drop(e) for e, t in self.entries() if e != keep and tokens[: len(t)] == t]
+        ops: list[CacheOp] = [Drop(e) for e, s, t in self.entries() if e != keep and s == salt and tokens[: len(t)] == t]
         for op in ops:
             del self._entries[op.entry]
         for entry in [e for e in self._entries if e != keep]:
@@ -146,5 +152,5 @@ class HostTier:
             self.evictions += 1
             ops.append(Drop(entry))
         entry = next(self._ids)
-        self._entries[entry] = tokens
+        self._entries[entry] = (salt, tokens)
         return [Save(slot, entry, len(tokens)), *ops]

@@ -101,6 +101,7 @@ class EngineRequest:
     parallel_tool_calls: bool = True  # False: at most one call
     enable_thinking: bool | None = None
     thinking_budget: int | None = None
+    cache_salt: str = ""  # cached prompt prefixes are shared only between requests with the same salt
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:

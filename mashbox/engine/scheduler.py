@@ -74,7 +74,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-            self.cache.insert(seq.slot, seq.prompt_ids[: seq.num_computed])
+            self.cache.insert(seq.slot, seq.prompt_ids[: seq.num_computed], seq.cache_salt)
             self.slots.free(seq.slot)
 
     def schedule(self) -> Plan:
@@ -106,7 +106,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> list[CacheOp]:
         """Start ``seq`` in the free slot (or host entry) holding the longest prefix of its prompt."""
-        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots)
+        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots, seq.cache_salt)
         seq.start(self.slots.allocate(match.slot), cached=match.tokens)
         self.lookup_tokens += len(seq.prompt_ids)
         self.hit_tokens += match.tokens

@@ -51,6 +51,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     constraint: Any = None
     forced: list[int] = field(default_factory=list)
+    cache_salt: str = ""  # prefixes are shared only between requests of the same salt (a tenant)
     generator: Any = None  # a sampled request's own random stream (torch.Generator), made at its first draw
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None

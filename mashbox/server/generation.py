@@ -8,6 +8,7 @@ first output is sent. After that a stream ends with the protocol's error event i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -99,7 +100,11 @@ async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], reque
     if model not in (None, served) and not protocol.any_model:
         raise ApiError(404, f"model {model!r} is not served here; this server runs {served!r}",
                        param="model", code="model_not_found")
-    run = Run(ctx, protocol, req, protocol.module.to_engine(req), Tag.of(request, req, ctx))
+    tag = Tag.of(request, req, ctx)
+    engine = protocol.module.to_engine(req)
+    if ctx.settings.auth_required:  # one tenant's prompts never make another's cache hits (nor timings)
+        engine = dataclasses.replace(engine, cache_salt=tag.tenant)
+    run = Run(ctx, protocol, req, engine, tag)
     headers = ignored_header(req)
     if getattr(req, "stream", False):
         return await run.streamed(headers)
