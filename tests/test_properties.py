@@ -10,6 +10,7 @@ import anthropic.types as claude_types
 import openai.types.chat as chat_types
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_markup import coalesce
 
 from mashbox.api import anthropic_messages, openai_chat
 from mashbox.api.base import parse
@@ -28,23 +29,9 @@ def pieces(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
-def coalesced(events) -> list[tuple]:
-    out: list[tuple] = []
-    for e in events:
-        if isinstance(e, (TextDelta, ReasoningDelta)) and out and out[-1][0] == e.type:
-            out[-1] = (e.type, out[-1][1] + e.text)
-        elif isinstance(e, (TextDelta, ReasoningDelta)):
-            out.append((e.type, e.text))
-        elif isinstance(e, ToolCallStart):
-            out.append(("call", e.name))
-        elif isinstance(e, ToolCallDelta):
-            out[-1] = (*out[-1], e.arguments)
-    return [o for o in out if o[0] == "call" or o[1]]
-
-
 def run_markup(parts: list[str], **options) -> list[tuple]:
     machine = Markup(**options)
-    return coalesced([e for p in parts for e in machine.push(p)] + machine.flush())
+    return coalesce([e for p in parts for e in machine.push(p)] + machine.flush())
 
 
 @settings(max_examples=300, deadline=None)
