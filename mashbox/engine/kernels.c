@@ -239,6 +239,27 @@ static void tile41(const int8_t *xq, const float *xs, const float *xm, const uin
 }
 #endif
 
+/* Rows m.. (at most TR) against weight rows n.. (TC, or 1 at the end), as tile_at does for Q8. */
+static void tile41_at(const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t M, int64_t N,
+                      int64_t K, int64_t m, int64_t n, float *y) {
+    int64_t nb = K / QK;
+    int rows = M - m < TR ? (int)(M - m) : TR;
+    const int8_t *xr = xq + m * K;
+    const float *sr = xs + m * nb, *mr = xm + m * nb;
+    const uint8_t *wn = w + n * nb * Q41_BYTES;
+    float *yr = y + m * N + n;
+    if (N - n < TC) {
+        for (int i = 0; i < rows; i++) tile41(xr + i * K, sr + i * nb, mr + i * nb, wn, K, 1, 1, yr + i * N, N);
+        return;
+    }
+    switch (rows) {
+    case 1: tile41(xr, sr, mr, wn, K, 1, TC, yr, N); break;
+    case 2: tile41(xr, sr, mr, wn, K, 2, TC, yr, N); break;
+    case 3: tile41(xr, sr, mr, wn, K, 3, TC, yr, N); break;
+    default: tile41(xr, sr, mr, wn, K, 4, TC, yr, N); break;
+    }
+}
+
 /* y[M, N] = x[M, K] @ dequant(w).T for Q4_1 blocks w [N, K / 32, 20 bytes]. */
 void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
     int64_t nb = K / QK, row = nb * Q41_BYTES;
@@ -255,22 +276,7 @@ void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     } else {
 #pragma omp parallel for schedule(static) if (M * N * K > 65536)
         for (int64_t n = 0; n < N; n += TC)
-            for (int64_t m = 0; m < M; m += TR) {
-                int rows = M - m < TR ? (int)(M - m) : TR;
-                const int8_t *xr = xq + m * K;
-                const float *sr = xs + m * nb, *mr = xm + m * nb;
-                float *yr = y + m * N + n;
-                if (N - n < TC) {
-                    for (int i = 0; i < rows; i++) tile41(xr + i * K, sr + i * nb, mr + i * nb, w + n * row, K, 1, 1, yr + i * N, N);
-                    continue;
-                }
-                switch (rows) {
-                case 1: tile41(xr, sr, mr, w + n * row, K, 1, TC, yr, N); break;
-                case 2: tile41(xr, sr, mr, w + n * row, K, 2, TC, yr, N); break;
-                case 3: tile41(xr, sr, mr, w + n * row, K, 3, TC, yr, N); break;
-                default: tile41(xr, sr, mr, w + n * row, K, 4, TC, yr, N); break;
-                }
-            }
+            for (int64_t m = 0; m < M; m += TR) tile41_at(xq, xs, xm, w, M, N, K, m, n, y);
     }
     free(xq);
     free(xs);
