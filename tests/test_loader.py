@@ -76,6 +76,19 @@ def test_second_load_reads_converted_copy_with_the_same_model(smol: LoadedModel)
     assert again.tokenizer.eos_token_id == smol.tokenizer.eos_token_id
 
 
+def test_corrupt_cached_copy_is_named_then_built_again(smol: LoadedModel, caplog) -> None:
+    converted = converted_dir(resolve("smollm2-135m"), torch.float32)
+    weights = converted / "model.safetensors"
+    with weights.open("r+b") as file:
+        file.truncate(1_000_000)  # a disk that filled up, a copy cut short
+    with caplog.at_level("WARNING", logger="mashbox.engine"):
+        again = load("smollm2-135m", quiet=True)
+    assert f"The cached file '{weights}' does not read" in caplog.text and "building it again" in caplog.text
+    assert weights.stat().st_size > 500_000_000 and (converted / "complete").is_file()
+    assert torch.equal(again.checkpoint.tensors["model.norm.weight"], smol.checkpoint.tensors["model.norm.weight"])
+    assert again.checkpoint.blocks.keys() == smol.checkpoint.blocks.keys()
+
+
 def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:
     config = LlamaConfig(vocab_size=len(smol.tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -45,6 +46,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _DONE = "complete"  # marker file in a converted directory, written last
+log = logging.getLogger("mashbox.engine")
 
 
 @dataclass(slots=True)
@@ -64,19 +66,38 @@ class LoadedModel:
 
 def load(model: str, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, quiet: bool = False) -> LoadedModel:
-    """Load ``model`` (catalog id, HF directory or .gguf path); raise ModelLoadError if it can't."""
+    """Load ``model`` (catalog id, HF directory or .gguf path); raise ModelLoadError if it can't.
+
+    A cached converted copy that does not read (truncated, overwritten) is reported, removed and
+    built again from the GGUF."""
     source = resolve(model)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     converted = converted_dir(source, dt)
+    try:
+        return _load(source, converted, dev, dt, quiet)
+    except _CacheUnreadable as err:
+        log.warning("%s; building it again from '%s'", err, source.path)
+        shutil.rmtree(converted, ignore_errors=True)
+        return _load(source, converted, dev, dt, quiet)
+
+
+class _CacheUnreadable(ModelLoadError):
+    """A file of the converted copy in the cache does not read."""
+
+
+def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: torch.dtype,
+          quiet: bool) -> LoadedModel:
     cold = converted is not None and not (converted / _DONE).is_file()
     show = not quiet and sys.stderr.isatty()
     with _progress(source.id, show, total=4 if cold else 2) as step, _hush():
         read = source if cold or converted is None else _as_hf(source, converted)
         step("reading tokenizer")
-        tokenizer = _load_tokenizer(read)
+        with _cached(read.path / "tokenizer.json"):
+            tokenizer = _load_tokenizer(read)
         step("reading weights")
-        ckpt = _read_checkpoint(read, dev, dt) if read.kind == "hf" else None
+        with _cached(read.path / "model.safetensors"):
+            ckpt = _read_checkpoint(read, dev, dt) if read.kind == "hf" else None
         if ckpt is None:
             net = _load_model(read, dt)
             if cold:
@@ -85,9 +106,23 @@ def load(model: str, *, device: str | torch.device | None = None,
             step(f"moving to {dev}")
             ckpt = checkpoint.Checkpoint.from_model(net.to(dev))
         if converted is not None and dev.type == "cpu":
-            ckpt = dataclasses.replace(ckpt, blocks=blocks.cached(source.path, converted, ckpt))
+            with _cached(converted / blocks.FILE):
+                ckpt = dataclasses.replace(ckpt, blocks=blocks.cached(source.path, converted, ckpt))
     return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt),
                        ckpt.nbytes / 1e9, _ctx_default(source, ckpt), dev, dt)
+
+
+@contextlib.contextmanager
+def _cached(file: Path) -> Iterator[None]:
+    """Errors while reading a file the cache holds become ``_CacheUnreadable``, naming it."""
+    if not (file.is_file() and file.is_relative_to(cache_dir())):
+        yield
+        return
+    try:
+        yield
+    except Exception as err:
+        why = err.__cause__ or err
+        raise _CacheUnreadable(f"The cached file '{file}' does not read ({type(why).__name__}: {why})") from err
 
 
 def hf_model(model: str, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
