@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -266,17 +267,20 @@ def main() -> int:
     return 1 if failed(result) else 0
 
 
-def with_server(work: Callable[[str, int], dict], *flags: str, env: dict[str, str] | None = None) -> dict:
-    """Run ``work(url, pid)`` against a fresh ``mashbox run`` on the embedded model."""
+def with_server(work: Callable[[str, int], dict], *flags: str, env: dict[str, str] | None = None,
+                stderr: IO[str] | None = None) -> dict:
+    """Run ``work(url, pid)`` against a fresh ``mashbox run`` on the embedded model (its log to
+    ``stderr``, else to a file in /tmp)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [str(ROOT / ".venv/bin/mashbox"), "run", "--port", str(port), *flags]
-    log = tempfile.NamedTemporaryFile("w", prefix="mashbox-", suffix=".log", delete=False)
-    print(f"mashbox run on {url}; its log: {log.name}", flush=True)
-    proc = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=log, start_new_session=True)
+    if stderr is None:
+        stderr = tempfile.NamedTemporaryFile("w", prefix="mashbox-", suffix=".log", delete=False)
+        print(f"mashbox run on {url}; its log: {stderr.name}", flush=True)
+    proc = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=stderr, start_new_session=True)
     try:
         if wait_ready(url, proc, 300) is None:
-            raise SystemExit(f"mashbox run did not become ready; see {log.name}")
+            raise SystemExit(f"mashbox run did not become ready; see {stderr.name}")
         return work(url, proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

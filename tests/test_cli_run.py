@@ -110,6 +110,27 @@ def test_a_model_that_does_not_load_is_an_error(tmp_path):
     assert "does not exist" in err and "Traceback" not in err
 
 
+def test_a_worker_killed_while_loading_is_said_in_one_line_and_exits_1(tiny_model_dir):
+    port = free_port()
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")
+    deadline = time.monotonic() + 60
+    while (pid := _loading_worker(port)) is None:
+        assert time.monotonic() < deadline and process.poll() is None, "no worker pid while loading"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 1 and "Traceback" not in err, err
+    assert "the model did not load: the worker was killed by SIGKILL (out of memory?) while loading" in err
+
+
+def _loading_worker(port):
+    try:
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+    except httpx.TransportError:
+        return None
+    return health.get("worker_pid") if health["status"] == "loading" else None
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20"])
 def test_a_public_host_without_keys_refuses_to_start(host):
     process = mashbox("--host", host, env={"MASHBOX_API_KEY": ""})

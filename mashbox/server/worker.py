@@ -17,6 +17,7 @@ import itertools
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -295,12 +296,11 @@ class WorkerBackend:
             if self._closed or worker is not self._worker:
                 return
             if worker.failed or not worker.ready:
-                self._error = worker.failed or f"the worker exited with code {worker.process.exitcode} while loading"
+                self._error = worker.failed or f"the worker {_exit(worker.process.exitcode)} while loading"
                 self._state = "failed"
                 self._lose_all(self._error, final=True)
             else:
-                log.warning("worker %s exited with code %s; starting it again", worker.process.pid,
-                            worker.process.exitcode)
+                log.warning("worker %s %s; starting it again", worker.process.pid, _exit(worker.process.exitcode))
                 self._restarts += 1
                 self._stats = None
                 self._worker = self._start()
@@ -311,6 +311,14 @@ class WorkerBackend:
     def _announce(self) -> None:
         """Queue the state as it is now (lock held): every change reaches the terminal."""
         self.changes.put(Change(self._state, self._restarts, self._error, self._info))
+
+
+def _exit(code: int | None) -> str:
+    """How a worker process ended, in words (a negative exit code is the signal that killed it)."""
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    return f"exited with code {code}"
 
 
 def _stop(process: BaseProcess, timeout: float) -> None:
