@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from mashbox import Engine, EngineRequest, Finish, Message, SamplingParams, Started
+from mashbox import Engine, EngineRequest, Finish, Message, Queued, SamplingParams, Started
 from mashbox.engine.loader import hf_model
 
 TOPICS = ["the sea", "a lighthouse", "mountains", "a robot", "the moon", "a forest", "a train", "rain",
@@ -34,7 +34,7 @@ async def one(engine: Engine, i: int, max_tokens: int, start: float) -> tuple[in
     request = EngineRequest(messages=prompt(i), sampling=SamplingParams(max_tokens=max_tokens))
     first = None
     async for event in engine.astream(request):
-        if isinstance(event, Started):  # a slot, not a token
+        if isinstance(event, (Queued, Started)):  # a slot, not a token
             continue
         first = first or time.perf_counter() - start
         if isinstance(event, Finish):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 import sys
 
-from mashbox import Engine, EngineRequest, Message, SamplingParams, Started
+from mashbox import Engine, EngineRequest, Message, Queued, SamplingParams, Started
 
 sys.path.insert(0, str(Path(__file__).parent))
 import loadgen  # noqa: E402
@@ -27,7 +27,7 @@ async def stream(engine: Engine, text: str, max_tokens: int, gaps: list[float]) 
     start = last = time.perf_counter()
     first = None
     async for event in engine.astream(request):
-        if isinstance(event, Started):  # a slot, not a token
+        if isinstance(event, (Queued, Started)):  # a slot, not a token
             continue
         now = time.perf_counter()
         if first is None:

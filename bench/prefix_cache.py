@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from mashbox import Engine, EngineRequest, SamplingParams, Started
+from mashbox import Engine, EngineRequest, Queued, SamplingParams, Started
 
 
 def ttft(engine: Engine, prompt: str) -> tuple[float, int]:
     start = time.perf_counter()
     events = (e for e in engine.stream(EngineRequest(prompt=prompt, sampling=SamplingParams(max_tokens=1)))
-              if not isinstance(e, Started))  # a slot, not a token
+              if not isinstance(e, (Queued, Started)))  # a slot, not a token
     first = next(events)
     elapsed = time.perf_counter() - start
     finish = list(events)[-1] if first.type != "finish" else first

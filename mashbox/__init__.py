@@ -10,6 +10,7 @@ from mashbox.engine.config import EngineConfig
 from mashbox.engine.events import (
     Event,
     Finish,
+    Queued,
     ReasoningDelta,
     Started,
     TextDelta,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ContextLengthError", "Engine", "EngineConfig", "EngineRequest", "Event", "Finish",
     "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo",
-    "ModelLoadError", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool", "ToolCall",
+    "ModelLoadError", "Queued", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool", "ToolCall",
     "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",
 ]
 

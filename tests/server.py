@@ -128,10 +128,13 @@ CLIENTS = FIXTURES / "clients"
 
 
 def frames(text: str) -> list[tuple[str | None, str]]:
-    """(event name, data) of each server-sent event; checks the blank-line framing."""
+    """(event name, data) of each server-sent event, comments (keep-alives) skipped; checks the
+    blank-line framing."""
     assert text.endswith("\n\n"), text[-200:]
     out = []
     for block in text.strip("\n").split("\n\n"):
+        if block.startswith(":"):
+            continue
         lines = block.split("\n")
         event = lines[0].removeprefix("event: ") if lines[0].startswith("event: ") else None
         data = [line for line in lines if line.startswith("data: ")]

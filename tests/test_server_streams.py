@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server import frames, serve
 
-from mashbox.engine.events import Event, Finish, Started, Timings, Usage
+from mashbox.engine.events import Event, Finish, Queued, Started, Timings, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
@@ -81,7 +81,7 @@ class Flaky:
             events = self.inner.astream(request)
             async for event in events:  # up to the first output
                 yield event
-                if not isinstance(event, Started):
+                if not isinstance(event, (Queued, Started)):
                     break
             await events.aclose()
         yield FAILED
@@ -176,3 +176,70 @@ def test_a_full_queue_is_429_or_529(long_engine, per_tenant, status, kind):
         backend.release.set()
         waiting.join(30)
     server.close()
+
+
+class Held(Flaky):
+    """The in-process backend whose runs, once accepted (``Queued``), wait for ``release`` before
+    their first output, as behind a long prefill; ``closed`` counts runs stopped while held."""
+
+    def __init__(self, inner: InProcessBackend) -> None:
+        super().__init__(inner, 0)
+        self.release = threading.Event()
+        self.closed = 0
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        events = self.inner.astream(request)
+        yield await anext(events)
+        try:
+            while not self.release.is_set():
+                await asyncio.sleep(0.02)
+        except BaseException:
+            self.closed += 1
+            await events.aclose()
+            raise
+        async for event in events:
+            yield event
+
+
+@pytest.fixture
+def held(long_engine):
+    backend = Held(InProcessBackend.of(long_engine))
+    server = serve(backend, Settings(keepalive_s=0.2))
+    yield backend, next(server)
+    backend.release.set()
+    server.close()
+
+
+@pytest.mark.parametrize(("path", "body", "opening", "beat", "last"), [
+    ("/v1/chat/completions", SHORT, '"role":"assistant"', ": keep-alive", None),
+    ("/v1/messages", SHORT, "event: message_start", 'event: ping\ndata: {"type":"ping"}', "message_stop"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}, "event: response.in_progress", ": keep-alive",
+     "response.completed"),
+])
+def test_a_waiting_stream_gets_its_headers_and_opening_at_once_then_keep_alives(held, path, body, opening, beat, last):
+    backend, url = held
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", path, json={**body, "stream": True}) as response:
+            assert response.status_code == 200  # the headers, with no output yet
+            chunks = response.iter_raw()
+            text = next(chunks).decode()
+            assert opening in text
+            while text.count(beat) < 3:
+                text += next(chunks).decode()
+            backend.release.set()
+            text += b"".join(chunks).decode()
+    events = frames(text)  # the keep-alives are comments or pings a client skips
+    assert events[-1][0] == last and (last or events[-1][1] == "[DONE]")
+    assert any(name in (None, "content_block_delta", "response.output_text.delta") for name, _ in events[1:-1])
+
+
+def test_a_client_that_leaves_while_its_request_waits_is_seen_within_a_second(held):
+    backend, url = held
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json={**LONG}) as response:
+            chunks = response.iter_raw()
+            assert next(chunks).startswith(b'data: {"id"')  # the role chunk
+            assert client.get("/health").json()["live_rows"] == 0 and backend.closed == 0
+        left = time.monotonic()
+        wait_for(lambda: backend.closed == 1, 1.0)
+    assert time.monotonic() - left < 1.0

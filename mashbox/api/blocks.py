@@ -14,6 +14,7 @@ from mashbox.engine.events import (
     Event,
     Finish,
     ReasoningDelta,
+    Queued,
     Started,
     TextDelta,
     ToolCallDelta,
@@ -65,7 +66,7 @@ class BlockTracker:
         if isinstance(event, Finish):
             self.finish = event
             return [*self._close(), Change("finish")]
-        if isinstance(event, Started):
+        if isinstance(event, (Queued, Started)):
             return []
         raise TypeError(f"not an engine event: {event!r}")
 

@@ -22,7 +22,7 @@ from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore, ThinkBudget
 from mashbox.engine.grammar import Grammars
 from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
-from mashbox.engine.events import Event, Finish
+from mashbox.engine.events import Event, Finish, Queued
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.loader import LoadedModel, load, pick_device
 from mashbox.engine.model_runner import ModelRunner
@@ -119,8 +119,8 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, request: EngineRequest) -> Iterator[Event]:
-        """Submit ``request``; iterate its events: ``Started`` once it has a slot, then its text,
-        reasoning and tool-call events, ending with one ``Finish``.
+        """Submit ``request``; iterate its events: ``Queued`` at once, ``Started`` once it has a slot,
+        then its text, reasoning and tool-call events, ending with one ``Finish``.
 
         Errors in the request raise here, before any work. Closing the
         iterator early aborts the request and frees its slot.
@@ -165,6 +165,7 @@ class Engine:
         channel = self._core.submit(*job)
         finished = False
         try:
+            yield Queued(len(job.seq.prompt_ids))
             while not finished:
                 event = channel.get()
                 finished = isinstance(event, Finish)
@@ -177,6 +178,7 @@ class Engine:
         channel = self._core.submit(*job)
         finished = False
         try:
+            yield Queued(len(job.seq.prompt_ids))
             while not finished:
                 event = await channel.aget()
                 finished = isinstance(event, Finish)

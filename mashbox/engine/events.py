@@ -1,7 +1,7 @@
 """The engine's one event stream: what every protocol translates from.
 
-A request yields deltas (text, reasoning, tool-call pieces) and ends with
-exactly one ``Finish``. Protocol modules in ``mashbox.api`` turn these into
+A request yields ``Queued`` (accepted), ``Started`` (it has a slot), deltas (text, reasoning,
+tool-call pieces) and ends with exactly one ``Finish``. Protocol modules in ``mashbox.api`` turn these into
 their own responses and stream events.
 """
 
@@ -11,6 +11,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+@dataclass(slots=True, frozen=True)
+class Queued:
+    """The request is valid and fits the context: it waits for a slot. Always the first event;
+    ``prompt_tokens`` is the length of its prompt."""
+
+    prompt_tokens: int
+    type: Literal["queued"] = "queued"
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,4 +108,4 @@ class Finish:
     type: Literal["finish"] = "finish"
 
 
-Event = Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
+Event = Queued | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

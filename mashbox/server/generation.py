@@ -1,5 +1,10 @@
 """One generating request, from admission to its last byte.
 
+A stream's headers and opening events go out as soon as the engine accepts the request (its
+``Queued`` event: a bad request is still a 4xx); while it waits for a slot or prefills, a
+keep-alive goes out every ``keepalive_s`` (Anthropic ``ping``; an SSE comment on the OpenAI
+routes), so the client knows the server works and a client that leaves is seen at once.
+
 A request whose client has received nothing is run again once when the device fails
 (``Finish`` with reason ``error``): not streamed, until its answer is written; streamed, until its
 first output is sent. After that a stream ends with the protocol's error event instead.
@@ -8,10 +13,11 @@ first output is sent. After that a stream ends with the protocol's error event i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, TypeVar
@@ -21,13 +27,13 @@ from litestar.types import Receive
 
 from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import RequestModel, parse
-from mashbox.engine.events import Event, Finish, Started
+from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ContextLengthError
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
-from mashbox.server.sse import DONE, EventStream, data_frame, event_frame
+from mashbox.server.sse import COMMENT, DONE, PING, EventStream, data_frame, event_frame
 
 log = logging.getLogger("mashbox.server")
 MAX_HEADER = 2048  # an ignored-fields header longer than this is cut
@@ -41,6 +47,7 @@ class Protocol:
     request: type[RequestModel]
     frame: Callable[[dict[str, Any]], bytes]
     done: bytes = b""
+    keepalive: bytes = COMMENT
     any_model: bool = False
     turns: str | None = "messages"  # the body's list of conversation items
 
@@ -49,7 +56,8 @@ CHAT = Protocol("chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)
 COMPLETIONS = Protocol("completions", openai_completions, openai_completions.CompletionRequest, data_frame, DONE,
                        turns=None)
 RESPONSES = Protocol("responses", openai_responses, openai_responses.ResponsesRequest, event_frame, turns="input")
-MESSAGES = Protocol("messages", anthropic_messages, anthropic_messages.MessagesRequest, event_frame, any_model=True)
+MESSAGES = Protocol("messages", anthropic_messages, anthropic_messages.MessagesRequest, event_frame,
+                    keepalive=PING, any_model=True)
 
 
 def refuse_overlong(ctx: Context, body: dict[str, Any], turns: str | None) -> None:
@@ -144,17 +152,19 @@ class Run:
 
     async def streamed(self, headers: dict[str, str]) -> EventStream:
         try:
-            while True:
-                translator = self._translator()
-                first = await self._open()
-                if not (isinstance(first, Finish) and first.reason == "error"):
-                    break
-                self._failed(first)
+            first = await self._accepted()
         except BaseException:
             await self.close()
             raise
-        frames = self._frames(translator, first)
-        return EventStream(frames, idle_s=self._ctx.settings.idle_timeout_s, on_close=self.close, headers=headers)
+        return EventStream(self._frames(first), idle_s=self._ctx.settings.idle_timeout_s, on_close=self.close,
+                           headers=headers)
+
+    async def _accepted(self) -> Event:
+        """The run's first event (``Queued``: the engine took it); a bad request raises here, and
+        a run lost on the device first is sent again once."""
+        while _lost(event := await self._open()):
+            self._failed(event)
+        return event
 
     async def close(self) -> None:
         """Stop the request if it still runs; count it. Safe to call more than once."""
@@ -167,19 +177,45 @@ class Run:
             self._ticket.done()
             self._record()
 
-    async def _frames(self, translator: Any, first: Event) -> AsyncIterator[bytes]:
-        frame = self._protocol.frame
-        yield b"".join(frame(item.dump()) for item in [*translator.start(), *translator.feed(first)])
+    async def _frames(self, first: Event) -> AsyncIterator[bytes]:
+        translator = self._translator()
+        yield self._encode(translator.start())
         try:
+            event = first
+            while isinstance(event, Queued) or _lost(event):  # no output yet: it may be sent again
+                if lost := _lost(event):
+                    self._failed(event)
+                waiting = asyncio.ensure_future(self._open() if lost else self._next())
+                async with contextlib.aclosing(self._beats(waiting)) as beats:
+                    async for beat in beats:
+                        yield beat
+                event = waiting.result()
+            yield self._encode(translator.feed(event))
             while not isinstance(self._finish, Finish):
                 if items := translator.feed(await self._next()):
-                    yield b"".join(frame(item.dump()) for item in items)
+                    yield self._encode(items)
         except StopAsyncIteration:
-            yield b"".join(frame(item.dump()) for item in translator.error("the request ended early"))
+            yield self._encode(translator.error("the request ended early"))
+        except ApiError as err:
+            yield self._encode(translator.error(err.message))
         except Exception as exc:
             log.exception("%s failed after its stream started", self._tag.request_id)
-            yield b"".join(frame(item.dump()) for item in translator.error(f"{type(exc).__name__}: {exc}"))
+            yield self._encode(translator.error(f"{type(exc).__name__}: {exc}"))
         yield self._protocol.done
+
+    async def _beats(self, work: asyncio.Future[Event]) -> AsyncIterator[bytes]:
+        """A keep-alive every ``keepalive_s`` until ``work`` is done; ``work`` is cancelled if the
+        stream closes first."""
+        try:
+            while not (await asyncio.wait({work}, timeout=self._ctx.settings.keepalive_s))[0]:
+                yield self._protocol.keepalive
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.wait({work})
+
+    def _encode(self, items: list[Any]) -> bytes:
+        return b"".join(self._protocol.frame(item.dump()) for item in items)
 
     def _translator(self) -> Any:
         model = getattr(self._req, "model", None) or self._ctx.backend.model_id
@@ -192,13 +228,17 @@ class Run:
         return await self._next()
 
     async def _next(self) -> Event:
-        """The next event for the client; the engine's ``Started`` (a slot) ends the ticket's wait."""
+        """The next event for the client: ``Queued``, then its output and ``Finish``. The engine's
+        ``Started`` (a slot; else the first output) ends the ticket's wait."""
         assert self._events is not None
         event = await anext(self._events)
+        if isinstance(event, Started):
+            self._ticket.running()
+            event = await anext(self._events)
+        if isinstance(event, Queued):
+            return event
         if not isinstance(event, Finish):
             self._ticket.running()
-        if isinstance(event, Started):
-            event = await anext(self._events)
         if self._ttft is None:
             self._ttft = time.monotonic() - self._t0
         if isinstance(event, Finish):
@@ -229,6 +269,11 @@ class Run:
         log.info("%s finished: %s, %d prompt + %d new tokens, %.2f s", self._tag.request_id, finish.reason,
                  usage.prompt_tokens, usage.completion_tokens, e2e)
         self._ctx.metrics.request_finished(self._protocol.name, finish, None, self._ttft, e2e)
+
+
+def _lost(event: Event) -> bool:
+    """A run that failed on the device (its worker died): it may be sent again."""
+    return isinstance(event, Finish) and event.reason == "error"
 
 
 async def _unless_gone(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:

@@ -52,6 +52,7 @@ class Settings:
     max_waiting_per_tenant: int = 32
     max_waiting: int = 256
     idle_timeout_s: float = 30.0
+    keepalive_s: float = 5.0  # a stream with no output yet sends a keep-alive this often
     retry_after_s: int = 1
     cache_ram_mib: int = 0
 

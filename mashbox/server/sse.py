@@ -22,6 +22,8 @@ from litestar.types import Message, Receive, Send
 log = logging.getLogger("mashbox.server")
 
 DONE = b"data: [DONE]\n\n"
+COMMENT = b": keep-alive\n\n"  # an SSE comment: clients skip it
+PING = b'event: ping\ndata: {"type":"ping"}\n\n'  # Anthropic's keep-alive event
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
