@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from mashbox import ContextLengthError, Engine, EngineRequest, InvalidRequestError, Message, SamplingParams, TextDelta
+from mashbox import (
+    ContextLengthError, Engine, EngineRequest, InvalidRequestError, Message, Queued, SamplingParams, Started, TextDelta,
+)
 from mashbox.engine.detokenizer import Detokenizer
 
 
@@ -118,7 +120,8 @@ def test_prompt_longer_than_context_is_refused_before_work(tiny_engine):
 def test_dropped_stream_frees_its_slot(tiny_engine):
     slots = tiny_engine._core.scheduler.slots
     events = tiny_engine.stream(EngineRequest(prompt="Go on and on", sampling=SamplingParams(max_tokens=400)))
-    next(events)
+    assert next(events) == Queued(len(tiny_engine.encode(EngineRequest(prompt="Go on and on"))))
+    assert isinstance(next(events), Started)
     assert slots.num_free == slots.size - 1
     events.close()
     deadline = time.time() + 10
