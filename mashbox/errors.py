@@ -17,7 +17,13 @@ class InvalidRequestError(MashboxError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """The prompt does not fit in the context; refused before any work."""
+    """The prompt does not fit in the context; refused before any work. ``tokens`` is the
+    prompt's length (or a lower bound of it), ``ctx`` the context's."""
+
+    def __init__(self, param: str, message: str, *, tokens: int, ctx: int) -> None:
+        super().__init__(param, message)
+        self.tokens = tokens
+        self.ctx = ctx
 
 
 class ModelLoadError(MashboxError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import httpx
 import pytest
@@ -168,11 +169,19 @@ def test_messages_400_in_anthropic_shape(http):
     assert message.startswith("top_p")
 
 
-def test_context_length_is_400(http):
-    prompt = "hello " * 40000
-    openai_error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), 400, "prompt")
-    response = http.post("/v1/messages", json={**MESSAGE, "messages": [{"role": "user", "content": prompt}]})
-    assert "context" in anthropic_error(response, 400, "invalid_request_error")
+@pytest.mark.parametrize("words", [40000, 400000])  # counted, and refused from a lower bound untokenized
+def test_context_length_is_400_in_the_words_agents_match(http, words):
+    prompt = "hello " * words
+    turn = [{"role": "user", "content": prompt}]
+    for path, body, param in [("/v1/completions", {"prompt": prompt}, "prompt"),
+                              ("/v1/chat/completions", {"messages": turn}, "messages"),
+                              ("/v1/responses", {"input": prompt}, "input")]:
+        error = openai_error(http.post(path, json=body), 400, param)
+        assert error["code"] == "context_length_exceeded" and "context holds 32768" in error["message"]
+    message = anthropic_error(http.post("/v1/messages", json={**MESSAGE, "messages": turn}), 400,
+                              "invalid_request_error")
+    assert re.fullmatch(r"prompt is too long: (\d+) tokens > 32768 maximum", message), message
+    assert int(message.split()[4]) > 32768
 
 
 def test_ignored_fields_header(http):

@@ -69,7 +69,7 @@ def test_stream_equals_the_in_process_engine(worker, tiny_engine):
 def test_context_too_long_raises_with_param(worker):
     with pytest.raises(ContextLengthError) as err:
         asyncio.run(collect(worker.astream(chat("word " * 600))))
-    assert err.value.param == "messages"
+    assert err.value.param == "messages" and err.value.ctx == 512 and err.value.tokens > 512
     assert worker.state == "ready"
 
 

@@ -110,8 +110,8 @@ class Engine:
         if floor > self.ctx:
             field = "prompt" if request.prompt is not None else "messages"
             raise ContextLengthError(
-                field, f"the prompt is at least {floor} tokens but the context holds {self.ctx}; shorten it or raise ctx"
-            )
+                field, f"the prompt is at least {floor} tokens but the context holds {self.ctx}; shorten it or raise ctx",
+                tokens=floor, ctx=self.ctx)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
         tools = request.tools if request.tool_choice != "none" else ()
@@ -138,8 +138,8 @@ class Engine:
         room = self.ctx - len(ids)
         if room < 1:
             raise ContextLengthError(
-                field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx"
-            )
+                field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx",
+                tokens=len(ids), ctx=self.ctx)
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt)
         if request.messages is None:

@@ -13,7 +13,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from mashbox.errors import InvalidRequestError, NotReadyError
+from mashbox.errors import ContextLengthError, InvalidRequestError, NotReadyError
 from mashbox.server.admission import QueueFull
 
 log = logging.getLogger("mashbox.server")
@@ -30,9 +30,10 @@ class ApiError(Exception):
 
     def __init__(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-        retry_after: int | None = None, overloaded: bool = False,
+        retry_after: int | None = None, overloaded: bool = False, anthropic_message: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.anthropic_message = anthropic_message  # where Anthropic's wording differs (agents match it)
         self.status = status
         self.message = message
         self.param = param
@@ -55,7 +56,7 @@ def answer(path: str, error: ApiError) -> tuple[int, dict[str, Any], dict[str, s
     status = OVERLOADED if error.overloaded else error.status
     if error.status == 503:  # not ready (loading, or a worker starting again): the SDKs retry
         headers["x-should-retry"] = "true"
-    message = f"{error.param}: {error.message}" if error.param else error.message
+    message = error.anthropic_message or (f"{error.param}: {error.message}" if error.param else error.message)
     kind = ANTHROPIC_TYPES.get(status, "invalid_request_error")
     return status, {"type": "error", "error": {"type": kind, "message": message}}, headers
 
@@ -64,6 +65,9 @@ def api_error(exc: Exception, retry_after: int) -> ApiError:
     """The answer an exception raised while handling a request deserves."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ContextLengthError):  # the code and wording agents look for to compact their history
+        return ApiError(400, exc.message, param=exc.param, code="context_length_exceeded",
+                        anthropic_message=f"prompt is too long: {exc.tokens} tokens > {exc.ctx} maximum")
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, exc.message, param=exc.param or None)
     if isinstance(exc, NotReadyError):

@@ -69,7 +69,7 @@ def refuse_overlong(ctx: Context, body: dict[str, Any], turns: str | None) -> No
     n = sum(not (isinstance(item, dict) and item.get("type") == "reasoning") for item in items)
     if n > info.ctx:
         raise ContextLengthError(turns, f"the prompt is at least {n} tokens ({n} items of at least one each) "
-                                        f"but the context holds {info.ctx}; shorten it")
+                                        f"but the context holds {info.ctx}; shorten it", tokens=n, ctx=info.ctx)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +225,11 @@ class Run:
         await self._aclose_events()
         self._finish = None
         self._events = self._ctx.backend.astream(self._engine)
-        return await self._next()
+        try:
+            return await self._next()
+        except ContextLengthError as err:  # named as the protocol names the conversation (Responses: input)
+            err.param = self._protocol.turns or err.param
+            raise
 
     async def _next(self) -> Event:
         """The next event for the client: ``Queued``, then its output and ``Finish``. The engine's

@@ -76,18 +76,21 @@ class Error:
     kind: ErrorKind
     param: str
     message: str
+    tokens: int = 0  # a context length error's prompt and context lengths
+    ctx: int = 0
 
     @classmethod
     def of(cls, request_id: int, exc: Exception) -> Error:
+        if isinstance(exc, ContextLengthError):
+            return cls(request_id, "context_length", exc.param, exc.message, exc.tokens, exc.ctx)
         if isinstance(exc, InvalidRequestError):
-            kind: ErrorKind = "context_length" if isinstance(exc, ContextLengthError) else "invalid_request"
-            return cls(request_id, kind, exc.param, exc.message)
+            return cls(request_id, "invalid_request", exc.param, exc.message)
         return cls(request_id, "internal", "", f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> Exception:
         """The exception the in-process engine would have raised."""
         if self.kind == "context_length":
-            return ContextLengthError(self.param, self.message)
+            return ContextLengthError(self.param, self.message, tokens=self.tokens, ctx=self.ctx)
         if self.kind == "invalid_request":
             return InvalidRequestError(self.param, self.message)
         return RuntimeError(self.message)
