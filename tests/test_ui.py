@@ -268,7 +268,8 @@ def test_model_output_never_becomes_html(smol, tab):
     expect(answer.locator(".content")).to_contain_text("<script>window.pwned=2</script>")
     expect(answer.locator("a")).to_have_count(1)
     link = answer.locator("a")
-    assert link.get_attribute("href") == "https://example.org/a?b=1" and link.get_attribute("rel") == "noopener noreferrer"
+    assert link.get_attribute("href") == "https://example.org/a?b=1"
+    assert link.get_attribute("rel") == "noopener noreferrer"
     expect(answer.locator("pre code")).to_have_text('<img src=x onerror="window.pwned=4">')
 
 
@@ -277,7 +278,8 @@ def test_markdown_thinking_tool_calls_and_a_cut_answer_render(smol, tab):
     text = ("## Planets\n\n1. **Mercury** is *small*\n2. Venus has `CO2`\n   - hot\n\n"
             "| planet | moons |\n|---|--:|\n| Earth | 1 |\n| Mars | 2 |\n\n"
             "```python\ndef moons(planet):  # count\n    return {'Mars': 2}[planet]\n```\n")
-    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     fixed(page, answer_with(text, "First I recall the planets.", tools=[call], finish="length"))
     page.locator("#settings-toggle").click()
     page.locator("#max_tokens").fill("42")
@@ -344,7 +346,8 @@ def test_a_full_queue_is_said_and_the_request_sent_again(smol, tab):
     def busy_once(route: Route) -> None:
         tries.append(1)
         if len(tries) == 1:
-            route.fulfill(status=429, headers={"retry-after": "1"}, json={"error": {"message": "queue full", "type": "rate_limit_error"}})
+            full = {"error": {"message": "queue full", "type": "rate_limit_error"}}
+            route.fulfill(status=429, headers={"retry-after": "1"}, json=full)
         else:
             route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=answer_with("Finally."))
 

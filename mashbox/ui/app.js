@@ -243,11 +243,13 @@ const KEYWORDS = new Set(`and as async await break case catch class const contin
 const HASH_COMMENTS = new Set(["python", "py", "sh", "bash", "shell", "zsh", "ruby", "rb", "yaml", "yml",
   "toml", "r", "perl", "make", "makefile", "dockerfile", "ini", "conf"]);
 const DASH_COMMENTS = new Set(["sql", "lua", "haskell", "hs"]);
-const STRINGS = String.raw`"""[\s\S]*?"""|'''[\s\S]*?'''|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|\x60(?:\\.|[^\x60\\])*\x60`;
+const STRINGS = [String.raw`"""[\s\S]*?"""|'''[\s\S]*?'''`, String.raw`"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'`,
+  String.raw`\x60(?:\\.|[^\x60\\])*\x60`].join("|");
 const NUMBERS = String.raw`\b(?:0x[\da-fA-F]+|\d[\d_]*(?:\.\d+)?(?:[eE][+-]?\d+)?)\b`;
 
 function tokenizer(lang) {
-  const comment = HASH_COMMENTS.has(lang) ? "#.*" : DASH_COMMENTS.has(lang) ? "--.*" : String.raw`\/\/.*|\/\*[\s\S]*?\*\/`;
+  const comment = HASH_COMMENTS.has(lang) ? "#.*"
+    : DASH_COMMENTS.has(lang) ? "--.*" : String.raw`\/\/.*|\/\*[\s\S]*?\*\/`;
   return new RegExp(`(${comment})|(${STRINGS})|(${NUMBERS})|([A-Za-z_$][\\w$]*)(?=\\s*(\\()?)`, "g");
 }
 
@@ -360,7 +362,9 @@ class ChatPage {
     this.model = null;
     this.running = null; // the AbortController of the answer being written
     this.wake = () => {};
-    for (const chat of this.chats) for (const m of chat.messages) if (m.pending) Object.assign(m, { pending: false, stopped: true });
+    for (const m of this.chats.flatMap((chat) => chat.messages).filter((m) => m.pending)) {
+      Object.assign(m, { pending: false, stopped: true }); // the page closed while it was written
+    }
   }
 
   start() {
@@ -437,7 +441,7 @@ class ChatPage {
     this.ui["status-dot"].dataset.state = state;
     if (state === "gone") {
       this.model = null;
-      this.banner("The server is not answering. Is `mashbox run` still running? Trying again every second…", true);
+      this.banner("The server is not answering. Is mashbox run still running? Trying again every second…", true);
     } else if (state === "loading") {
       this.banner("The model is loading. The chat opens when it is ready…");
     } else {
