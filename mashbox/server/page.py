@@ -16,8 +16,7 @@ from litestar import Response
 
 from mashbox.server.errors import ApiError
 
-ASSETS = {"app.js": "text/javascript", "app.css": "text/css",
-          "icon.svg": "image/svg+xml"}
+ASSETS = {"app.js": "text/javascript", "app.css": "text/css", "icon.svg": "image/svg+xml"}
 CSP = "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'; object-src 'none'"
 PAGE_HEADERS = {"content-security-policy": CSP, "cache-control": "no-cache", "x-content-type-options": "nosniff",
                 "referrer-policy": "no-referrer"}
