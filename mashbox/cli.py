@@ -56,7 +56,8 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
                           "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
                           "(default: none; MASHBOX_API_KEY adds one more key)")
-    run.add_argument("--ui", action="store_true", help="serve the chat page at / (default: off; the page is not built yet, / answers health)")
+    run.add_argument("--ui", action="store_true",
+                     help="serve the MASHBOX Chat page at / (default: off: / answers like /health)")
     run.add_argument("--in-process", action="store_true",
                      help="run the engine in the server process instead of a worker process that is "
                           "started again if it dies (default: off)")

@@ -9,6 +9,7 @@ from mashbox.errors import NotReadyError
 from mashbox.server.admission import Admission
 from mashbox.server.backend import Backend
 from mashbox.server.metrics import Metrics
+from mashbox.server.page import Page
 from mashbox.server.settings import Settings
 
 
@@ -19,11 +20,13 @@ class Context:
     openapi: dict[str, Any]
     admission: Admission = field(init=False)
     metrics: Metrics = field(init=False)
+    page: Page | None = field(init=False)  # the chat page, with --ui
 
     def __post_init__(self) -> None:
         s = self.settings
         self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s)
         self.metrics = Metrics(self.backend.model_id)
+        self.page = Page.load() if s.ui else None
 
     def served(self) -> str:
         """The model id, once the backend takes requests."""

@@ -54,7 +54,7 @@ HEALTH_ROUTE = {"200": "OK", "503": "The model is still loading."}
 ROUTES = [
     Route("get", "/v1/health", "Health", HEALTH, errors=HEALTH_ROUTE),
     Route("get", "/health", "Health (short path)", HEALTH, errors=HEALTH_ROUTE),
-    Route("get", "/", "Health", HEALTH, errors=HEALTH_ROUTE),
+    Route("get", "/", "Health, or the chat page with --ui", HEALTH, errors=HEALTH_ROUTE),
     Route("head", "/v1/health", "Ready check without a body (every path answers HEAD the same way)",
           errors={"503": "Loading."}),
     Route("get", "/v1/models", "List models", ModelList),

@@ -21,8 +21,23 @@ Ctx = NamedDependency[Context]
 Body = JSONBody[dict[str, Any]]
 
 
-@get(["/v1/health", "/health", "/"], summary="Health")
+@get(["/v1/health", "/health"], summary="Health")
 async def health_check(ctx: Ctx) -> Response[dict[str, Any]]:
+    return _health(ctx)
+
+
+@get("/", summary="Health, or the chat page")
+async def root(ctx: Ctx) -> Response[Any]:
+    return ctx.page.index() if ctx.page else _health(ctx)
+
+
+@get("/ui/{version:str}/{name:str}", summary="The chat page's files", include_in_schema=False)
+async def ui_asset(ctx: Ctx, version: FromPath[str], name: FromPath[str]) -> Response[bytes]:
+    assert ctx.page is not None  # routed only with --ui
+    return ctx.page.asset(version, name)
+
+
+def _health(ctx: Context) -> Response[dict[str, Any]]:
     status, body = health(ctx.backend, ctx.admission.waiting, ctx.settings.cache_ram_mib * 2**20)
     return Response(body, status_code=status)
 
@@ -86,5 +101,6 @@ async def openapi_json(ctx: Ctx) -> dict[str, Any]:
     return ctx.openapi
 
 
-HANDLERS = [openapi_json, health_check, list_models, get_model, chat_completions, completions, messages, count_tokens,
-            responses, metrics]
+HANDLERS = [openapi_json, health_check, root, list_models, get_model, chat_completions, completions, messages,
+            count_tokens, responses, metrics]
+UI_HANDLERS = [ui_asset]  # with --ui
