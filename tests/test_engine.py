@@ -276,3 +276,18 @@ def test_a_dtype_the_cpu_cannot_run_is_refused_before_loading(dtype):
     assert weight_mode(torch.device("cpu"), "float32", batch_invariant=True) == (torch.float32, "tiled")
     assert weight_mode(torch.device("cpu"), "float32", batch_invariant=False) == (torch.float32, "plain")
     assert weight_mode(torch.device("cuda"), None, batch_invariant=True) == (torch.bfloat16, "plain")
+
+
+def test_a_twin_prompt_waits_for_the_prefill_in_flight_then_copies_it_and_answers_the_same(tiny_engine):
+    prompt = " ".join(f"item {i}," for i in range(90))
+    n = len(tiny_engine.encode(EngineRequest(prompt=prompt)))
+    assert 200 < n < 500
+    first, twin = (tiny_engine.stream(EngineRequest(prompt=prompt, sampling=SamplingParams(max_tokens=6)))
+                   for _ in range(2))
+    heads = [next(first), next(twin)]  # both submitted before either is done
+    events = {"first": [heads[0], *first], "twin": [heads[1], *twin]}
+    started = {name: next(e for e in got if isinstance(e, Started)) for name, got in events.items()}
+    chunk = tiny_engine.config.chunk_tokens
+    assert started["twin"].cached == (n - 1) // chunk * chunk  # all but the last chunk, computed once
+    text = {name: "".join(e.text for e in got if isinstance(e, TextDelta)) for name, got in events.items()}
+    assert text["first"] == text["twin"]

@@ -10,8 +10,9 @@ from mashbox.engine.slots import SlotTable
 EOS = 0
 
 
-def seq(name: str, prompt_len: int, max_new: int = 8) -> Sequence:
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(), max_new, frozenset({EOS}))
+def seq(name: str, prompt_len: int, max_new: int = 8, first: int = 1) -> Sequence:
+    """A request whose prompt counts up from ``first``: prompts with the same ``first`` share a prefix."""
+    return Sequence(name, list(range(first, first + prompt_len)), SamplingParams(), max_new, frozenset({EOS}))
 
 
 def step(s: Scheduler, token: int = 7):
@@ -199,7 +200,7 @@ def test_a_step_runs_several_chunks_when_idle_and_fewer_while_others_decode():
         (0, 32, False), (32, 32, False), (64, 32, False), (96, 32, False)]
     while s.running[0].in_prefill:
         step(s)
-    s.add(seq("other", 200))
+    s.add(seq("other", 200, first=1000))
     shapes = [[(w.seq.id, w.position, len(w.token_ids)) for w in step(s).work] for _ in range(2)]
     assert shapes == [[("long", 300, 1), ("other", 0, 32), ("other", 32, 32)],
                       [("long", 301, 1), ("other", 64, 32), ("other", 96, 32)]]
@@ -227,3 +228,33 @@ def test_a_prefix_is_shared_only_under_its_salt_in_slots_and_in_host_memory():
     assert again.num_cached == 192 and any(type(op).__name__ == "Restore" for op in plan.cache_ops)
     assert {salt for _, salt, _ in s.cache.host.entries()} == {"alice", "bob"}
     s.cache.check_integrity()
+
+
+def test_a_prompt_being_prefilled_is_not_computed_again_by_a_twin_that_arrives_meanwhile():
+    s = Scheduler(num_slots=2, ctx=512, chunk_tokens=64, step_tokens=64)
+    s.add(seq("first", 200))
+    step(s)  # first: chunk 0-64
+    s.add(seq("twin", 200))
+    positions = []
+    while not s.running or any(q.in_prefill for q in s.running) or s.waiting:
+        plan = step(s)
+        positions += [(w.seq.id, w.position) for w in plan.work if w.seq.id == "twin"]
+        if any(w.seq.id == "twin" for w in plan.work):
+            break
+    # the twin waited while the first computed 64-192, then started at 192 from a copy of its slot
+    assert positions[0] == ("twin", 192)
+    assert [op.tokens for op in plan.cache_ops] == [192] and type(plan.cache_ops[0]).__name__ == "Copy"
+    assert s.hit_tokens == 192
+
+
+def test_a_twin_of_another_tenant_neither_waits_nor_copies():
+    s = Scheduler(num_slots=2, ctx=1024, chunk_tokens=64, step_tokens=256)
+    first = seq("first", 400)
+    first.cache_salt = "alice"
+    s.add(first)
+    step(s)  # first: 0-256
+    twin = seq("twin", 400)
+    twin.cache_salt = "bob"
+    s.add(twin)
+    plan = s.schedule()
+    assert ("twin", 0) in [(w.seq.id, w.position) for w in plan.work] and not plan.cache_ops

@@ -45,6 +45,11 @@ class KVCache:
         self.keys[:, slot, : keys.shape[1]] = keys.to(self.keys.device)
         self.values[:, slot, : values.shape[1]] = values.to(self.values.device)
 
+    def copy(self, source: int, slot: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``source`` into ``slot``."""
+        self.keys[:, slot, :length] = self.keys[:, source, :length]
+        self.values[:, slot, :length] = self.values[:, source, :length]
+
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [kv_heads, length, head_dim] of one slot."""
         return self.keys[layer, slot, :length].transpose(0, 1), self.values[layer, slot, :length].transpose(0, 1)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from mashbox.engine import native, ops, sampler
 from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.kv_cache import KVCache
-from mashbox.engine.prefix_cache import CacheOp, Restore, Save
+from mashbox.engine.prefix_cache import CacheOp, Copy, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.sequence import Sequence
 from mashbox.engine.weights import Weights
@@ -71,11 +71,13 @@ class ModelRunner:
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
 
     def _move(self, op: CacheOp) -> None:
-        """Carry out one prefix-cache copy between a slot and host memory."""
+        """Carry out one prefix-cache copy between slots and host memory."""
         if isinstance(op, Save):
             self.host[op.entry] = self.kv.save(op.slot, op.tokens)
         elif isinstance(op, Restore):
             self.kv.restore(op.slot, self.host[op.entry])
+        elif isinstance(op, Copy):
+            self.kv.copy(op.source, op.slot, op.tokens)
         else:
             self.host.pop(op.entry, None)
 

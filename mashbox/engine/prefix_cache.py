@@ -4,7 +4,9 @@ Each slot remembers the tokens whose KV it still holds. A new request takes
 the free slot sharing the longest prefix with its prompt and prefills only the
 rest. When a slot's prefix is about to be overwritten it is saved to host RAM
 (capped, least recently used out first), and restored from there into a slot
-when a later prompt starts with it. Only whole prompt chunks (multiples of
+when a later prompt starts with it. A prompt computed in a busy slot (``Live``:
+another request running, still prefilling or already decoding) is copied from
+there. Only whole prompt chunks (multiples of
 ``block`` tokens, prefilled as chunks) are reused, so a cached prefix holds
 exactly the KV a cold prefill would compute: answers do not depend on what ran
 before. The cache decides; the runner moves the bytes (``Save``, ``Restore``,
@@ -43,11 +45,30 @@ class Restore:
 
 
 @dataclass(slots=True, frozen=True)
+class Copy:
+    """Copy the first ``tokens`` positions of busy slot ``source`` into ``slot``."""
+
+    source: int
+    slot: int
+    tokens: int
+
+
+@dataclass(slots=True, frozen=True)
 class Drop:
     entry: int
 
 
-CacheOp = Save | Restore | Drop
+@dataclass(slots=True, frozen=True)
+class Live:
+    """A busy slot's prompt: its first ``computed`` tokens hold their KV already."""
+
+    slot: int
+    prompt: tuple[int, ...] | list[int]
+    computed: int
+    salt: str = ""
+
+
+CacheOp = Save | Restore | Copy | Drop
 
 
 class PrefixCache:
@@ -59,21 +80,34 @@ class PrefixCache:
         self._clock = 0
         self.host = HostTier(host_bytes, bytes_per_token)
 
-    def admit(self, prompt: list[int], free: list[int], salt: str = "") -> tuple[Match, list[CacheOp]]:
+    def admit(self, prompt: list[int], free: list[int], salt: str = "",
+              live: list[Live] = ()) -> tuple[Match, list[CacheOp]]:  # type: ignore[assignment]
         """The free slot to run ``prompt`` in, how many of its tokens are cached there,
-        and the copies that make it so. With no hit, the least recently used free slot. Only
-        prefixes cached under the same ``salt`` (a tenant) hit."""
+        and the copies that make it so: from the slot itself, host memory or a busy slot
+        (``live``), whichever holds the most. With no hit, the least recently used free slot.
+        Only prefixes cached under the same ``salt`` (a tenant) hit."""
         slot = max(free, key=lambda s: (self._hit(self._tokens[s], prompt, self._salts[s] == salt), -self._used[s]))
         tokens = self._hit(self._tokens[slot], prompt, self._salts[slot] == salt)
         entry, stored = max(((e, self._hit(t, prompt, s == salt)) for e, s, t in self.host.entries()),
                             key=lambda x: x[1], default=(None, 0))
-        restore = entry is not None and stored > tokens
-        ops = self._evict(slot, 0 if restore else tokens, keep=entry if restore else None)
-        if restore:
-            ops.append(Restore(entry, slot, stored))
+        source, running = max(((b.slot, self.shared(b, prompt, salt, computed=True)) for b in live),
+                              key=lambda x: x[1], default=(None, 0))
+        if running > max(tokens, stored):
+            ops = [*self._evict(slot, 0, keep=None), Copy(source, slot, running)]
+            tokens = running
+        elif stored > tokens:
+            ops = [*self._evict(slot, 0, keep=entry), Restore(entry, slot, stored)]
             tokens = stored
+        else:
+            ops = self._evict(slot, tokens, keep=None)
         self.insert(slot, prompt[:tokens], salt)
         return Match(slot, tokens), ops
+
+    def shared(self, busy: Live, prompt: list[int], salt: str, computed: bool = False) -> int:
+        """Tokens of ``prompt`` (whole blocks) that ``busy`` holds, or will once its prefill
+        reaches them (``computed``: only those it holds now)."""
+        held = busy.prompt[: busy.computed] if computed else busy.prompt
+        return self._hit(tuple(held), prompt, busy.salt == salt)
 
     def insert(self, slot: int, tokens: list[int], salt: str = "") -> None:
         """Record that ``slot`` holds the KV of ``tokens`` (whole blocks only are kept)."""

@@ -6,6 +6,10 @@ tokens when nothing decodes, ``busy_tokens`` while others decode (so a long
 prompt does not stall their next tokens for long). Chunks start at multiples
 of ``chunk_tokens`` so a prompt is cut the same way whatever else runs (batch
 invariance); one request may run several consecutive chunks in one call.
+
+No prompt chunk is computed twice at once: a waiting request whose prompt starts
+like one still prefilling waits until that prefill has computed what they share,
+then starts from a copy of it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mashbox.engine.prefix_cache import CacheOp, PrefixCache
+from mashbox.engine.prefix_cache import CacheOp, Live, PrefixCache
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.slots import SlotTable
 
@@ -82,11 +86,12 @@ class Scheduler:
         budget = self.busy_tokens if plan else self.step_tokens
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget)
-        while self.waiting and self.slots.num_free and budget > 0:
-            seq = self.waiting[0]
-            if self._chunk_len(seq, seq.num_computed) > budget and plan:
+        for seq in list(self.waiting):
+            if not self.slots.num_free or budget <= 0 or (self._chunk_len(seq, 0) > budget and plan):
                 break
-            self.waiting.popleft()
+            if self._behind(seq):
+                continue
+            self.waiting.remove(seq)
             plan.cache_ops += self._admit(seq)
             budget -= self._prefill(plan, seq, budget)
         return plan
@@ -104,9 +109,18 @@ class Scheduler:
                 self._check_limits(w.seq, token)
         return new
 
+    def _live(self) -> list[Live]:
+        return [Live(s.slot, s.prompt_ids, min(s.num_computed, len(s.prompt_ids)), s.cache_salt)
+                for s in self.running if s.slot is not None]
+
+    def _behind(self, seq: Sequence) -> bool:
+        """Whether a running prefill is computing chunks of ``seq``'s prompt it has not yet reached."""
+        return any(b.computed < self.cache.shared(b, seq.prompt_ids, seq.cache_salt) for b in self._live())
+
     def _admit(self, seq: Sequence) -> list[CacheOp]:
-        """Start ``seq`` in the free slot (or host entry) holding the longest prefix of its prompt."""
-        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots, seq.cache_salt)
+        """Start ``seq`` in the free slot holding the longest prefix of its prompt, or copy that
+        prefix in from host memory or a busy slot."""
+        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots, seq.cache_salt, self._live())
         seq.start(self.slots.allocate(match.slot), cached=match.tokens)
         self.lookup_tokens += len(seq.prompt_ids)
         self.hit_tokens += match.tokens
