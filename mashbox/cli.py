@@ -52,6 +52,12 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
                      help="host memory for prompt prefixes saved from slots about to be reused, in MiB; "
                           "0 = off (default: %(default)s)")
+    run.add_argument("--cache-disk", type=_gib, default=4.0, metavar="GiB",
+                     help="disk for prompt prefixes kept across restarts (pages of 256 tokens, least recently "
+                          "used out first), so an agent's long system prompt is prefilled once per machine; "
+                          "0 = off (default: %(default)s)")
+    run.add_argument("--cache-dir", default=None, metavar="PATH",
+                     help="where those prefixes live (default: the mashbox cache's prefixes folder)")
     run.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
                           "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
@@ -92,6 +98,16 @@ def _mib(text: str) -> int:
     return int(text)
 
 
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of GiB, 0 or more (got {text!r})")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from mashbox.server.launch import Launch, serve  # litestar and uvicorn load only here
 
@@ -115,7 +131,8 @@ def _settings(args: argparse.Namespace):
 def _engine_options(args: argparse.Namespace) -> dict:
     from mashbox.engine.config import EngineConfig
 
-    options = {"ctx": args.ctx, "slots": args.slots, "cache_ram_mib": args.cache_ram}
+    options = {"ctx": args.ctx, "slots": args.slots, "cache_ram_mib": args.cache_ram,
+               "cache_disk_gib": args.cache_disk, "cache_dir": args.cache_dir}
     EngineConfig(model=args.model, **options)  # bad values fail here, before loading
     return options
 

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--api-key-file", "--ui", "--in-process")
+FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
+         "--in-process")
 
 
 def free_port():

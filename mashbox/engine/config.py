@@ -15,7 +15,9 @@ class EngineConfig:
     the prefix cache's unit), ``step_tokens`` the most prompt tokens one device
     call runs when nothing decodes, ``busy_tokens`` while other requests decode
     (smaller: a long prompt then delays their next tokens less).
-    ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes.
+    ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes;
+    ``cache_disk_gib`` the disk that keeps prompt pages across restarts, in
+    ``cache_dir`` (default ``<mashbox cache>/prefixes``; 0 GiB: none).
     ``dtype`` on CPU: unset (default where mashbox's kernels build: a GGUF's
     Q4_1 blocks as the file has them, int8 blocks elsewhere, fp32 activations),
     ``int8`` (int8 blocks everywhere), ``float16`` (fp16 weights packed for
@@ -35,6 +37,8 @@ class EngineConfig:
     step_tokens: int = 256
     busy_tokens: int = 64
     cache_ram_mib: int = 1024
+    cache_disk_gib: float = 0.0
+    cache_dir: str | None = None
     batch_invariant: bool = True
     quiet: bool = False
 
@@ -43,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"ctx: must be >= 16 (got {self.ctx})")
         if not 1 <= self.slots <= 1024:
             raise ValueError(f"slots: must be between 1 and 1024 (got {self.slots})")
+        if self.cache_disk_gib < 0:
+            raise ValueError(f"cache_disk_gib: must be >= 0 (got {self.cache_disk_gib})")
         if self.cache_ram_mib < 0:
             raise ValueError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
         if self.chunk_tokens < 16:

@@ -101,6 +101,8 @@ class EngineCore:
         if self._thread.is_alive():
             self._inbox.put(("close", None))
             self._thread.join(timeout=30)
+        if self.scheduler.cache.disk is not None:
+            self.scheduler.cache.disk.close()  # the pages computed so far reach the disk
 
     def _loop(self) -> None:
         while self._drain(block=not self.scheduler.has_work):
@@ -144,6 +146,9 @@ class EngineCore:
         for seq, token in self.scheduler.update(plan, tokens):
             self.counters.generated_tokens += 1
             self._emit(self.streams[seq.id], token)
+        if pages := self.scheduler.persist:
+            self.scheduler.persist = []
+            self.runner.keep(pages, self.scheduler.cache.disk)
         for seq in {w.seq.id: w.seq for w in plan.work}.values():
             if seq.status.is_finished and seq.id in self.streams:
                 self._close(self.streams.pop(seq.id))

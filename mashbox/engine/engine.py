@@ -9,17 +9,22 @@ iterator of its stream events). ``achat`` ... are the async twins.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
 from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import parse
 from mashbox.engine.config import EngineConfig
+from mashbox.engine.catalog import cache_dir
 from mashbox.engine.core import EngineCore, ThinkBudget
+from mashbox.engine.disk_cache import PageStore
 from mashbox.engine.grammar import Grammars
 from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.events import Event, Finish, Queued
@@ -86,7 +91,8 @@ class Engine:
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode)
         self.info = _info(loaded, self.ctx, config.slots, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
-                              runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens)
+                              runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
+                              _page_store(config, self.info, runner))
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
     @property
@@ -264,6 +270,19 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _page_store(config: EngineConfig, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
+    """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
+    if config.cache_disk_gib <= 0:
+        return None
+    weights = Path(info.weights)
+    stat = weights.stat() if weights.exists() else None
+    parts = [info.id, info.weights, stat and (stat.st_size, stat.st_mtime_ns), info.ctx, info.dtype,
+             info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens]
+    namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
+    return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
 
 
 def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:

@@ -36,9 +36,10 @@ class KVCache:
         layers, _, _, heads, dim = self.keys.shape
         return 2 * layers * heads * dim * self.keys.element_size()
 
-    def save(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A host-memory copy of the first ``length`` positions of ``slot``."""
-        return self.keys[:, slot, :length].to("cpu", copy=True), self.values[:, slot, :length].to("cpu", copy=True)
+    def save(self, slot: int, length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host-memory copy of positions [``start``, ``length``) of ``slot``."""
+        return (self.keys[:, slot, start:length].to("cpu", copy=True),
+                self.values[:, slot, start:length].to("cpu", copy=True))
 
     def restore(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = saved

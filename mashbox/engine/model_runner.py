@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +21,13 @@ import torch.nn.functional as F
 from mashbox.engine import native, ops, sampler
 from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.kv_cache import KVCache
-from mashbox.engine.prefix_cache import CacheOp, Copy, Restore, Save
+from mashbox.engine.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.sequence import Sequence
 from mashbox.engine.weights import Weights
+
+if TYPE_CHECKING:
+    from mashbox.engine.disk_cache import PageStore
 
 
 @dataclass(slots=True)
@@ -78,8 +82,15 @@ class ModelRunner:
             self.kv.restore(op.slot, self.host[op.entry])
         elif isinstance(op, Copy):
             self.kv.copy(op.source, op.slot, op.tokens)
+        elif isinstance(op, Load):
+            self.kv.restore(op.slot, (op.keys, op.values))
         else:
             self.host.pop(op.entry, None)
+
+    def keep(self, pages: list[Persist], disk: PageStore) -> None:
+        """Hand a copy of each page to ``disk``, which writes it in the background."""
+        for page in pages:
+            disk.save(page.key, list(page.tokens), *self.kv.save(page.slot, page.end, page.start))
 
     @staticmethod
     def _follow(seq, token: int) -> int:

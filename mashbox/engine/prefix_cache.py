@@ -18,6 +18,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mashbox.engine.disk_cache import PageStore
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +62,26 @@ class Drop:
     entry: int
 
 
+@dataclass(slots=True, frozen=True, eq=False)
+class Load:
+    """Write KV read from disk ([layers, tokens, kv_heads, head_dim]) into the first positions of ``slot``."""
+
+    slot: int
+    keys: Any
+    values: Any
+
+
+@dataclass(slots=True, frozen=True)
+class Persist:
+    """Keep positions [start, end) of ``slot`` on disk as page ``key`` (``tokens`` are its prompt tokens)."""
+
+    slot: int
+    start: int
+    end: int
+    key: str
+    tokens: tuple[int, ...]
+
+
 @dataclass(slots=True, frozen=True)
 class Live:
     """A busy slot's prompt: its first ``computed`` tokens hold their KV already."""
@@ -68,12 +92,14 @@ class Live:
     salt: str = ""
 
 
-CacheOp = Save | Restore | Copy | Drop
+CacheOp = Save | Restore | Copy | Drop | Load
 
 
 class PrefixCache:
-    def __init__(self, num_slots: int, block: int, host_bytes: int = 0, bytes_per_token: int = 0) -> None:
+    def __init__(self, num_slots: int, block: int, host_bytes: int = 0, bytes_per_token: int = 0,
+                 disk: PageStore | None = None) -> None:
         self.block = block
+        self.disk = disk
         self._tokens: list[tuple[int, ...]] = [()] * num_slots
         self._salts: list[str] = [""] * num_slots  # whose prefix each slot holds: no other salt hits it
         self._used: list[int] = [0] * num_slots
@@ -92,7 +118,10 @@ class PrefixCache:
                             key=lambda x: x[1], default=(None, 0))
         source, running = max(((b.slot, self.shared(b, prompt, salt, computed=True)) for b in live),
                               key=lambda x: x[1], default=(None, 0))
-        if running > max(tokens, stored):
+        if (loaded := self._from_disk(prompt, salt, max(tokens, stored, running))) is not None:
+            ops = [*self._evict(slot, 0, keep=None), Load(slot, *loaded)]
+            tokens = loaded[0].shape[1]
+        elif running > max(tokens, stored):
             ops = [*self._evict(slot, 0, keep=None), Copy(source, slot, running)]
             tokens = running
         elif stored > tokens:
@@ -102,6 +131,27 @@ class PrefixCache:
             ops = self._evict(slot, tokens, keep=None)
         self.insert(slot, prompt[:tokens], salt)
         return Match(slot, tokens), ops
+
+    def _from_disk(self, prompt: list[int], salt: str, beat: int) -> tuple[Any, Any] | None:
+        """The KV of the pages of ``prompt`` on disk, when they hold more than ``beat`` tokens."""
+        if self.disk is None:
+            return None
+        keys = self.disk.keys(prompt, salt, limit=len(prompt) - 1)
+        pages = self.disk.stored(keys)
+        if pages * self.disk.page <= beat:
+            return None
+        loaded = self.disk.read(keys[:pages], prompt)
+        return loaded if loaded is not None and loaded[0].shape[1] > beat else None
+
+    def persist(self, slot: int, prompt: list[int], salt: str, done: int, now: int) -> list[Persist]:
+        """Ops that keep on disk the pages of ``prompt`` completed between ``done`` and ``now``
+        computed tokens."""
+        if self.disk is None or now // self.disk.page == done // self.disk.page:
+            return []
+        page = self.disk.page
+        keys = self.disk.keys(prompt, salt, limit=now)
+        return [Persist(slot, i * page, (i + 1) * page, key, tuple(prompt[i * page:(i + 1) * page]))
+                for i, key in enumerate(keys) if i >= done // page]
 
     def shared(self, busy: Live, prompt: list[int], salt: str, computed: bool = False) -> int:
         """Tokens of ``prompt`` (whole blocks) that ``busy`` holds, or will once its prefill

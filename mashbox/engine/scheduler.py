@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mashbox.engine.prefix_cache import CacheOp, Live, PrefixCache
+from mashbox.engine.prefix_cache import CacheOp, Live, Persist, PrefixCache
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.slots import SlotTable
+
+if TYPE_CHECKING:
+    from mashbox.engine.disk_cache import PageStore
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,9 +54,10 @@ class Plan:
 
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
-                 kv_bytes_per_token: int = 0, step_tokens: int | None = None, busy_tokens: int | None = None) -> None:
+                 kv_bytes_per_token: int = 0, step_tokens: int | None = None, busy_tokens: int | None = None,
+                 disk: PageStore | None = None) -> None:
         self.slots = SlotTable(num_slots)
-        self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token)
+        self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token, disk)
         self.lookup_tokens = 0
         self.hit_tokens = 0
         self.ctx = ctx
@@ -61,6 +66,7 @@ class Scheduler:
         self.busy_tokens = busy_tokens or chunk_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.persist: list[Persist] = []  # pages computed by the last update, to keep on disk
 
     @property
     def has_work(self) -> bool:
@@ -97,11 +103,16 @@ class Scheduler:
         return plan
 
     def update(self, plan: Plan, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Record what ran; ``sampled`` holds one token per sampling work item."""
+        """Record what ran; ``sampled`` holds one token per sampling work item. Prompt pages it
+        completed are added to ``persist``."""
         tokens = iter(sampled)
         new: list[tuple[Sequence, int]] = []
         for w in plan.work:
+            done, prompt = w.seq.num_computed, w.seq.prompt_ids
             w.seq.num_computed += len(w.token_ids)
+            if done < len(prompt):
+                self.persist += self.cache.persist(w.slot, prompt, w.seq.cache_salt, done,
+                                                   min(w.seq.num_computed, len(prompt)))
             if w.sample and not w.seq.status.is_finished:
                 token = next(tokens)
                 w.seq.append(token)

@@ -1,0 +1,146 @@
+"""Prompt prefixes kept on disk, so a long prompt is prefilled once per machine, not per start.
+
+A page holds the KV of ``page`` prompt tokens, [i * page, (i + 1) * page), and is named by a hash
+of the namespace (model, weights, numerics), the tenant salt and every token up to the page's
+end: a page is only ever used after exactly the tokens it was computed after. Pages are written
+as they are computed (by a background thread: the engine only copies the slice), as safetensors
+files, never pickles; a file is written whole (a temp file, then a rename) and read back only if
+its header names the same key and its tokens are the prompt's. The folder is bounded in bytes,
+least recently used out first. A file that does not read is skipped with a log line and removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from array import array
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mashbox.engine")
+
+FORMAT = "mashbox-kv-page/1"
+
+
+class PageStore:
+    """The pages of one namespace in ``folder``, at most ``cap_bytes`` of them (all namespaces)."""
+
+    def __init__(self, folder: Path, cap_bytes: int, namespace: str, page: int) -> None:
+        self.folder, self.cap, self.namespace, self.page = folder, cap_bytes, namespace, page
+        folder.mkdir(parents=True, exist_ok=True)
+        self._files: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        for path in sorted(folder.glob("*.safetensors"), key=_mtime):
+            self._files[path.stem] = path.stat().st_size
+        self._lock = threading.Lock()
+        self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_all, name="mashbox-disk-cache", daemon=True)
+        self._writer.start()
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._files.values())
+
+    def keys(self, prompt: list[int] | tuple[int, ...], salt: str, limit: int | None = None) -> list[str]:
+        """The key of each whole page of ``prompt`` (of its first ``limit`` tokens)."""
+        digest = hashlib.sha256(f"{FORMAT}\0{self.namespace}\0{salt}\0".encode())
+        out = []
+        for end in range(self.page, (len(prompt) if limit is None else limit) + 1, self.page):
+            digest.update(array("i", prompt[end - self.page: end]).tobytes())
+            out.append(digest.copy().hexdigest()[:40])
+        return out
+
+    def stored(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, have a page on disk."""
+        with self._lock:  # a page claimed but not yet written (0 bytes) is not there yet
+            return next((i for i, key in enumerate(keys) if not self._files.get(key)), len(keys))
+
+    def read(self, keys: list[str], prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values [layers, tokens, kv_heads, head_dim] of the pages ``keys``, from the
+        first; None where the first does not read."""
+        from safetensors import safe_open
+
+        parts = []
+        for i, key in enumerate(keys):
+            path = self._path(key)
+            try:
+                with safe_open(str(path), framework="pt") as file:
+                    if file.metadata().get("key") != key:
+                        raise ValueError("its header names another key")
+                    tokens = file.get_tensor("tokens").tolist()
+                    if tokens != list(prompt[i * self.page: (i + 1) * self.page]):
+                        raise ValueError("its tokens are not the prompt's")
+                    parts.append((file.get_tensor("keys"), file.get_tensor("values")))
+                os.utime(path)
+            except Exception as err:  # a file cut short, overwritten, foreign
+                log.warning("skipped the cached prompt page %s (%s: %s); removed it", path, type(err).__name__, err)
+                self._remove(key)
+                break
+            with self._lock:
+                self._files.move_to_end(key)
+        if not parts:
+            return None
+        return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def save(self, key: str, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a page in the background (``keys``/``values`` are the engine's own copy)."""
+        with self._lock:
+            if key in self._files:
+                return
+            self._files[key] = 0  # claimed: not written twice
+        self._writes.put((key, torch.tensor(tokens, dtype=torch.int32), keys, values))
+
+    def close(self) -> None:
+        """Finish the writes queued so far."""
+        self._writes.put(None)
+        self._writer.join(timeout=60)
+
+    def _write_all(self) -> None:
+        from safetensors.torch import save_file
+
+        while (item := self._writes.get()) is not None:
+            key, tokens, keys, values = item
+            path, tmp = self._path(key), self.folder / f".{key}.tmp"
+            try:
+                save_file({"tokens": tokens, "keys": keys, "values": values}, str(tmp),
+                          metadata={"key": key, "format": FORMAT})
+                os.replace(tmp, path)
+            except OSError as err:
+                log.warning("could not keep a prompt page on disk in %s (%s)", self.folder, err)
+                tmp.unlink(missing_ok=True)
+                self._forget(key)
+                continue
+            with self._lock:
+                self._files[key] = path.stat().st_size
+            self._trim()
+
+    def _trim(self) -> None:
+        """Remove the least recently used pages until the folder fits its cap."""
+        while True:
+            with self._lock:
+                if self.bytes <= self.cap or len(self._files) <= 1:
+                    return
+                key = next(iter(self._files))
+            self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._files.pop(key, None)
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.safetensors"
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

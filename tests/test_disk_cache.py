@@ -1,0 +1,101 @@
+"""The prefix cache's disk tier: prompt pages kept across engines (restarts), per tenant, bounded,
+and safe against files that do not read."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from mashbox import Engine, EngineRequest, SamplingParams, Started, TextDelta
+from mashbox.engine.disk_cache import PageStore
+
+PROMPT = " ".join(f"item {i}," for i in range(90))  # ~440 tokens: one whole page of 256
+
+
+def page(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, n, 3, 8), torch.randn(2, n, 3, 8)
+
+
+def test_pages_are_chained_by_every_token_before_them_and_by_tenant(tmp_path: Path):
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    keys = store.keys(list(range(10)), "alice")
+    assert len(keys) == 2  # two whole pages of 4; the last 2 tokens are no page
+    assert store.keys(list(range(8)) + [99, 98], "alice") == keys  # the same 8 tokens, the same pages
+    assert store.keys([0, 1, 2, 3, 9, 5, 6, 7], "alice")[1] != keys[1]  # a page depends on what came before
+    assert store.keys(list(range(10)), "bob")[0] != keys[0]
+    assert PageStore(tmp_path, 2**20, "other model", page=4).keys(list(range(10)), "alice")[0] != keys[0]
+    store.close()
+
+
+def test_a_page_is_written_in_the_background_and_read_back_exactly(tmp_path: Path):
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(10))
+    keys = store.keys(prompt, "")
+    first, second = page(), page()
+    store.save(keys[0], prompt[:4], *first)
+    store.save(keys[1], prompt[4:8], *second)
+    store.close()
+    again = PageStore(tmp_path, 2**20, "ns", page=4)  # a restart: the index is the folder
+    assert again.stored(keys) == 2
+    k, v = again.read(keys, prompt)
+    assert torch.equal(k, torch.cat([first[0], second[0]], dim=1)) and torch.equal(v, torch.cat([first[1], second[1]], 1))
+    assert again.read(keys, [7] + prompt[1:]) is None  # tokens that are not the page's are refused
+
+
+@pytest.mark.parametrize("damage", [b"", b"not a safetensors file at all", None])
+def test_a_page_that_does_not_read_is_skipped_with_a_log_line_and_removed(tmp_path: Path, caplog, damage):
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(8))
+    keys = store.keys(prompt, "")
+    store.save(keys[0], prompt[:4], *page())
+    store.save(keys[1], prompt[4:], *page())
+    store.close()
+    second = tmp_path / f"{keys[1]}.safetensors"
+    if damage is None:  # a foreign file under a page's name
+        second.write_bytes((tmp_path / f"{keys[0]}.safetensors").read_bytes())
+    else:
+        second.write_bytes(damage)
+    again = PageStore(tmp_path, 2**20, "ns", page=4)
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        k, _ = again.read(keys, prompt)
+    assert k.shape[1] == 4  # the first page still serves
+    assert f"skipped the cached prompt page {second}" in caplog.text and not second.exists()
+    assert again.stored(keys) == 1
+
+
+def test_the_folder_keeps_within_its_cap_least_recently_used_out_first(tmp_path: Path):
+    probe = PageStore(tmp_path / "probe", 2**30, "ns", page=4)
+    probe.save("probe", [0, 1, 2, 3], *page())
+    probe.close()
+    size = (tmp_path / "probe" / "probe.safetensors").stat().st_size
+    store = PageStore(tmp_path / "pages", int(size * 2.5), "ns", page=4)
+    prompts = [[i] * 4 for i in range(4)]
+    for prompt in prompts:
+        store.save(store.keys(prompt, "")[0], prompt, *page())
+    store.close()
+    kept = [PageStore(tmp_path / "pages", 2**30, "ns", page=4).stored(store.keys(p, "")) for p in prompts]
+    assert kept == [0, 0, 1, 1]
+
+
+def _run(engine: Engine, salt: str = "") -> tuple[int, str]:
+    events = list(engine.stream(EngineRequest(prompt=PROMPT, sampling=SamplingParams(max_tokens=6), cache_salt=salt)))
+    cached = next(e.cached for e in events if isinstance(e, Started))
+    return cached, "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def test_a_restarted_engine_starts_a_known_prompt_from_disk_with_the_same_answer(tiny_model_dir, tmp_path, caplog):
+    options = {"ctx": 512, "slots": 2, "quiet": True, "cache_disk_gib": 1, "cache_dir": str(tmp_path)}
+    with Engine(str(tiny_model_dir), **options) as engine:
+        cold, text = _run(engine, "alice")
+    assert cold == 0 and len(list(tmp_path.glob("*.safetensors"))) == 1
+    with Engine(str(tiny_model_dir), **options) as engine:
+        assert _run(engine, "alice") == (256, text)  # the page from disk, the same tokens
+        assert _run(engine, "bob")[0] == 0  # another tenant's prompt never hits it
+    for file in tmp_path.glob("*.safetensors"):
+        file.write_bytes(file.read_bytes()[:100])  # cut short
+    with Engine(str(tiny_model_dir), **options) as engine, caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        assert _run(engine, "alice") == (0, text)
+    assert "skipped the cached prompt page" in caplog.text
