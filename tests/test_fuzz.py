@@ -90,6 +90,8 @@ def test_no_input_gets_a_server_error(fuzz_server, mode):
                 body = response.json()
                 if case.path.startswith("/v1/messages"):
                     assert body["type"] == "error" and body["error"]["message"], body
+                elif case.path.startswith("/v1/tasks"):  # the JSON-RPC envelope
+                    assert body["jsonrpc"] == "2.0" and body["error"]["message"] and body["error"]["code"], body
                 else:
                     assert body["error"]["message"] and body["error"]["type"], body
 

@@ -16,6 +16,7 @@ from pydantic import Field
 from mashbox.api.base import OutModel, new_id
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.api.task_items import (
+    Envelope,
     MessageOut,
     OutputItem,
     OutText,
@@ -217,3 +218,19 @@ def tool_result_events(task: TaskObject, emit: Emit, call: ToolCallOut, text: st
     events += [emit(ToolResultDeltaEvent, **common, delta=text), emit(ToolResultDoneEvent, **common, output=text),
                emit(OutputItemEvent, type="task.output_item.done", output_index=index, item=item.model_copy(deep=True))]
     return events
+
+
+class TaskEnvelope(Envelope):
+    """An answer holding one task (create, retrieve, delete; cancel, pause and resume add its fields)."""
+
+    result: TaskObject | None = None
+
+
+class TaskListEnvelope(Envelope):
+    result: list[TaskObject] = []
+
+
+class TaskEventEnvelope(Envelope):
+    """One frame of a streamed create."""
+
+    result: TaskEvent | None = None
