@@ -44,6 +44,7 @@ class Live:
         self.events: list[dict[str, Any]] = []
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finished = False
+        self.runner: asyncio.Future[None] | None = None  # its loop's asyncio task (held: tasks are weakly kept)
         self._tick = asyncio.Event()
 
     @property
@@ -98,7 +99,7 @@ class TaskRuns:
         loop = TaskLoop(req, task, self._backend.astream, cache_salt=tenant if self._salted else "")
         live = Live(tenant, loop, self._admission.admit(tenant), bool(req.background))
         self._live[tenant, task_id] = live
-        asyncio.ensure_future(self._drive(live))
+        live.runner = asyncio.ensure_future(self._drive(live))
         await live.accepted
         log.info("task %s started (tenant %s)", task_id, tenant)
         return live
