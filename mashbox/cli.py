@@ -64,6 +64,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                           "(default: none; MASHBOX_API_KEY adds one more key)")
     run.add_argument("--ui", action="store_true",
                      help="serve the MASHBOX Chat page at / (default: off: / answers like /health)")
+    run.add_argument("--tasks-db", default=None, metavar="PATH",
+                     help="SQLite file of the agent tasks (/v1/tasks) (default: tasks.sqlite3 in the mashbox cache)")
+    run.add_argument("--tasks-ttl", type=float, default=24.0, metavar="HOURS",
+                     help="a task untouched this long expires, or is deleted once finished (default: %(default)s)")
     run.add_argument("--in-process", action="store_true",
                      help="run the engine in the server process instead of a worker process that is "
                           "started again if it dies (default: off)")
@@ -125,7 +129,7 @@ def _settings(args: argparse.Namespace):
 
     keys = load_keys(args.api_key_file, os.environ.get("MASHBOX_API_KEY"))
     return Settings(host=args.host, port=args.port, api_keys=keys, key_file=args.api_key_file, ui=args.ui,
-                    cache_ram_mib=args.cache_ram)
+                    cache_ram_mib=args.cache_ram, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:

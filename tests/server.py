@@ -82,9 +82,9 @@ def tiny_server(long_engine) -> Iterator[Running]:
 
 
 @pytest.fixture(scope="session")
-def fuzz_server(tiny_engine) -> Iterator[Running]:
+def fuzz_server(tiny_engine, tmp_path_factory) -> Iterator[Running]:
     """The tiny random Llama with a 512-token context: any max_tokens a fuzzer draws ends fast."""
-    yield from _running(tiny_engine, Settings())
+    yield from _running(tiny_engine, Settings(tasks_db=str(tmp_path_factory.mktemp("fuzz") / "tasks.sqlite3")))
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
+from mashbox.api import anthropic_messages, local_tasks, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import parse
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.catalog import cache_dir
@@ -151,6 +151,7 @@ class Engine:
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
         seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+        seq.constraint = seq.constraint or self.grammars.for_schema(request.response_schema)
         return Job(seq, self._markup(request, ids), self._budget(request))
 
     def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
@@ -253,6 +254,15 @@ class Engine:
         async for event in events:
             translator.feed(event)
         return translator.response()
+
+    def task(self, request: Any = None, /, **fields: Any) -> Any:
+        """Agent Tasks (docs/tasks.md): the agent loop over this engine. A ``TaskObject``, or its
+        ``task.*`` events with stream=True. ``client_tools`` may hold Python functions: the loop
+        calls them itself; a client tool given as a description stops the task ``input-required``."""
+        return local_tasks.run_sync(_merge(request, fields), self.astream)
+
+    async def atask(self, request: Any = None, /, **fields: Any) -> Any:
+        return await local_tasks.run_async(_merge(request, fields), self.astream)
 
     def stats(self) -> EngineStats:
         """Requests running and waiting, KV use and token counters, as of the engine's last step."""

@@ -68,14 +68,22 @@ class Grammars:
                 raise InvalidRequestError("tool_choice", f"names a tool that is not in tools: {choice!r}")
         return Constraint(self.tokenizer, tool_grammar(tools, many=choice == "required" and parallel))
 
+    def for_schema(self, schema: dict[str, Any] | None) -> Constraint | None:
+        """The constraint of an answer that is one JSON value valid under ``schema``."""
+        if schema is None:
+            return None
+        grammar = f"start: %json {json.dumps({**schema, 'x-guidance': STRICT_JSON})}\n"
+        return Constraint(self.tokenizer, grammar, "response_schema")
+
 
 class Constraint:
     """One request's grammar state: masks its logits, follows its tokens."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str = "tools") -> None:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise InvalidRequestError("tools", f"a tool's parameters schema cannot be enforced: {self.matcher.get_error()}")
+            what = "the schema" if field == "response_schema" else "a tool's parameters schema"
+            raise InvalidRequestError(field, f"{what} cannot be enforced: {self.matcher.get_error()}")
         self.vocab_size = tokenizer.vocab_size
 
     def mask(self, logits: torch.Tensor) -> None:

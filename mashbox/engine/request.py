@@ -102,6 +102,7 @@ class EngineRequest:
     enable_thinking: bool | None = None
     thinking_budget: int | None = None
     cache_salt: str = ""  # cached prompt prefixes are shared only between requests with the same salt
+    response_schema: dict[str, Any] | None = None  # the answer is JSON valid under this schema (no tool calls)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:

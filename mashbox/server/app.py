@@ -16,13 +16,14 @@ from mashbox.server.errors import ApiError, handler
 from mashbox.server.gate import Gate
 from mashbox.server.routes import HANDLERS, UI_HANDLERS
 from mashbox.server.settings import Settings
+from mashbox.server.task_routes import TASK_HANDLERS
 
 
 def create_app(backend: Backend, settings: Settings) -> Litestar:
     """The server's routes over ``backend``; the caller owns the backend and closes it."""
     ctx = Context(backend, settings, openapi.document(backend.model_id, _version()))
     app = Litestar(
-        route_handlers=[*HANDLERS, *(UI_HANDLERS if settings.ui else [])],
+        route_handlers=[*HANDLERS, *TASK_HANDLERS, *(UI_HANDLERS if settings.ui else [])],
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handler(settings.retry_after_s)},
         request_class=BodyRequest,

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from mashbox.engine.catalog import cache_dir
 from mashbox.errors import NotReadyError
 from mashbox.server.admission import Admission
 from mashbox.server.backend import Backend
 from mashbox.server.metrics import Metrics
 from mashbox.server.page import Page
 from mashbox.server.settings import Settings
+from mashbox.server.task_runs import TaskRuns
+from mashbox.server.task_store import TaskStore
 
 
 @dataclass(slots=True)
@@ -21,12 +25,15 @@ class Context:
     admission: Admission = field(init=False)
     metrics: Metrics = field(init=False)
     page: Page | None = field(init=False)  # the chat page, with --ui
+    tasks: TaskRuns = field(init=False)  # agent tasks (/v1/tasks)
 
     def __post_init__(self) -> None:
         s = self.settings
         self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s)
         self.metrics = Metrics(self.backend.model_id)
         self.page = Page.load() if s.ui else None
+        store = TaskStore(Path(s.tasks_db) if s.tasks_db else cache_dir() / "tasks.sqlite3", s.tasks_ttl_s)
+        self.tasks = TaskRuns(self.backend, self.admission, store, salted=s.auth_required)
 
     def served(self) -> str:
         """The model id, once the backend takes requests."""

@@ -42,13 +42,25 @@ class ApiError(Exception):
         self.overloaded = overloaded or status == 503
 
 
+RPC_CODES = {400: -32602, 401: -32001, 403: -32003, 404: -32004, 405: -32601, 409: -32009, 415: -32700,
+             429: -32029, 500: -32603, 503: -32503}  # JSON-RPC error codes of the task routes
+
+
+def is_task(path: str) -> bool:
+    return path.removeprefix("/v1").split("/")[1:2] == ["tasks"]
+
+
 def is_anthropic(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def answer(path: str, error: ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:
+def answer(path: str, error: ApiError, request_id: str | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Status, body and headers of ``error`` in the shape of the route at ``path``."""
     headers = {} if error.retry_after is None else {"retry-after": str(error.retry_after)}
+    if is_task(path):
+        data = {"type": OPENAI_TYPES.get(error.status, "invalid_request_error"), "param": error.param, "code": error.code}
+        rpc = {"code": RPC_CODES.get(error.status, -32000), "message": error.message, "data": data}
+        return error.status, {"jsonrpc": "2.0", "id": request_id, "error": rpc}, headers
     if not is_anthropic(path):
         kind = OPENAI_TYPES.get(error.status, "invalid_request_error")
         body = {"message": error.message, "type": kind, "param": error.param, "code": error.code}
@@ -93,7 +105,8 @@ def handler(retry_after: int) -> Callable[[Request, Exception], Response]:
     """The one exception handler: every error answered in its route's shape."""
 
     def handle(request: Request, exc: Exception) -> Response:
-        status, body, headers = answer(request.url.path, api_error(exc, retry_after))
+        request_id = request.scope.get("state", {}).get("request_id")
+        status, body, headers = answer(request.url.path, api_error(exc, retry_after), request_id)
         return Response(body, status_code=status, headers=headers)
 
     return handle

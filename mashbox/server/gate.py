@@ -36,7 +36,7 @@ class Gate:
         refusal = security.check(self.ctx.settings, method, path, Headers.from_scope(scope),
                                  server[0] if server else None)
         if refusal is not None:
-            status, body, headers = answer(path, ApiError(refusal.status, refusal.message))
+            status, body, headers = answer(path, ApiError(refusal.status, refusal.message), request_id)
             await _reply(send, status, None if method == "HEAD" else body, headers)
         elif method == "HEAD":
             ready = self.ctx.backend.state == "ready"

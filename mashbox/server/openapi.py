@@ -6,13 +6,14 @@ checks that every route the app serves is described here.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from mashbox.api import anthropic_messages, anthropic_output, chat_output, openai_chat, openai_completions
-from mashbox.api import openai_responses, responses_output
+from mashbox.api import openai_responses, responses_output, task_events, task_items
 from mashbox.server.models import Model, ModelList
 
 REF = "#/components/schemas/{model}"
@@ -50,6 +51,30 @@ class Route(NamedTuple):
     errors: dict[str, str] = {}
 
 
+TASK_ERROR = {"type": "object", "required": ["jsonrpc", "error"], "properties": {
+    "jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer", "null"]}, "error": {
+        "type": "object", "required": ["code", "message"], "properties": {
+            "code": {"type": "integer"}, "message": {"type": "string"}, "data": {"type": "object"}}}}}
+TASK_ERRORS = {"400": "Bad request (error.data.param names the field).", "404": "No such task (of this tenant).",
+               "409": "The task is not in a state that allows this.", "429": OPENAI_ERRORS["429"],
+               "503": OPENAI_ERRORS["503"]}
+
+
+def _task_routes() -> list[Route]:
+    one, envelope = "/v1/tasks/{task_id}", task_events.TaskEnvelope
+    acts = [Route("post", f"{one}/{verb}", f"{verb.capitalize()} an agent task", envelope, errors=TASK_ERRORS)
+            for verb in ("cancel", "pause", "resume")]
+    return [
+        Route("post", "/v1/tasks", "Create an agent task (also POST /tasks)", envelope, task_items.CreateTask,
+              task_events.TaskEventEnvelope, TASK_ERRORS),
+        Route("get", "/v1/tasks", "List agent tasks, newest first (limit, starting_after, ending_before, status, "
+                                  "session_id, user_id)", task_events.TaskListEnvelope, errors=TASK_ERRORS),
+        Route("get", one, "Retrieve an agent task", envelope, errors=TASK_ERRORS),
+        Route("delete", one, "Delete an agent task (a running one is canceled first)", envelope, errors=TASK_ERRORS),
+        *acts,
+    ]
+
+
 HEALTH_ROUTE = {"200": "OK", "503": "The model is still loading."}
 ROUTES = [
     Route("get", "/v1/health", "Health", HEALTH, errors=HEALTH_ROUTE),
@@ -71,13 +96,14 @@ ROUTES = [
           openai_responses.ResponsesRequest, responses_output.ResponseLifecycle, OPENAI_ERRORS),
     Route("get", "/metrics", "Metrics (Prometheus text)"),
     Route("get", "/openapi.json", "This description", {"type": "object"}),
+    *_task_routes(),
 ]
 
 
 def document(model_id: str, version: str) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
     schemas, refs = _schemas()
-    schemas.update(Error=ERROR, AnthropicError=ANTHROPIC_ERROR, Health=HEALTH)
+    schemas.update(Error=ERROR, AnthropicError=ANTHROPIC_ERROR, Health=HEALTH, TaskError=TASK_ERROR)
     schemas["Model"]["properties"]["id"]["examples"] = [model_id]
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
@@ -90,8 +116,9 @@ def document(model_id: str, version: str) -> dict[str, Any]:
 
 def _operation(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
     operation: dict[str, Any] = {"summary": route.summary, "operationId": _operation_id(route)}
-    if route.path == "/v1/models/{model}":
-        operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if names := re.findall(r"{(\w+)}", route.path):
+        operation["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                   for n in names]
     if route.request is not None:
         body = {"application/json": {"schema": refs[route.request, "validation"]}}
         operation["requestBody"] = {"required": True, "content": body}
@@ -125,7 +152,8 @@ def _errors(route: Route) -> dict[str, Any]:
     if route.method == "head":
         return {}
     shape = "Health" if route.answer is HEALTH else (
-        "AnthropicError" if route.path.startswith("/v1/messages") else "Error")
+        "AnthropicError" if route.path.startswith("/v1/messages") else
+        "TaskError" if route.path.startswith("/v1/tasks") else "Error")
     return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
 
 

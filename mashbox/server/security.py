@@ -40,7 +40,7 @@ from mashbox.server.settings import Settings
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
-KEYED_PATHS = frozenset({"/v1", "/metrics", "/openapi.json"})
+KEYED_PATHS = frozenset({"/v1", "/tasks", "/metrics", "/openapi.json"})
 DEFAULT_TENANT = "default"
 _COMMENT = re.compile(r"(^|\s)#.*")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -129,7 +129,7 @@ def needs_key(method: str, path: str) -> bool:
     path = posixpath.normpath(re.sub(r"/+", "/", "/" + path)).lower()
     if method.upper() in ("GET", "HEAD") and path in PUBLIC_PATHS:
         return False
-    return path in KEYED_PATHS or path.startswith("/v1/")
+    return path in KEYED_PATHS or path.startswith(("/v1/", "/tasks/"))
 
 
 def answered_hosts(settings: Settings, server_host: str | None = None) -> frozenset[str] | None:

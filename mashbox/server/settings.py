@@ -55,6 +55,8 @@ class Settings:
     keepalive_s: float = 5.0  # a stream with no output yet sends a keep-alive this often
     retry_after_s: int = 1
     cache_ram_mib: int = 0
+    tasks_db: str | None = None  # the agent tasks' SQLite file (default: tasks.sqlite3 in the mashbox cache)
+    tasks_ttl_s: float = 24 * 3600  # a task untouched this long expires (unfinished) or is deleted (finished)
 
     def __post_init__(self) -> None:
         if not isinstance(self.api_keys, KeyRing):
@@ -64,6 +66,8 @@ class Settings:
                 f"host: {self.host} is not a loopback address, so API keys are required; "
                 "pass --api-key-file or set MASHBOX_API_KEY"
             )
+        if not self.tasks_ttl_s > 0:
+            raise ValueError(f"tasks_ttl_s: must be > 0 (got {self.tasks_ttl_s})")
         if not 0 < self.port < 65536:
             raise ValueError(f"port: must be between 1 and 65535 (got {self.port})")
 

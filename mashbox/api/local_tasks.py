@@ -1,0 +1,107 @@
+"""Agent tasks in this process (``Engine.task`` / ``atask``): the same loop the server runs, with
+Python callables as tools the loop calls itself.
+
+A callable's name, docstring and parameters (their annotations: str, int, float, bool, list,
+dict) describe it to the model; it is called with the model's arguments as keywords.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from mashbox.api.base import new_id, parse
+from mashbox.api.task_items import CreateTask, TaskObject
+from mashbox.api.task_loop import Generate, ServerTool, TaskLoop, request_param
+from mashbox.engine.request import Tool
+from mashbox.errors import InvalidRequestError
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def function_tool(fn: Callable[..., Any]) -> ServerTool:
+    """A tool from a Python function's signature."""
+    params = inspect.signature(fn).parameters.values()
+    properties = {p.name: {"type": _JSON_TYPES[p.annotation]} if p.annotation in _JSON_TYPES else {}
+                  for p in params}
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    schema = {"type": "object", "properties": properties, "required": required}
+    tool = Tool(fn.__name__, inspect.getdoc(fn) or "", schema)
+    names = {p.name for p in params}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return ServerTool(tool, lambda arguments: fn(**{k: v for k, v in arguments.items() if takes_any or k in names}))
+
+
+def prepare(fields: Any, generate: Generate) -> TaskLoop:
+    """The loop of a create request given as a dict (or a ``CreateTask``), callables split out."""
+    fields = dict(fields) if isinstance(fields, dict) else fields.model_dump(exclude_unset=True)
+    given = fields.pop("client_tools", None) or []
+    functions = tuple(function_tool(t) for t in given if callable(t))
+    fields["client_tools"] = [t for t in given if not callable(t)]
+    fields.setdefault("stream", False)
+    req = parse(CreateTask, fields)
+    task = TaskObject(id=req.task_id or new_id("task_"), created_at=int(time.time()), session_id=req.session_id or "",
+                      user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
+    return TaskLoop(req, task, generate, functions)
+
+
+async def events(loop: TaskLoop) -> AsyncIterator[Any]:
+    try:
+        async for event in loop.run():
+            yield event
+    except InvalidRequestError as err:
+        raise request_param(err) from None
+
+
+async def run_async(fields: Any, generate: Generate) -> Any:
+    loop = prepare(fields, generate)
+    if loop.req.stream:
+        return events(loop)
+    async for _ in events(loop):
+        pass
+    return loop.task
+
+
+def run_sync(fields: Any, generate: Generate) -> Any:
+    """``run_async`` from plain code or a notebook (whose own event loop may be running): the loop
+    runs on a thread of its own."""
+    loop = prepare(fields, generate)
+    stream = _threaded(lambda: events(loop))
+    if loop.req.stream:
+        return stream
+    for _ in stream:
+        pass
+    return loop.task
+
+
+def _threaded(make: Callable[[], AsyncIterator[Any]]) -> Iterator[Any]:
+    """Iterate an async iterator that runs on its own thread; leaving early cancels it."""
+    out: queue.Queue[tuple[str, Any]] = queue.Queue()
+    running: dict[str, Any] = {}
+
+    async def main() -> None:
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        try:
+            async for item in make():
+                out.put(("item", item))
+        except BaseException as exc:  # handed to the caller's thread
+            out.put(("error", exc))
+            return
+        out.put(("end", None))
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), name="mashbox-task", daemon=True)
+    thread.start()
+    try:
+        while (got := out.get())[0] == "item":
+            yield got[1]
+        if got[0] == "error" and not isinstance(got[1], asyncio.CancelledError):
+            raise got[1]
+    finally:
+        if thread.is_alive() and "loop" in running:
+            running["loop"].call_soon_threadsafe(running["task"].cancel)
+        thread.join()

@@ -1,0 +1,236 @@
+"""The agent loop of one task: generations over the engine, tool calls, and the task's lifecycle.
+
+``TaskLoop.run`` yields the task's events: ``task.created``, ``task.queued`` when the engine takes
+its first generation, ``task.working`` once that has a slot, then each step's output. A step is one
+generation with the task's tools. After it: no call, or a call of a ``stop_tools`` name, completes
+the task; a call of a client tool stops it ``input-required`` (the client continues with a new
+task); a call of a server tool runs it, adds its ``tool_result`` and starts the next step (a forced
+``tool_choice`` holds for the first step only). More
+than ``max_steps`` steps fail the task. ``Control`` cancels, pauses and resumes it at the next token.
+
+Nothing here knows HTTP: ``generate`` is the Engine's ``astream`` or the server backend's. Server
+tools are none unless the caller gives some (``ServerTool``); nothing runs code by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from mashbox.api.base import engine_request, json_object
+from mashbox.api.task_events import STATUS_EVENT, StepTranslator, TaskLifecycleEvent, tool_result_events
+from mashbox.api.task_items import CreateTask, RpcError, TaskObject, client_tools, offered_tools, to_messages
+from mashbox.engine.events import Event, Finish, Queued, Usage
+from mashbox.engine.request import EngineRequest, Message, Tool, ToolCall
+from mashbox.errors import InvalidRequestError
+
+Generate = Callable[[EngineRequest], AsyncIterator[Event]]
+Action = Literal["cancel", "pause", "resume", "expire"]
+DEFAULT_MAX_STEPS = 10
+STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
+GENERATION_FAILED = -32603
+_PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
+           "tool_choice": "inference_args.tool_choice"}
+
+
+def request_param(err: InvalidRequestError) -> InvalidRequestError:
+    """An engine's refusal, naming the field of the create request it comes from."""
+    return InvalidRequestError(_PARAMS.get(err.param, err.param), err.message)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTool:
+    """A tool the loop runs itself: ``run(arguments) -> str`` (or any JSON value; may be async)."""
+
+    tool: Tool
+    run: Callable[[dict[str, Any]], Any]
+
+
+class Control:
+    """What the task's owner asks of it: seen by the loop at its next token."""
+
+    def __init__(self) -> None:
+        self.wanted: Action | None = None
+        self._signal = asyncio.Event()
+
+    def ask(self, action: Action) -> None:
+        self.wanted = action
+        self._signal.set()
+
+    async def wait(self) -> Action:
+        await self._signal.wait()
+        self._signal.clear()
+        action, self.wanted = self.wanted, None
+        assert action is not None
+        return action
+
+
+class Interrupted(Exception):
+    def __init__(self, action: Action) -> None:
+        super().__init__(action)
+        self.action = action
+
+
+def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt: str = "") -> EngineRequest:
+    """The task's first generation; a request the loop cannot run raises ``InvalidRequestError``."""
+    args, schema = req.args(), req.structured_output
+    if schema is not None and req.stream:
+        raise InvalidRequestError("structured_output", "is only for tasks without stream; send stream: false")
+    tools = offered_tools(req, client_tools(req) + tuple(t.tool for t in server_tools))
+    choice = args.choice()
+    if choice not in ("auto", "none", "required") and choice not in {t.name for t in tools}:
+        raise InvalidRequestError("inference_args.tool_choice", f"names a tool the task does not offer: {choice!r}")
+    messages = to_messages(req)
+    if not messages:
+        raise InvalidRequestError("user_message_content", "is empty and there is no history: nothing to answer")
+    return engine_request(
+        messages=tuple(messages), sampling=args.sampling(), tools=() if schema else tools,
+        tool_choice="auto" if schema else choice, parallel_tool_calls=args.parallel_tool_calls is not False,
+        enable_thinking=args.enable_thinking, cache_salt=cache_salt, response_schema=schema)
+
+
+class TaskLoop:
+    def __init__(self, req: CreateTask, task: TaskObject, generate: Generate, tools: tuple[ServerTool, ...] = (),
+                 cache_salt: str = "") -> None:
+        self.req, self.task, self.control = req, task, Control()
+        self._first = plan(req, tools, cache_salt)
+        self._messages = list(self._first.messages or ())
+        self._generate = generate
+        self._server = {t.tool.name: t for t in tools}
+        self._client = {t.name for t in client_tools(req)}
+        self._stop = set(req.stop_tools or ())
+        self._seq = self._step = 0
+
+    def emit(self, cls: type, **fields: Any) -> Any:
+        self._seq += 1
+        return cls(task_id=self.task.id, agent_step=self._step, sequence_number=self._seq, **fields)
+
+    def status(self, status: str) -> TaskLifecycleEvent:
+        self.task.status = status  # type: ignore[assignment]
+        return self.emit(TaskLifecycleEvent, type=STATUS_EVENT[status], task=self.task.model_copy(deep=True))
+
+    async def run(self) -> AsyncIterator[Any]:
+        yield self.status("created")
+        steps = self.req.max_steps or DEFAULT_MAX_STEPS
+        for self._step in range(1, steps + 1):
+            async for event in self._one_step():
+                yield event
+            if self.task.status != "working":
+                return
+        message = f"the task stopped after {steps} steps (max_steps) without a final answer"
+        self.task.error = RpcError(code=STEP_LIMIT, message=message, data={"max_steps": steps})
+        yield self.status("failed")
+
+    async def _one_step(self) -> AsyncIterator[Any]:
+        """One generation and what follows it; a pause runs the generation again once resumed."""
+        while True:
+            translator = StepTranslator(self.task, self.emit)
+            try:
+                async for event in self._generation(translator):
+                    yield event
+            except Interrupted as stop:
+                for event in translator.interrupt():
+                    yield event
+                action = stop.action
+                if action == "pause":
+                    yield self.status("paused")
+                    action = await self.control.wait()
+                    if action in ("resume", "pause"):
+                        yield self.status("working")
+                        continue
+                yield self.status("expired" if action == "expire" else "canceled")
+                return
+            async for event in self._after(translator):
+                yield event
+            return
+
+    async def _generation(self, translator: StepTranslator) -> AsyncIterator[Any]:
+        request = replace(self._first, messages=tuple(self._messages), id=uuid.uuid4().hex)
+        if self._step > 1 and request.tool_choice != "none":  # a forced call is forced once, not every step
+            request = replace(request, tool_choice="auto")
+        events = self._generate(request)
+        try:
+            while True:
+                event = await self._next(events)
+                if isinstance(event, Queued) and self.task.status == "created":
+                    yield self.status("queued")
+                elif not isinstance(event, Queued) and self.task.status in ("created", "queued"):
+                    yield self.status("working")
+                for out in translator.feed(event):
+                    yield out
+                if isinstance(event, Finish):
+                    return
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def _next(self, events: AsyncIterator[Event]) -> Event:
+        """The next engine event, unless the owner asks something first (``Interrupted``)."""
+        following = asyncio.ensure_future(anext(events))
+        asked = asyncio.ensure_future(self.control.wait())
+        try:
+            await asyncio.wait({following, asked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in (following, asked):
+                if not future.done():
+                    future.cancel()
+                    await asyncio.wait({future})
+        if asked.done() and not asked.cancelled():
+            if not following.cancelled():
+                self.control.ask(asked.result())  # seen at the next call; this event is not lost
+                return following.result()
+            raise Interrupted(asked.result())
+        return following.result()
+
+    async def _after(self, translator: StepTranslator) -> AsyncIterator[Any]:
+        finish = translator.finish
+        self._count(finish.usage)
+        if finish.reason in ("error", "abort"):
+            self.task.error = RpcError(code=GENERATION_FAILED, message=finish.error or "the generation stopped")
+            yield self.status("failed")
+            return
+        calls = translator.calls
+        self._messages.append(Message("assistant", translator.text(),
+                                      tuple(ToolCall(c.call_id, c.name, c.arguments) for c in calls),
+                                      reasoning=translator.reasoning() or None))
+        for call in calls:
+            if call.name in self._stop:
+                break
+            if call.name not in self._server and call.name in self._client:
+                self.task.input_required = call
+                yield self.status("input-required")
+                return
+            text = await self._call(call.name, call.arguments)
+            for event in tool_result_events(self.task, self.emit, call, text):
+                yield event
+            self._messages.append(Message("tool", text, tool_call_id=call.call_id, name=call.name))
+        else:
+            if calls:
+                return  # the results go to the next step
+        yield self.status("completed")
+
+    async def _call(self, name: str, arguments: str) -> str:
+        tool = self._server.get(name)
+        if tool is None:
+            return f"error: no tool named {name!r} is available"
+        try:
+            result = await asyncio.to_thread(tool.run, json_object(arguments))
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:  # the model sees the failure and may try otherwise
+            return f"error: {type(exc).__name__}: {exc}"
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+
+    def _count(self, usage: Usage) -> None:
+        old = self.task.usage or {}
+        total = {"input_tokens": old.get("input_tokens", 0) + usage.prompt_tokens,
+                 "output_tokens": old.get("output_tokens", 0) + usage.completion_tokens}
+        cached = old.get("input_tokens_details", {}).get("cached_tokens", 0) + usage.cached_tokens
+        reasoning = old.get("output_tokens_details", {}).get("reasoning_tokens", 0) + usage.reasoning_tokens
+        self.task.usage = {**total, "total_tokens": total["input_tokens"] + total["output_tokens"],
+                           "input_tokens_details": {"cached_tokens": cached},
+                           "output_tokens_details": {"reasoning_tokens": reasoning}, "steps": self._step}

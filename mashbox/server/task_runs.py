@@ -1,0 +1,191 @@
+"""Tasks running on the server: each task's loop runs as an asyncio task of its own, over the
+backend's ``astream`` (the worker process's engine), so that a client may follow its events,
+cancel, pause or resume it from another request, and retrieve it later.
+
+A task takes an admission ticket like any request (its tenant's allowance; 429 when spent) until
+its first generation has a slot. Its events are kept in memory only while it runs; the task
+object is saved at every change of status (``TaskStore``). A client that goes away cancels the
+task it created, unless it was created with ``background: true``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mashbox.api.base import new_id
+from mashbox.api.task_events import TaskLifecycleEvent
+from mashbox.api.task_items import FINAL, CreateTask, RpcError, TaskObject
+from mashbox.api.task_loop import GENERATION_FAILED, Action, TaskLoop, request_param
+from mashbox.errors import InvalidRequestError
+from mashbox.server.admission import Admission, Ticket
+from mashbox.server.backend import Backend
+from mashbox.server.errors import ApiError
+from mashbox.server.task_store import TaskStore
+
+log = logging.getLogger("mashbox.server")
+ACT_TIMEOUT_S = 30.0
+# what each action needs of a running task, and the statuses that show it took effect
+NEEDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "cancel": (frozenset({"created", "queued", "working", "paused"}), frozenset({"canceled"}) | FINAL),
+    "pause": (frozenset({"working"}), frozenset({"paused"}) | FINAL),
+    "resume": (frozenset({"paused"}), frozenset({"working"}) | FINAL),
+}
+
+
+class Live:
+    """One running task: its loop, the events so far, and who waits on them."""
+
+    def __init__(self, tenant: str, loop: TaskLoop, ticket: Ticket, background: bool) -> None:
+        self.tenant, self.loop, self.ticket, self.background = tenant, loop, ticket, background
+        self.events: list[dict[str, Any]] = []
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.finished = False
+        self.runner: asyncio.Future[None] | None = None  # its loop's asyncio task (held: tasks are weakly kept)
+        self._tick = asyncio.Event()
+
+    @property
+    def task(self) -> TaskObject:
+        return self.loop.task
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        self.wake()
+
+    def wake(self) -> None:
+        tick, self._tick = self._tick, asyncio.Event()
+        tick.set()
+
+    async def changed(self, timeout: float) -> bool:
+        """Wait for the next event (or the end); False when ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._tick.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def follow(self, keepalive_s: float) -> AsyncIterator[dict[str, Any] | None]:
+        """Every event from the first, then each as it comes; None after ``keepalive_s`` without one."""
+        sent = 0
+        while True:
+            while sent < len(self.events):
+                sent += 1
+                yield self.events[sent - 1]
+            if self.finished:
+                return
+            if not await self.changed(keepalive_s):
+                yield None
+
+
+class TaskRuns:
+    def __init__(self, backend: Backend, admission: Admission, store: TaskStore, salted: bool) -> None:
+        self._backend, self._admission, self.store, self._salted = backend, admission, store, salted
+        self._live: dict[tuple[str, str], Live] = {}
+
+    async def start(self, req: CreateTask, tenant: str) -> Live:
+        """Start a task; returns once the engine has taken its first generation (a request it
+        refuses raises here, and leaves no task behind)."""
+        self.sweep()
+        task_id = req.task_id or new_id("task_")
+        if (tenant, task_id) in self._live or self.store.get(tenant, task_id) is not None:
+            raise ApiError(409, f"a task with id {task_id!r} exists; choose another task_id", param="task_id")
+        if req.previous_task_id is not None and self.find(tenant, req.previous_task_id, strict=False) is None:
+            raise InvalidRequestError("previous_task_id", f"no task {req.previous_task_id!r} is known here")
+        task = TaskObject(id=task_id, created_at=int(time.time()), session_id=req.session_id or "",
+                          user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
+        loop = TaskLoop(req, task, self._backend.astream, cache_salt=tenant if self._salted else "")
+        live = Live(tenant, loop, self._admission.admit(tenant), bool(req.background))
+        self._live[tenant, task_id] = live
+        live.runner = asyncio.ensure_future(self._drive(live))
+        await live.accepted
+        log.info("task %s started (tenant %s)", task_id, tenant)
+        return live
+
+    async def _drive(self, live: Live) -> None:
+        try:
+            async for event in live.loop.run():
+                self._on(live, event)
+        except InvalidRequestError as err:
+            self._fail(live, err.message, request_param(err))
+        except Exception as exc:
+            log.exception("task %s failed", live.task.id)
+            self._fail(live, f"{type(exc).__name__}: {exc}", exc)
+        finally:
+            live.ticket.done()
+            live.finished = True
+            self._live.pop((live.tenant, live.task.id), None)
+            live.wake()
+
+    def _on(self, live: Live, event: Any) -> None:
+        if isinstance(event, TaskLifecycleEvent):
+            if event.type == "task.working":
+                live.ticket.running()
+            if live.accepted.done():
+                self.store.save(live.tenant, live.task.dump())
+            elif event.type == "task.queued":
+                self.store.save(live.tenant, live.task.dump())
+                live.accepted.set_result(None)
+        live.add(event.dump())
+
+    def _fail(self, live: Live, message: str, exc: Exception) -> None:
+        if not live.accepted.done():
+            live.accepted.set_exception(exc)
+            return
+        live.task.error = RpcError(code=GENERATION_FAILED, message=message)
+        self._on(live, live.loop.status("failed"))
+
+    def find(self, tenant: str, task_id: str, strict: bool = True) -> dict[str, Any] | None:
+        """The task as it is now (a running one from memory); 404 when ``strict`` and unknown."""
+        live = self._live.get((tenant, task_id))
+        found = live.task.dump() if live is not None and live.accepted.done() else self.store.get(tenant, task_id)
+        if found is None and strict:
+            raise ApiError(404, f"no task {task_id!r}", param="task_id", code="task_not_found")
+        return found
+
+    async def act(self, tenant: str, task_id: str, action: Action) -> dict[str, Any]:
+        """Cancel, pause or resume a task; answers once the loop has done it."""
+        found = self.find(tenant, task_id)
+        assert found is not None
+        live = self._live.get((tenant, task_id))
+        needs, shows = NEEDS[action]
+        if live is None and action == "cancel" and found["status"] == "input-required":
+            found = {**found, "status": "canceled"}  # waiting for its client, not running: canceled at once
+            self.store.save(tenant, found)
+            return found
+        if live is None or live.task.status not in needs:
+            raise ApiError(409, f"the task is {found['status']}: only a task that is {' or '.join(sorted(needs))} "
+                                f"can be {'canceled' if action == 'cancel' else action + 'd'}",
+                           param="task_id", code="invalid_task_state")
+        live.loop.control.ask(action)
+        deadline = time.monotonic() + ACT_TIMEOUT_S
+        while live.task.status not in shows and not live.finished and time.monotonic() < deadline:
+            await live.changed(deadline - time.monotonic())
+        return live.task.dump()
+
+    async def delete(self, tenant: str, task_id: str) -> dict[str, Any]:
+        found = self.find(tenant, task_id)
+        assert found is not None
+        if (tenant, task_id) in self._live:
+            found = await self.act(tenant, task_id, "cancel")
+        self.store.delete(tenant, task_id)
+        return found
+
+    def page(self, tenant: str, limit: int, **filters: Any) -> list[dict[str, Any]]:
+        self.sweep()
+        tasks = self.store.page(tenant, limit, **filters)
+        return [self.find(tenant, t["id"], strict=False) or t for t in tasks]
+
+    def sweep(self) -> None:
+        """Expire what is old; a running task paused that long is expired by its loop."""
+        for key in self.store.sweep(set(self._live)):
+            live = self._live.get(key)
+            if live is not None and live.task.status == "paused":
+                live.loop.control.ask("expire")
+
+    def abandon(self, live: Live) -> None:
+        """Its client went away: cancel it, unless it was created to run in the background."""
+        if not live.finished and not live.background:
+            live.loop.control.ask("cancel")

@@ -1,0 +1,109 @@
+"""Tasks kept in SQLite (standard library): one row per task, its object as JSON, per tenant.
+
+The file is opened on first use (a server that never sees a task never creates it). On open, tasks
+that were running when the server stopped become ``failed``. ``sweep`` ends tasks left untouched for
+``ttl_s``: unfinished ones become ``expired``, finished ones are deleted, so the file stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from mashbox.api.task_items import FINAL
+
+SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, id TEXT NOT NULL, status TEXT NOT NULL,
+    session_id TEXT NOT NULL, user_id TEXT NOT NULL, updated_at REAL NOT NULL, body TEXT NOT NULL,
+    UNIQUE (tenant, id));
+CREATE INDEX IF NOT EXISTS tasks_updated ON tasks (updated_at)"""
+RUNNING = ("created", "queued", "working", "paused")
+STOPPED = {"code": -32001, "message": "the server stopped while this task was running; create it again"}
+EXPIRED = {"code": -32002, "message": "the task expired: nothing happened to it for the tasks' time to live"}
+
+
+class TaskStore:
+    def __init__(self, path: Path, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.path, self.ttl_s, self._clock = path, ttl_s, clock
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.RLock()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.executescript(SCHEMA)
+            self._db = db
+            self._fail_running()
+        return self._db
+
+    def _fail_running(self) -> None:
+        marks = ",".join("?" * len(RUNNING))
+        rows = self._conn().execute(f"SELECT tenant, body FROM tasks WHERE status IN ({marks})", RUNNING).fetchall()
+        for tenant, body in rows:
+            self.save(tenant, {**json.loads(body), "status": "failed", "error": STOPPED})
+
+    def save(self, tenant: str, task: dict[str, Any]) -> None:
+        with self._lock:
+            self._conn().execute(
+                "INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES (?,?,?,?,?,?,?) "
+                "ON CONFLICT (tenant, id) DO UPDATE SET status=excluded.status, updated_at=excluded.updated_at, "
+                "body=excluded.body",
+                (tenant, task["id"], task["status"], task.get("session_id", ""), task.get("user_id", ""),
+                 self._clock(), json.dumps(task, ensure_ascii=False)))
+
+    def get(self, tenant: str, task_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._conn().execute("SELECT body FROM tasks WHERE tenant=? AND id=?", (tenant, task_id)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def delete(self, tenant: str, task_id: str) -> None:
+        with self._lock:
+            self._conn().execute("DELETE FROM tasks WHERE tenant=? AND id=?", (tenant, task_id))
+
+    def page(self, tenant: str, limit: int, after: str | None = None, before: str | None = None,
+             statuses: Collection[str] = (), session_id: str | None = None,
+             user_id: str | None = None) -> list[dict[str, Any]]:
+        """Newest first; ``after`` / ``before`` are task ids (cursors) of the same listing."""
+        where, args = ["tenant=?"], [tenant]
+        for column, value in (("session_id", session_id), ("user_id", user_id)):
+            if value is not None:
+                where.append(f"{column}=?")
+                args.append(value)
+        if statuses:
+            where.append(f"status IN ({','.join('?' * len(statuses))})")
+            args += list(statuses)
+        order = "DESC"
+        for cursor, op in ((after, "<"), (before, ">")):
+            if cursor is not None:
+                where.append(f"seq {op} COALESCE((SELECT seq FROM tasks WHERE tenant=? AND id=?), -1)")
+                args += [tenant, cursor]
+        if before is not None and after is None:
+            order = "ASC"
+        sql = f"SELECT body FROM tasks WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"
+        with self._lock:
+            rows = self._conn().execute(sql, [*args, limit]).fetchall()
+        bodies = [json.loads(r[0]) for r in rows]
+        return bodies[::-1] if order == "ASC" else bodies
+
+    def sweep(self, live: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Expire or delete tasks untouched for ``ttl_s``; the (tenant, id) of live ones found (their
+        runs are the caller's to expire)."""
+        cutoff = self._clock() - self.ttl_s
+        with self._lock:
+            rows = self._conn().execute("SELECT tenant, id, status, body FROM tasks WHERE updated_at < ?",
+                                        (cutoff,)).fetchall()
+        found = []
+        for tenant, task_id, status, body in rows:
+            if (tenant, task_id) in live:
+                found.append((tenant, task_id))
+            elif status in FINAL:
+                self.delete(tenant, task_id)
+            else:
+                self.save(tenant, {**json.loads(body), "status": "expired", "error": EXPIRED})
+        return found

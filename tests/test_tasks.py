@@ -1,0 +1,228 @@
+"""Agent tasks (/v1/tasks, Engine.task) with the official client, agentlin-client, strict,
+against a real server on the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+
+import agentlin_client
+import httpx
+import jsonschema
+import pytest
+from server import frames, serve
+
+from mashbox.server.backend import InProcessBackend
+from mashbox.server.settings import Settings
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def backend(smol_engine):
+    return InProcessBackend.of(smol_engine)
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tasks") / "tasks.sqlite3")
+
+
+@pytest.fixture(scope="module")
+def url(backend, db):
+    yield from serve(backend, Settings(tasks_db=db))
+
+
+def client(url: str, key: str = "unused") -> agentlin_client.Client:
+    return agentlin_client.Client(base_url=url + "/v1", api_key=key, _strict_response_validation=True, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tasks(url):
+    return client(url).tasks
+
+
+def events_of(stream_response) -> list[dict]:
+    """The envelopes of a streamed create, checked: JSON-RPC, numbered 1, 2, 3, ..., with agent_step."""
+    body = "".join(stream_response.iter_text())
+    out = []
+    for name, data in frames(body):
+        envelope = json.loads(data)
+        assert envelope["jsonrpc"] == "2.0" and name == envelope["result"]["type"]
+        out.append(envelope)
+    results = [e["result"] for e in out]
+    assert [r["sequence_number"] for r in results] == list(range(1, len(results) + 1))
+    assert all(isinstance(r["agent_step"], int) and r["task_id"] == results[0]["task"]["id"] for r in results)
+    return out
+
+
+def test_create(tasks):
+    answer = tasks.create(stream=False, user_message_content="Name three planets.", request_id="req-7",
+                          inference_args={"max_tokens": 12})
+    assert answer.jsonrpc == "2.0" and answer.id == "req-7" and answer.error is None
+    task = answer.result
+    assert task.status == "completed" and task.object == "task" and task.id.startswith("task_")
+    message = task.output[-1]
+    assert message.type == "message" and message.message_content[0].text
+    assert task.usage["output_tokens"] == 12 and task.usage["total_tokens"] == task.usage["input_tokens"] + 12
+
+
+def test_create_stream(tasks):
+    with tasks.with_streaming_response.create(stream=True, user_message_content="Say hello.",
+                                              inference_args={"max_tokens": 8}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        results = [e["result"] for e in events_of(response)]
+    kinds = [r["type"] for r in results]
+    assert kinds[:3] == ["task.created", "task.queued", "task.working"] and kinds[-1] == "task.completed"
+    assert kinds[3:7] == ["task.output_item.added", "task.content_part.added", "task.output_text.delta",
+                          "task.output_text.delta"]
+    text = "".join(r["delta"] for r in results if r["type"] == "task.output_text.delta")
+    final = results[-1]["task"]
+    assert final["status"] == "completed" and final["output"][0]["message_content"][0]["text"] == text
+    assert tasks.info(final["id"]).result.output[0].message_content[0].text == text
+
+
+def test_client_tool_then_continuation(tasks):
+    first = tasks.create(stream=False, user_message_content="What is the weather in Paris?", client_tools=[WEATHER],
+                         inference_args={"max_tokens": 40, "tool_choice": "required"}).result
+    assert first.status == "input-required"
+    call = first.input_required
+    assert call.type == "tool_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    assert first.output[-1].call_id == call.call_id
+    history = [{"type": "message", "role": "user", "message_content": "What is the weather in Paris?"},
+               call.model_dump(exclude_none=True),
+               {"type": "tool_result", "call_id": call.call_id, "message_content": "Sunny, 21 C", "block_list": []}]
+    second = tasks.create(stream=False, user_message_content="", history_messages=history, client_tools=[WEATHER],
+                          inference_args={"max_tokens": 30}, extra_body={"previous_task_id": first.id}).result
+    assert second.status == "completed" and second.previous_task_id == first.id
+    assert second.output[-1].type == "message" and second.output[-1].message_content[0].text
+
+
+def test_structured_output(tasks):
+    task = tasks.create(stream=False, user_message_content="Describe a person.", structured_output=PERSON,
+                        inference_args={"max_tokens": 80}).result
+    assert task.status == "completed"
+    jsonschema.validate(json.loads(task.output[-1].message_content[0].text), PERSON)
+
+
+def _streamed(url: str, body: dict, on_event) -> list[dict]:
+    """Stream a create in raw HTTP, calling ``on_event(result)`` for each event as it comes."""
+    out = []
+    with httpx.stream("POST", url + "/v1/tasks", json={"stream": True, **body}, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append(result := json.loads(line[6:])["result"])
+                on_event(result)
+    return out
+
+
+def test_cancel_mid_stream(url, tasks):
+    def on_event(result):
+        if result["type"] == "task.output_text.delta" and result["sequence_number"] == 7:
+            assert tasks.cancel(result["task_id"]).status == "canceled"
+
+    results = _streamed(url, {"user_message_content": "Tell a long story.", "inference_args": {"max_tokens": 500}},
+                        on_event)
+    assert results[-1]["type"] == "task.canceled"
+    task = tasks.info(results[-1]["task_id"]).result
+    assert task.status == "canceled" and task.output[0].status == "incomplete"
+    assert len(task.output[0].message_content[0].text) < 500 * 4
+
+
+def test_pause_and_resume(url, tasks):
+    seen = []
+
+    def on_event(result):
+        seen.append(result["type"])
+        if result["type"] == "task.output_text.delta" and seen.count("task.output_text.delta") == 2:
+            paused = tasks.pause(result["task_id"])
+            assert paused.status == "paused" and tasks.info(result["task_id"]).result.status == "paused"
+            threading.Timer(0.5, lambda: tasks.resume(result["task_id"])).start()
+
+    results = _streamed(url, {"user_message_content": "Count to ten.", "inference_args": {"max_tokens": 16}},
+                        on_event)
+    kinds = [r["type"] for r in results]
+    assert kinds.index("task.paused") < kinds.index("task.working", 3) and kinds[-1] == "task.completed"
+    final = results[-1]["task"]
+    assert [item["status"] for item in final["output"]] == ["incomplete", "completed"]
+
+
+def test_list_retrieve_delete(tasks):
+    made = [tasks.create(stream=False, user_message_content=f"Say {n}.", session_id="list-test",
+                         inference_args={"max_tokens": 2}).result.id for n in range(3)]
+    page = tasks.list(limit=2, session_id="list-test")
+    assert [t.id for t in page.result] == made[::-1][:2]
+    assert [t.id for t in page] == made[::-1]  # the client pages on with starting_after
+    assert [t.id for t in tasks.list(status=["completed"], session_id="list-test")] == made[::-1]
+    assert tasks.info(made[0]).result.id == made[0]
+    assert tasks.delete(made[0]).result.id == made[0]
+    with pytest.raises(agentlin_client.NotFoundError):
+        tasks.info(made[0])
+
+
+def test_restart(backend, db, tasks):
+    done = tasks.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 3}).result
+    with sqlite3.connect(db) as conn:  # a task that was running when its server stopped
+        conn.execute("INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES "
+                     "('default', 'task_running', 'working', '', '', 1e12, ?)",
+                     (json.dumps({**done.model_dump(), "id": "task_running", "status": "working"}),))
+    for url in serve(backend, Settings(tasks_db=db)):
+        again = client(url).tasks
+        assert again.info(done.id).result.output[0].message_content[0].text == \
+            done.output[0].message_content[0].text
+        stopped = again.info("task_running").result
+        assert stopped.status == "failed" and "stopped" in stopped.error.message
+
+
+def test_bad_input(url, tasks):
+    raw = tasks.with_raw_response.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 2},
+                                         extra_body={"frobnicate": 1})
+    assert raw.headers["x-mashbox-ignored-fields"] == "frobnicate" and raw.parse().result.status == "completed"
+    for body, param in [({"inference_args": {"temperature": "hot"}}, "inference_args.temperature"),
+                        ({"client_tools": [{"type": "function"}]}, "client_tools.0.function"),
+                        ({"structured_output": PERSON, "stream": True}, "structured_output"),
+                        ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type")]:
+        response = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, **body})
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["jsonrpc"] == "2.0" and error["error"]["code"] == -32602
+        assert error["error"]["data"]["param"] == param
+    with pytest.raises(agentlin_client.BadRequestError):
+        tasks.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 0})
+    with pytest.raises(agentlin_client.NotFoundError):
+        tasks.cancel("task_nope")
+
+
+def test_tenants(backend, tmp_path):
+    keys = {"key-a": "alice", "key-b": "bob"}
+    for url in serve(backend, Settings(tasks_db=str(tmp_path / "t.sqlite3"), api_keys=keys)):
+        alice, bob = client(url, "key-a").tasks, client(url, "key-b").tasks
+        task = alice.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 2}).result
+        assert [t.id for t in alice.list()] == [task.id] and list(bob.list()) == []
+        with pytest.raises(agentlin_client.NotFoundError):
+            bob.info(task.id)
+        with pytest.raises(agentlin_client.AuthenticationError):
+            client(url, "wrong").tasks.list()
+
+
+def test_engine_task(smol_engine):
+    calls = []
+
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    task = smol_engine.task(user_message_content="What is the weather in Paris?", client_tools=[get_weather],
+                            inference_args={"max_tokens": 40, "tool_choice": "required"}, max_steps=3)
+    assert calls and [o.type for o in task.output[:2]] == ["tool_call", "tool_result"]
+    assert task.output[1].message_content[0].text == f"Sunny in {calls[0]}"
+    assert task.status == "completed" and task.usage["steps"] >= 2
+    events = list(smol_engine.task(user_message_content="Hi.", stream=True, inference_args={"max_tokens": 3}))
+    assert events[0].type == "task.created" and events[-1].type == "task.completed"
