@@ -136,7 +136,7 @@ class Run:
     async def whole(self, receive: Receive) -> dict[str, Any] | None:
         """The whole answer; None when the client left first (its request is then stopped)."""
         try:
-            return await _unless_gone(receive, self._answer())
+            return await unless_gone(receive, self._answer())
         finally:
             await self.close()
 
@@ -280,7 +280,7 @@ def _lost(event: Event) -> bool:
     return isinstance(event, Finish) and event.reason == "error"
 
 
-async def _unless_gone(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+async def unless_gone(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
     """The result of ``work``; None, with ``work`` cancelled, when the client disconnects first."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(receive))

@@ -19,7 +19,7 @@ from mashbox.api.base import parse
 from mashbox.api.task_items import STATUSES, CreateTask, Envelope
 from mashbox.server import security
 from mashbox.server.context import Context
-from mashbox.server.generation import _unless_gone, ignored_header, request_id
+from mashbox.server.generation import unless_gone, ignored_header, request_id
 from mashbox.server.sse import COMMENT, EventStream
 from mashbox.server.task_runs import Live
 from mashbox.errors import InvalidRequestError
@@ -53,7 +53,7 @@ async def create_task(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
             ctx.tasks.abandon(live)
 
         return EventStream(_frames(ctx, live, rid), idle_s=ctx.settings.idle_timeout_s, on_close=left, headers=headers)
-    if not live.background and await _unless_gone(request.receive, _finished(live)) is None:
+    if not live.background and await unless_gone(request.receive, _finished(live)) is None:
         ctx.tasks.abandon(live)
     return Response(envelope(rid, live.task.dump()), headers=headers)
 
