@@ -19,7 +19,7 @@ from mashbox.api.base import parse
 from mashbox.api.task_items import STATUSES, CreateTask, Envelope
 from mashbox.server import security
 from mashbox.server.context import Context
-from mashbox.server.generation import unless_gone, ignored_header, request_id
+from mashbox.server.generation import ignored_header, request_id, unless_gone
 from mashbox.server.sse import COMMENT, EventStream
 from mashbox.server.task_runs import Live
 from mashbox.errors import InvalidRequestError
