@@ -115,20 +115,24 @@ class ModelRunner:
         return x
 
     def _attention(self, layer: int, work: list[Work], batch: Batch, q: torch.Tensor) -> torch.Tensor:
-        """Each work item attends over exactly its own keys: one-token items in one native call."""
+        """Each work item attends over exactly its own keys: one-token items in one native call;
+        a slot's cache is read (and widened to ``q``'s dtype) once for all its chunks."""
         native_rows = isinstance(self.ops, ops.NativeOps)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if native_rows and batch.single.shape[1]:
             self._decode_attention(layer, batch.single, q, out)
-        for item, start, mask in zip(work, batch.offsets, batch.masks):
-            n = len(item.token_ids)
-            if native_rows and n == 1:
-                continue
-            keys, values = self.kv.read(layer, item.slot, item.position + n)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        chunks = [(item, start, mask) for item, start, mask in zip(work, batch.offsets, batch.masks)
+                  if not (native_rows and len(item.token_ids) == 1)]
+        ends: dict[int, int] = {}
+        for item, _, _ in chunks:
+            ends[item.slot] = max(ends.get(item.slot, 0), item.position + len(item.token_ids))
+        cache = {slot: [t.to(q.dtype) for t in self.kv.read(layer, slot, end)] for slot, end in ends.items()}
+        for item, start, mask in chunks:
+            n, keys, values = len(item.token_ids), *cache[item.slot]
+            end = item.position + n
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True,
+                query, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0), attn_mask=mask, enable_gqa=True,
                 scale=self.weights.spec.scale,
             )
             out[start : start + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
