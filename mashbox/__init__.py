@@ -22,13 +22,13 @@ from mashbox.engine.events import (
 )
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
-from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError, ModelLoadError
+from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError, MashboxError, ModelLoadError
 
 if TYPE_CHECKING:
     from mashbox.engine.engine import Engine, IgnoredFieldsWarning
 
 __all__ = [
-    "ContextLengthError", "Engine", "EngineConfig", "EngineRequest", "Event", "Finish",
+    "ContextLengthError", "Engine", "EngineClosedError", "EngineConfig", "EngineRequest", "Event", "Finish",
     "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo",
     "ModelLoadError", "Queued", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool", "ToolCall",
     "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",

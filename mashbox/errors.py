@@ -30,5 +30,9 @@ class ModelLoadError(MashboxError):
     """A model is not installed, its path is wrong or its file is corrupt."""
 
 
+class EngineClosedError(MashboxError):
+    """The engine was closed: it answers nothing more. Make a new ``Engine``."""
+
+
 class NotReadyError(MashboxError):
     """The model is still loading, or its worker is starting again."""

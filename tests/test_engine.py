@@ -276,3 +276,63 @@ def test_a_dtype_the_cpu_cannot_run_is_refused_before_loading(dtype):
     assert weight_mode(torch.device("cpu"), "float32", batch_invariant=True) == (torch.float32, "tiled")
     assert weight_mode(torch.device("cpu"), "float32", batch_invariant=False) == (torch.float32, "plain")
     assert weight_mode(torch.device("cuda"), None, batch_invariant=True) == (torch.bfloat16, "plain")
+
+
+def _raised_within(seconds, fn):
+    """What ``fn()`` raised, failing the test if it is still running after ``seconds`` (a hang)."""
+    outcome = []
+
+    def call():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+def _anext(iterator):
+    async def first():
+        return await anext(await iterator)
+    return asyncio.run(first())
+
+
+def test_a_closed_engine_refuses_every_call_at_once(tiny_model_dir):
+    from mashbox import EngineClosedError, MashboxError
+
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    engine.close()
+    hi = [{"role": "user", "content": "hi"}]
+    calls = {
+        "chat": lambda: engine.chat(messages=hi, max_tokens=2),
+        "chat stream": lambda: engine.chat(messages=hi, max_tokens=2, stream=True),
+        "complete": lambda: engine.complete(prompt="a", max_tokens=2),
+        "respond": lambda: engine.respond(input="a", max_output_tokens=16),
+        "message": lambda: engine.message(messages=hi, max_tokens=2),
+        "message stream": lambda: engine.message(messages=hi, max_tokens=2, stream=True),
+        "count_tokens": lambda: engine.count_tokens(messages=hi),
+        "stream": lambda: next(engine.stream(EngineRequest(prompt="a"))),
+        "achat": lambda: asyncio.run(engine.achat(messages=hi, max_tokens=2)),
+        "achat stream": lambda: _anext(engine.achat(messages=hi, max_tokens=2, stream=True)),
+        "astream": lambda: asyncio.run(anext(engine.astream(EngineRequest(prompt="a")))),
+    }
+    for name, call in calls.items():
+        raised = _raised_within(5, call)
+        assert isinstance(raised, EngineClosedError) and isinstance(raised, MashboxError), name
+        assert "closed" in str(raised) and "Engine()" in str(raised), name
+    engine.close()  # twice is fine
+
+
+def test_a_stream_running_when_the_engine_closes_ends(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    events = engine.stream(EngineRequest(prompt="Count", sampling=SamplingParams(max_tokens=200)))
+    next(events)
+    engine.close()
+    raised = _raised_within(5, lambda: list(events))
+    assert raised is None

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import parse
 from mashbox.engine.config import EngineConfig
-from mashbox.engine.core import EngineCore, ThinkBudget
+from mashbox.engine.core import CLOSED, EngineCore, ThinkBudget
 from mashbox.engine.grammar import Grammars
 from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.events import Event, Finish, Queued
@@ -32,7 +32,7 @@ from mashbox.engine.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
 from mashbox.engine.weights import Weights, weight_mode
-from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError
+from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError, MashboxError
 
 log = logging.getLogger("mashbox")
 
@@ -131,6 +131,7 @@ class Engine:
         return self._aevents(self._job(request))
 
     def _job(self, request: EngineRequest) -> Job:
+        self._check_open()
         ids = self.encode(request)
         field = "prompt" if request.prompt is not None else "messages"
         if not ids:
@@ -219,6 +220,7 @@ class Engine:
 
     def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
+        self._check_open()
         req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields))
         return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 
@@ -253,6 +255,10 @@ class Engine:
         return self._core.stats()
 
     # -- lifetime -----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._core.closed:
+            raise EngineClosedError(CLOSED)
 
     def close(self) -> None:
         """Stop the engine thread and release the model and its KV cache."""
