@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from mashbox.engine.catalog import catalog
 from mashbox.errors import MashboxError
 
 DEFAULT_MODEL = "smollm2-135m"
+
+EXIT_STATUS = """\
+exit status:
+  0  stopped by Ctrl-C or SIGTERM (while loading too)
+  1  the model did not load (unknown id, missing path, corrupt file, the worker killed while loading)
+  2  refused before loading: a bad flag value, a non-loopback --host without API keys,
+     or an address that cannot be listened on (the port in use)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,10 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run", help="serve a model over HTTP (OpenAI and Anthropic APIs)",
-        description="Serve one model over HTTP: OpenAI Chat Completions, Completions and Responses, and "
-                    "Anthropic Messages. The server answers /health with 503 while the model loads. "
-                    "API keys: --api-key-file and/or the MASHBOX_API_KEY environment variable; clients "
-                    "send one as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
+        description=textwrap.fill(
+            "Serve one model over HTTP: OpenAI Chat Completions, Completions and Responses, and "
+            "Anthropic Messages. The server answers /health with 503 while the model loads. "
+            "API keys: --api-key-file and/or the MASHBOX_API_KEY environment variable; clients "
+            "send one as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.", 78),
+        epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                      help="catalog id (see `mashbox models`), HF model directory or .gguf file "
                           "(default: %(default)s)")
@@ -76,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MashboxError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # the server stops on Ctrl-C as it was asked to; a chat was cut short
+        return 0 if args.command == "run" else 130
 
 
 def list_models() -> int:

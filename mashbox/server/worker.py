@@ -169,7 +169,8 @@ class WorkerBackend:
             return self._state
 
     def close(self) -> None:
-        """Stop the worker: ``Stop``, then terminate and kill after ``stop_timeout`` s."""
+        """Stop the worker: ``Stop``, then terminate and kill after ``stop_timeout`` s (at once while it
+        loads)."""
         with self._lock:
             if self._closed:
                 return
@@ -179,7 +180,7 @@ class WorkerBackend:
             self._changed.notify_all()
         worker.outbox.put(Stop())
         worker.outbox.put(None)
-        _stop(worker.process, self._stop_timeout)
+        _stop(worker.process, self._stop_timeout if worker.ready else 0)  # a loading worker reads no Stop
 
     # -- requests ------------------------------------------------------------
 
@@ -277,6 +278,8 @@ class WorkerBackend:
 
     def _ready(self, worker: Incarnation, info: ModelInfo, threads: int) -> None:
         with self._changed:
+            if self._closed:  # loaded as the server stopped: nothing to announce
+                return
             worker.ready = True
             self._info, self._threads, self._state = info, threads, "ready"
             self._changed.notify_all()
