@@ -57,6 +57,8 @@ ROWS = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0.type"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("chat", {"messages": [{"content": "x"}]}, "messages.0.role"),
+    ("chat", {"messages": [{"role": "user", "text": "x"}]}, "messages.0.content"),
+    ("chat", {"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages.0.content"),
     ("chat", {"tool_choice": "sometimes"}, "tool_choice"),
     ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
     ("chat", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),

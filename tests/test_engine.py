@@ -2,6 +2,7 @@
 strings, UTF-8, limits, cancellation, async, and request validation."""
 
 import asyncio
+import linecache
 import threading
 import time
 
@@ -204,9 +205,50 @@ def test_bad_parameters_on_other_protocols_name_the_field(tiny_engine, method, r
     assert err.value.param.startswith(param)
 
 
-def test_unlisted_fields_are_reported_as_ignored(tiny_engine):
-    with pytest.warns(UserWarning, match="frobnicate"):
-        tiny_engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2, frobnicate=1)
+def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(tiny_engine):
+    from mashbox import IgnoredFieldsWarning
+
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "frobnicate": 1}
+    with pytest.warns(IgnoredFieldsWarning, match="frobnicate") as caught:
+        tiny_engine.chat(request)
+
+    async def notebook_cell():
+        await tiny_engine.arespond(input="hi", max_output_tokens=16, store=True)
+
+    with pytest.warns(IgnoredFieldsWarning, match="store") as async_caught:
+        asyncio.run(notebook_cell())
+    for warning, call in [(caught[0], "tiny_engine.chat(request)"), (async_caught[0], "await tiny_engine.arespond(")]:
+        assert warning.filename == __file__ and call in linecache.getline(__file__, warning.lineno)
+
+
+@pytest.mark.parametrize(("method", "fields", "name", "meant"), [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 16}, "max_new_tokens", "max_tokens"),
+    ("complete", {"prompt": "a", "temprature": 0.5}, "temprature", "temperature"),
+    ("respond", {"input": "a", "max_ouput_tokens": 4}, "max_ouput_tokens", "max_output_tokens"),
+    ("message", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop_sequence": ["x"]},
+     "stop_sequence", "stop_sequences"),
+    ("count_tokens", {"mesages": [{"role": "user", "content": "hi"}]}, "mesages", "messages"),
+    ("achat", {"messages": [{"role": "user", "content": "hi"}], "maxtokens": 4}, "maxtokens", "max_tokens"),
+])
+def test_an_unknown_keyword_is_an_error_naming_the_closest_known_one(tiny_engine, method, fields, name, meant):
+    call = getattr(tiny_engine, method)
+    with pytest.raises(InvalidRequestError) as err:
+        result = call(**fields)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    assert err.value.param == name
+    assert f"did you mean `{meant}`?" in str(err.value)
+
+
+def test_a_message_without_content_is_refused_naming_the_field(tiny_engine):
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.chat(messages=[{"role": "user", "text": "hi"}], max_tokens=2)
+    assert err.value.param == "messages.0.content" and "text" in str(err.value)
+    for method, fields in [("message", {"max_tokens": 2}), ("respond", {})]:
+        key = "input" if method == "respond" else "messages"
+        with pytest.raises(InvalidRequestError) as err:
+            getattr(tiny_engine, method)(**fields, **{key: [{"role": "user", "text": "hi"}]})
+        assert err.value.param == f"{key}.0.content"
 
 
 def test_stats_count_tokens_and_finishes(tiny_engine):

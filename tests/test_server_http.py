@@ -152,6 +152,7 @@ def test_invalid_json_is_400(http, body):
     ({**CHAT, "temperature": 9}, "temperature"),
     ({**CHAT, "logprobs": True}, "logprobs"),
     ({"max_tokens": 3}, "messages"),
+    ({"max_tokens": 3, "messages": [{"role": "user", "text": "Hi"}]}, "messages.0.content"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
 ])

@@ -9,12 +9,15 @@ iterator of its stream events). ``achat`` ... are the async twins.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, NamedTuple
+
+from pydantic import BaseModel
 
 from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import parse
@@ -221,14 +224,15 @@ class Engine:
     def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
         self._check_open()
-        req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields))
+        req = parse(anthropic_messages.CountTokensRequest,
+                    _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens"))
         return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 
     def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
         protocol = PROTOCOLS[name]
-        req = parse(protocol.request, _merge(request, fields))
-        if ignored := req.ignored_fields():
-            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=3)
+        req = parse(protocol.request, _merge(request, fields, protocol.request, name))
+        if ignored := req.ignored_fields():  # stacklevel: the caller's line, past _prepare, _call and chat
+            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=4)
         translator = protocol.module.Translator(req, self.model_id)
         return req, translator, self._job(protocol.module.to_engine(req))
 
@@ -292,12 +296,25 @@ async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIt
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def _merge(request: Any, fields: dict[str, Any]) -> Any:
+def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Any:
+    """The request: ``request`` (a dict or model, whose unknown fields are reported as over HTTP) or
+    the keyword ``fields``, where an unknown name is a mistake in the caller's code and an error."""
     if request is None:
+        _check_names(fields, model, method)
         return fields
     if fields:
         raise MashboxError("pass a request object or keyword fields, not both")
     return request
+
+
+def _check_names(fields: dict[str, Any], model: type[BaseModel], method: str) -> None:
+    known = {name for name, info in model.model_fields.items() for name in (name, info.alias) if name}
+    for name in fields:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"its parameters are: {', '.join(sorted(known))}"
+            raise InvalidRequestError(name, f"is not a parameter of {method}(); {hint} (a request passed as "
+                                            "a dict keeps unknown fields and warns of them, as the server does)")
 
 
 def _most_chars_per_token(tokenizer: Any) -> int:
