@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--api-key-file", "--ui", "--in-process")
+FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--api-key-file", "--ui", "--allow-long-context",
+         "--in-process")
 
 
 def free_port():
@@ -133,6 +134,19 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_loading(tiny_model_dir):
     assert process.returncode == 2, err
     assert err.splitlines() == [f"mashbox: cannot listen on 127.0.0.1:{port}: address already in use "
                                 "(another server is on it: stop it or pick another --port)"]
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--ctx", "4096"], "ctx: 4096 is more than the 1024 tokens"),
+    (["--ctx", "1000000000", "--allow-long-context"], "ctx 1000000000 x 4 slots needs "),
+])
+def test_a_ctx_the_model_or_the_memory_cannot_take_is_one_line_and_exit_2(tiny_model_dir, flags, words):
+    process = mashbox(str(tiny_model_dir), "--port", str(free_port()), "--slots", "4", *flags)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2, err
+    assert [line for line in err.splitlines() if "ctx" in line] == [line for line in err.splitlines()
+                                                                   if line.startswith(f"mashbox: {words}")]
+    assert "Traceback" not in err and "did not load" not in err and "ready" not in err
 
 
 def test_ctrl_c_while_loading_stops_within_a_second(tiny_model_dir):

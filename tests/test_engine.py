@@ -378,3 +378,63 @@ def test_a_stream_running_when_the_engine_closes_ends(tiny_model_dir):
     engine.close()
     raised = _raised_within(5, lambda: list(events))
     assert raised is None
+
+
+def test_a_ctx_past_the_models_training_is_refused_unless_asked_for(tiny_model_dir):
+    from mashbox.errors import ConfigError, MashboxError
+
+    with pytest.raises(ConfigError) as err:
+        Engine(str(tiny_model_dir), ctx=2048, slots=1, quiet=True)
+    assert isinstance(err.value, MashboxError)
+    assert "ctx: 2048 is more than the 1024 tokens" in str(err.value) and "allow_long_context=True" in str(err.value)
+    with Engine(str(tiny_model_dir), ctx=2048, slots=1, allow_long_context=True, quiet=True) as engine:
+        assert engine.ctx == 2048
+
+
+def test_a_kv_cache_larger_than_the_memory_free_is_refused_before_allocating(tiny_model_dir):
+    from mashbox.errors import ConfigError
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        Engine(str(tiny_model_dir), ctx=10**9, slots=16, allow_long_context=True, quiet=True)
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert message.startswith("ctx 1000000000 x 16 slots needs 3814.7 GiB of KV cache but this machine has ")
+    assert "lower ctx (at most " in message and " fits with 16 slots) or slots" in message
+
+
+def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_path):
+    import torch
+
+    from mashbox.engine.memory import available, check_fits
+    from mashbox.errors import ConfigError
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    8000000 kB\n")
+    assert available(torch.device("cpu"), meminfo) == 8000000 * 1024
+    assert available(torch.device("cpu"), tmp_path / "none") is None
+    check_fits(1024, 4, 256, 1024 * 4 * 256, "this machine")  # exactly fits
+    check_fits(10**9, 4, 256, None, "this machine")  # unknown: not refused
+    with pytest.raises(ConfigError, match=r"needs 1\.0 GiB of KV cache but this machine has 0\.5 GiB free; "
+                                          r"lower ctx \(at most 524288 fits with 4 slots\) or slots"):
+        check_fits(2**20, 4, 256, 2**29, "this machine")
+    with pytest.raises(ConfigError, match="lower slots and ctx$"):
+        check_fits(2**20, 1024, 2**20, 2**30, "cuda:0")
+
+
+def test_a_model_other_than_the_loaded_one_is_refused_as_the_server_does(tiny_engine):
+    from mashbox import ModelNotFoundError
+
+    hi = [{"role": "user", "content": "hi"}]
+    calls = [lambda m: tiny_engine.chat(model=m, messages=hi, max_tokens=1),
+             lambda m: tiny_engine.complete({"model": m, "prompt": "a", "max_tokens": 1}),
+             lambda m: tiny_engine.respond(model=m, input="a", max_output_tokens=16),
+             lambda m: asyncio.run(tiny_engine.achat(model=m, messages=hi, max_tokens=1))]
+    for call in calls:
+        with pytest.raises(ModelNotFoundError) as err:
+            call("gpt-4o")
+        assert err.value.param == "model" and "'gpt-4o' is not served here" in str(err.value)
+        assert tiny_engine.model_id in str(err.value)
+        call(tiny_engine.model_id)
+    answer = tiny_engine.message(model="claude-sonnet-4", messages=hi, max_tokens=1)  # Anthropic: any model
+    assert answer.model == "claude-sonnet-4"

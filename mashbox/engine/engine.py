@@ -28,14 +28,17 @@ from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.events import Event, Finish, Queued
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.loader import LoadedModel, load, pick_device
-from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.memory import available, check_fits, kv_bytes_per_token
+from mashbox.engine.model_runner import ModelRunner, kv_dtype
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
 from mashbox.engine.weights import Weights, weight_mode
-from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError, MashboxError
+from mashbox.errors import (
+    ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError, MashboxError, ModelNotFoundError,
+)
 
 log = logging.getLogger("mashbox")
 
@@ -48,13 +51,14 @@ class IgnoredFieldsWarning(UserWarning):
 class Protocol:
     module: ModuleType
     request: type
+    any_model: bool = False  # as the server: Anthropic requests may name any model
 
 
 PROTOCOLS = {
     "chat": Protocol(openai_chat, openai_chat.ChatRequest),
     "complete": Protocol(openai_completions, openai_completions.CompletionRequest),
     "respond": Protocol(openai_responses, openai_responses.ResponsesRequest),
-    "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest),
+    "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest, any_model=True),
 }
 
 
@@ -81,7 +85,10 @@ class Engine:
         loaded = load(config.model, device=device, dtype=load_dtype, quiet=config.quiet)
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.ctx = config.ctx or loaded.ctx_default
+        self.ctx = _context(config, loaded)
+        per_token = kv_bytes_per_token(loaded.checkpoint.spec, kv_dtype(device, mode, load_dtype))
+        check_fits(self.ctx, config.slots, per_token, available(device),
+                   "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
         self._chars_per_token = _most_chars_per_token(self.tokenizer)
         self._template: ChatTemplate | None = None
@@ -231,6 +238,9 @@ class Engine:
     def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
         protocol = PROTOCOLS[name]
         req = parse(protocol.request, _merge(request, fields, protocol.request, name))
+        model = getattr(req, "model", None)
+        if model not in (None, self.model_id) and not protocol.any_model:
+            raise ModelNotFoundError(model, self.model_id)
         if ignored := req.ignored_fields():  # stacklevel: the caller's line, past _prepare, _call and chat
             warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=4)
         translator = protocol.module.Translator(req, self.model_id)
@@ -332,6 +342,18 @@ def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:
         return -(-len(request.prompt) // chars_per_token)
     chars = sum(len(m.content.strip()) for m in request.messages)  # templates may trim
     return max(len(request.messages), -(-chars // chars_per_token))
+
+
+def _context(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The context of each slot: the one asked for, refused past the model's training unless allowed."""
+    trained = loaded.checkpoint.trained_ctx
+    if config.ctx is None:
+        return loaded.ctx_default
+    if trained and config.ctx > trained and not config.allow_long_context:
+        raise ConfigError(f"ctx: {config.ctx} is more than the {trained} tokens {loaded.id} was trained on; "
+                          "lower it, or ask for it with allow_long_context=True (--allow-long-context "
+                          "on the command line), knowing that answers degrade past that length")
+    return config.ctx
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

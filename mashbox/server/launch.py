@@ -35,7 +35,7 @@ class Launch:
 
 def serve(launch: Launch) -> int:
     """Serve until interrupted (0) or until the model fails to load (1); 2 if the address cannot be
-    listened on, found before the model loads."""
+    listened on (found before the model loads) or the engine refuses a setting (before allocating)."""
     try:
         sock = listen(launch.settings.host, launch.settings.port)
     except OSError as err:
@@ -87,7 +87,7 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
     watch = Watch(backend, server, _url(settings))
     threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
     server.run(sockets=[sock])
-    return 1 if watch.failed else 0
+    return watch.status
 
 
 class Watch:
@@ -95,7 +95,7 @@ class Watch:
 
     def __init__(self, backend: Backend, server: uvicorn.Server, url: str, every: float = 0.1) -> None:
         self.backend, self.server, self.url, self.every = backend, server, url, every
-        self.failed = False
+        self.status = 0  # the exit status: 1 once the model failed to load, 2 once a setting was refused
 
     def run(self) -> None:
         while not self.server.started and not self.server.should_exit:
@@ -108,7 +108,8 @@ class Watch:
                 continue
             self._report(change)
             if change.state == "failed":
-                self.failed = self.server.should_exit = True
+                self.status = 2 if change.refused else 1
+                self.server.should_exit = True
 
     def _report(self, change: Change) -> None:
         if change.state == "ready" and change.info is not None:
@@ -117,7 +118,7 @@ class Watch:
         elif change.state == "loading":
             _say(f"the worker stopped; loading the model again (restart {change.restarts})")
         elif change.state == "failed":
-            _say(f"the model did not load: {change.error}")
+            _say(change.error if change.refused else f"the model did not load: {change.error}")
 
 
 def _backend(launch: Launch) -> Backend:
