@@ -8,12 +8,14 @@ class MashboxError(Exception):
 
 
 class InvalidRequestError(MashboxError, ValueError):
-    """A request field is wrong; ``param`` names it (dotted path)."""
+    """A request field is wrong; ``param`` names it (dotted path), ``code`` (optional) says what kind of
+    wrong for programs (the OpenAI error body's ``code``)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, *, code: str | None = None) -> None:
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
         self.message = message
+        self.code = code
 
 
 class ContextLengthError(InvalidRequestError):
