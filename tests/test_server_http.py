@@ -103,6 +103,7 @@ def test_models(http, tiny_server):
     assert model["id"] == tiny_server.backend.model_id
     assert model["object"] == "model" and model["owned_by"] == "mashbox-labs" and model["created"] == 0
     assert model["max_model_len"] == 32768 and model["slots"] == 4
+    assert model["weights"] == tiny_server.backend.info.weights.rsplit("/", 1)[-1] and "/" not in model["weights"]
 
 
 def test_models_in_anthropic_shape(http, tiny_server):
