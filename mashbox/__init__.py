@@ -22,16 +22,24 @@ from mashbox.engine.events import (
 )
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
-from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError, ModelLoadError
+from mashbox.errors import (
+    ConfigError,
+    ContextLengthError,
+    EngineClosedError,
+    InvalidRequestError,
+    MashboxError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
 
 if TYPE_CHECKING:
     from mashbox.engine.engine import Engine, IgnoredFieldsWarning
 
 __all__ = [
-    "ContextLengthError", "Engine", "EngineConfig", "EngineRequest", "Event", "Finish",
-    "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo",
-    "ModelLoadError", "Queued", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool", "ToolCall",
-    "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",
+    "ConfigError", "ContextLengthError", "Engine", "EngineClosedError", "EngineConfig", "EngineRequest", "Event",
+    "Finish", "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo", "ModelLoadError",
+    "ModelNotFoundError", "Queued", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool",
+    "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",
 ]
 
 

@@ -5,12 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from mashbox.engine.catalog import catalog
-from mashbox.errors import MashboxError
+from mashbox.errors import ConfigError, MashboxError
 
 DEFAULT_MODEL = "smollm2-135m"
+
+EXIT_STATUS = """\
+exit status:
+  0  stopped by Ctrl-C or SIGTERM (while loading too)
+  1  the model did not load (unknown id, missing path, corrupt file, the worker killed while loading)
+  2  refused before loading: a bad flag value, a non-loopback --host without API keys,
+     or an address that cannot be listened on (the port in use); or refused once the
+     model is read, before any allocation: a --ctx past the model's training (without
+     --allow-long-context) or a --ctx x --slots KV cache larger than the memory free"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="catalog id, HF model directory or .gguf file (default: %(default)s)")
     chat.add_argument("--ctx", type=int, default=None, help="context length per slot (default: the model's)")
     chat.add_argument("--slots", type=int, default=4, help="requests decoded together (default: %(default)s)")
+    chat.add_argument("--allow-long-context", action="store_true",
+                      help="let --ctx exceed the context the model was trained on (default: off)")
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.add_argument("--max-tokens", type=int, default=512, help="most new tokens per answer (default: %(default)s)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -32,10 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run", help="serve a model over HTTP (OpenAI and Anthropic APIs)",
-        description="Serve one model over HTTP: OpenAI Chat Completions, Completions and Responses, and "
-                    "Anthropic Messages. The server answers /health with 503 while the model loads. "
-                    "API keys: --api-key-file and/or the MASHBOX_API_KEY environment variable; clients "
-                    "send one as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
+        description=textwrap.fill(
+            "Serve one model over HTTP: OpenAI Chat Completions, Completions and Responses, and "
+            "Anthropic Messages. The server answers /health with 503 while the model loads. "
+            "API keys: --api-key-file and/or the MASHBOX_API_KEY environment variable; clients "
+            "send one as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.", 78),
+        epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                      help="catalog id (see `mashbox models`), HF model directory or .gguf file "
                           "(default: %(default)s)")
@@ -68,6 +82,9 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="SQLite file of the agent tasks (/v1/tasks) (default: tasks.sqlite3 in the mashbox cache)")
     run.add_argument("--tasks-ttl", type=float, default=24.0, metavar="HOURS",
                      help="a task untouched this long expires, or is deleted once finished (default: %(default)s)")
+    run.add_argument("--allow-long-context", action="store_true",
+                     help="let --ctx exceed the context the model was trained on, where answers degrade "
+                          "(default: off: such a --ctx is refused)")
     run.add_argument("--in-process", action="store_true",
                      help="run the engine in the server process instead of a worker process that is "
                           "started again if it dies (default: off)")
@@ -83,11 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             args = build_parser().parse_args(["chat"])
         return chat(args)
+    except ConfigError as err:  # a setting refused before any allocation
+        print(f"mashbox: {err}", file=sys.stderr)
+        return 2
     except MashboxError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # the server stops on Ctrl-C as it was asked to; a chat was cut short
+        return 0 if args.command == "run" else 130
 
 
 def list_models() -> int:
@@ -136,7 +156,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     from mashbox.engine.config import EngineConfig
 
     options = {"ctx": args.ctx, "slots": args.slots, "cache_ram_mib": args.cache_ram,
-               "cache_disk_gib": args.cache_disk, "cache_dir": args.cache_dir}
+               "cache_disk_gib": args.cache_disk, "cache_dir": args.cache_dir,
+               "allow_long_context": args.allow_long_context}
     EngineConfig(model=args.model, **options)  # bad values fail here, before loading
     return options
 
@@ -146,7 +167,8 @@ def chat(args: argparse.Namespace) -> int:
 
     interactive = sys.stdin.isatty()
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with Engine(args.model, ctx=args.ctx, slots=args.slots, quiet=not interactive) as engine:
+    with Engine(args.model, ctx=args.ctx, slots=args.slots, allow_long_context=args.allow_long_context,
+                quiet=not interactive) as engine:
         if interactive:
             print(f"mashbox: chatting with {engine.model_id} (ctx {engine.ctx}); Ctrl-D to quit.", file=sys.stderr)
         for line in _prompts(interactive):

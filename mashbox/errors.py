@@ -8,12 +8,14 @@ class MashboxError(Exception):
 
 
 class InvalidRequestError(MashboxError, ValueError):
-    """A request field is wrong; ``param`` names it (dotted path)."""
+    """A request field is wrong; ``param`` names it (dotted path), ``code`` (optional) says what kind of
+    wrong for programs (the OpenAI error body's ``code``)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, *, code: str | None = None) -> None:
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
         self.message = message
+        self.code = code
 
 
 class ContextLengthError(InvalidRequestError):
@@ -26,8 +28,27 @@ class ContextLengthError(InvalidRequestError):
         self.ctx = ctx
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model other than the one loaded (``param`` is ``model``); the server answers
+    it with 404 ``model_not_found``. Anthropic Messages requests may name any model."""
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__("model", f"model {model!r} is not served here; this engine runs {served!r} "
+                                  "(leave model out, or name that one)")
+        self.model = model
+
+
+class ConfigError(MashboxError, ValueError):
+    """An engine setting the model or the machine cannot take (a ctx past the model's training, a KV
+    cache larger than the memory free); refused before any allocation."""
+
+
 class ModelLoadError(MashboxError):
     """A model is not installed, its path is wrong or its file is corrupt."""
+
+
+class EngineClosedError(MashboxError):
+    """The engine was closed: it answers nothing more. Make a new ``Engine``."""
 
 
 class NotReadyError(MashboxError):

@@ -72,7 +72,7 @@ def smol_server(smol_engine) -> Iterator[Running]:
 @pytest.fixture(scope="session")
 def long_engine(tiny_model_dir) -> Iterator[Engine]:
     """The tiny random Llama with a 32k context: fast on agent prompts of 10-25k tokens."""
-    with Engine(str(tiny_model_dir), ctx=32768, slots=4, quiet=True) as engine:
+    with Engine(str(tiny_model_dir), ctx=32768, slots=4, allow_long_context=True, quiet=True) as engine:
         yield engine
 
 

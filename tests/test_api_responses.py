@@ -217,8 +217,17 @@ def test_model_defaults_to_the_served_id():
     request = parse(ResponsesRequest, {"input": "hi"})
     translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])
     body = translator.response().dump()
-    assert body["model"] == "qwen" and body["output"] == [] and body["parallel_tool_calls"] is False
+    assert body["model"] == "qwen" and body["output"] == []
     sdk.Response.model_validate(body)
+
+
+@pytest.mark.parametrize(("sent", "echoed"), [({}, True), ({"parallel_tool_calls": True}, True),
+                                              ({"parallel_tool_calls": False}, False)])
+def test_parallel_tool_calls_is_echoed_as_sent_and_defaults_to_true(sent, echoed):
+    request = parse(ResponsesRequest, {"input": "hi", "tools": TOOLS, **sent})
+    translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])
+    assert translator.response().dump()["parallel_tool_calls"] is echoed
+    assert to_engine(request).parallel_tool_calls is echoed  # and the grammar lets the model make that many calls
 
 
 def test_echoed_tool_choice_takes_the_responses_shape():

@@ -57,6 +57,8 @@ ROWS = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0.type"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("chat", {"messages": [{"content": "x"}]}, "messages.0.role"),
+    ("chat", {"messages": [{"role": "user", "text": "x"}]}, "messages.0.content"),
+    ("chat", {"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages.0.content"),
     ("chat", {"tool_choice": "sometimes"}, "tool_choice"),
     ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
     ("chat", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
@@ -134,5 +136,17 @@ def test_unsupported_part_message_says_why():
 
 
 def test_unknown_type_message_lists_the_known_ones():
-    with pytest.raises(InvalidRequestError, match="unknown type 'item_reference'; expected one of"):
-        parse(ResponsesRequest, {"input": [{"type": "item_reference", "id": "x"}]})
+    with pytest.raises(InvalidRequestError, match="unknown type 'web_search_call'; expected one of"):
+        parse(ResponsesRequest, {"input": [{"type": "web_search_call", "id": "x"}]})
+
+
+def test_what_this_server_does_not_keep_is_refused_saying_what_to_send_instead():
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ResponsesRequest, {"input": [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": "msg_1"}]})
+    assert (err.value.param, err.value.code) == ("input.1.type", "unsupported_value")
+    assert err.value.message.startswith("this server keeps no items, so an item_reference ('msg_1') cannot refer")
+    assert "send the items themselves in input" in err.value.message and "store: false" in err.value.message
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ResponsesRequest, {"input": "hi", "previous_response_id": "resp_1"})
+    assert (err.value.param, err.value.code) == ("previous_response_id", "unsupported_parameter")
+    assert "previous_response_id cannot refer to one" in err.value.message

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
-         "--in-process")
+         "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process")
 
 
 def free_port():
@@ -124,6 +124,47 @@ def test_a_worker_killed_while_loading_is_said_in_one_line_and_exits_1(tiny_mode
     assert "the model did not load: the worker was killed by SIGKILL (out of memory?) while loading" in err
 
 
+def test_a_port_in_use_is_one_line_and_exit_2_before_loading(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "2")
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == 2, err
+    assert err.splitlines() == [f"mashbox: cannot listen on 127.0.0.1:{port}: address already in use "
+                                "(another server is on it: stop it or pick another --port)"]
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--ctx", "4096"], "ctx: 4096 is more than the 1024 tokens"),
+    (["--ctx", "1000000000", "--allow-long-context"], "ctx 1000000000 x 4 slots needs "),
+])
+def test_a_ctx_the_model_or_the_memory_cannot_take_is_one_line_and_exit_2(tiny_model_dir, flags, words):
+    process = mashbox(str(tiny_model_dir), "--port", str(free_port()), "--slots", "4", *flags)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2, err
+    assert [line for line in err.splitlines() if "ctx" in line] == [line for line in err.splitlines()
+                                                                   if line.startswith(f"mashbox: {words}")]
+    assert "Traceback" not in err and "did not load" not in err and "ready" not in err
+
+
+def test_ctrl_c_while_loading_stops_within_a_second(tiny_model_dir):
+    port = free_port()
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")
+    deadline = time.monotonic() + 60
+    while (pid := _loading_worker(port)) is None:
+        assert time.monotonic() < deadline and process.poll() is None, "no worker pid while loading"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    _, err = process.communicate(timeout=30)
+    assert time.monotonic() - start < 1.5, err
+    assert process.returncode == 0 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "mashbox: stopping" and "ready" not in err
+    assert gone(pid, timeout=1)
+
+
 def _loading_worker(port):
     try:
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
@@ -147,6 +188,9 @@ def test_help_documents_every_flag():
     for flag in FLAGS:
         assert flag in out
     assert out.count("(default:") >= len(FLAGS) + 1  # every flag and the model say their default
+    status = out[out.index("exit status:"):]
+    for code in ("0", "1", "2"):
+        assert f"\n  {code}  " in status
 
 
 def test_sighup_reads_the_key_file_again_and_a_bad_file_keeps_the_keys(tiny_model_dir, tmp_path):

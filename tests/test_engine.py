@@ -2,6 +2,7 @@
 strings, UTF-8, limits, cancellation, async, and request validation."""
 
 import asyncio
+import linecache
 import threading
 import time
 
@@ -204,9 +205,50 @@ def test_bad_parameters_on_other_protocols_name_the_field(tiny_engine, method, r
     assert err.value.param.startswith(param)
 
 
-def test_unlisted_fields_are_reported_as_ignored(tiny_engine):
-    with pytest.warns(UserWarning, match="frobnicate"):
-        tiny_engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2, frobnicate=1)
+def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(tiny_engine):
+    from mashbox import IgnoredFieldsWarning
+
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "frobnicate": 1}
+    with pytest.warns(IgnoredFieldsWarning, match="frobnicate") as caught:
+        tiny_engine.chat(request)
+
+    async def notebook_cell():
+        await tiny_engine.arespond(input="hi", max_output_tokens=16, store=True)
+
+    with pytest.warns(IgnoredFieldsWarning, match="store") as async_caught:
+        asyncio.run(notebook_cell())
+    for warning, call in [(caught[0], "tiny_engine.chat(request)"), (async_caught[0], "await tiny_engine.arespond(")]:
+        assert warning.filename == __file__ and call in linecache.getline(__file__, warning.lineno)
+
+
+@pytest.mark.parametrize(("method", "fields", "name", "meant"), [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 16}, "max_new_tokens", "max_tokens"),
+    ("complete", {"prompt": "a", "temprature": 0.5}, "temprature", "temperature"),
+    ("respond", {"input": "a", "max_ouput_tokens": 4}, "max_ouput_tokens", "max_output_tokens"),
+    ("message", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop_sequence": ["x"]},
+     "stop_sequence", "stop_sequences"),
+    ("count_tokens", {"mesages": [{"role": "user", "content": "hi"}]}, "mesages", "messages"),
+    ("achat", {"messages": [{"role": "user", "content": "hi"}], "maxtokens": 4}, "maxtokens", "max_tokens"),
+])
+def test_an_unknown_keyword_is_an_error_naming_the_closest_known_one(tiny_engine, method, fields, name, meant):
+    call = getattr(tiny_engine, method)
+    with pytest.raises(InvalidRequestError) as err:
+        result = call(**fields)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    assert err.value.param == name
+    assert f"did you mean `{meant}`?" in str(err.value)
+
+
+def test_a_message_without_content_is_refused_naming_the_field(tiny_engine):
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.chat(messages=[{"role": "user", "text": "hi"}], max_tokens=2)
+    assert err.value.param == "messages.0.content" and "text" in str(err.value)
+    for method, fields in [("message", {"max_tokens": 2}), ("respond", {})]:
+        key = "input" if method == "respond" else "messages"
+        with pytest.raises(InvalidRequestError) as err:
+            getattr(tiny_engine, method)(**fields, **{key: [{"role": "user", "text": "hi"}]})
+        assert err.value.param == f"{key}.0.content"
 
 
 def test_stats_count_tokens_and_finishes(tiny_engine):
@@ -291,3 +333,123 @@ def test_a_twin_prompt_waits_for_the_prefill_in_flight_then_copies_it_and_answer
     assert started["twin"].cached == (n - 1) // chunk * chunk  # all but the last chunk, computed once
     text = {name: "".join(e.text for e in got if isinstance(e, TextDelta)) for name, got in events.items()}
     assert text["first"] == text["twin"]
+
+
+def _raised_within(seconds, fn):
+    """What ``fn()`` raised, failing the test if it is still running after ``seconds`` (a hang)."""
+    outcome = []
+
+    def call():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+def _anext(iterator):
+    async def first():
+        return await anext(await iterator)
+    return asyncio.run(first())
+
+
+def test_a_closed_engine_refuses_every_call_at_once(tiny_model_dir):
+    from mashbox import EngineClosedError, MashboxError
+
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    engine.close()
+    hi = [{"role": "user", "content": "hi"}]
+    calls = {
+        "chat": lambda: engine.chat(messages=hi, max_tokens=2),
+        "chat stream": lambda: engine.chat(messages=hi, max_tokens=2, stream=True),
+        "complete": lambda: engine.complete(prompt="a", max_tokens=2),
+        "respond": lambda: engine.respond(input="a", max_output_tokens=16),
+        "message": lambda: engine.message(messages=hi, max_tokens=2),
+        "message stream": lambda: engine.message(messages=hi, max_tokens=2, stream=True),
+        "count_tokens": lambda: engine.count_tokens(messages=hi),
+        "stream": lambda: next(engine.stream(EngineRequest(prompt="a"))),
+        "achat": lambda: asyncio.run(engine.achat(messages=hi, max_tokens=2)),
+        "achat stream": lambda: _anext(engine.achat(messages=hi, max_tokens=2, stream=True)),
+        "astream": lambda: asyncio.run(anext(engine.astream(EngineRequest(prompt="a")))),
+    }
+    for name, call in calls.items():
+        raised = _raised_within(5, call)
+        assert isinstance(raised, EngineClosedError) and isinstance(raised, MashboxError), name
+        assert "closed" in str(raised) and "Engine()" in str(raised), name
+    engine.close()  # twice is fine
+
+
+def test_a_stream_running_when_the_engine_closes_ends(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    events = engine.stream(EngineRequest(prompt="Count", sampling=SamplingParams(max_tokens=200)))
+    next(events)
+    engine.close()
+    raised = _raised_within(5, lambda: list(events))
+    assert raised is None
+
+
+def test_a_ctx_past_the_models_training_is_refused_unless_asked_for(tiny_model_dir):
+    from mashbox.errors import ConfigError, MashboxError
+
+    with pytest.raises(ConfigError) as err:
+        Engine(str(tiny_model_dir), ctx=2048, slots=1, quiet=True)
+    assert isinstance(err.value, MashboxError)
+    assert "ctx: 2048 is more than the 1024 tokens" in str(err.value) and "allow_long_context=True" in str(err.value)
+    with Engine(str(tiny_model_dir), ctx=2048, slots=1, allow_long_context=True, quiet=True) as engine:
+        assert engine.ctx == 2048
+
+
+def test_a_kv_cache_larger_than_the_memory_free_is_refused_before_allocating(tiny_model_dir):
+    from mashbox.errors import ConfigError
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        Engine(str(tiny_model_dir), ctx=10**9, slots=16, allow_long_context=True, quiet=True)
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert message.startswith("ctx 1000000000 x 16 slots needs 3814.7 GiB of KV cache but this machine has ")
+    assert "lower ctx (at most " in message and " fits with 16 slots) or slots" in message
+
+
+def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_path):
+    import torch
+
+    from mashbox.engine.memory import available, check_fits
+    from mashbox.errors import ConfigError
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    8000000 kB\n")
+    assert available(torch.device("cpu"), meminfo) == 8000000 * 1024
+    assert available(torch.device("cpu"), tmp_path / "none") is None
+    check_fits(1024, 4, 256, 1024 * 4 * 256, "this machine")  # exactly fits
+    check_fits(10**9, 4, 256, None, "this machine")  # unknown: not refused
+    with pytest.raises(ConfigError, match=r"needs 1\.0 GiB of KV cache but this machine has 0\.5 GiB free; "
+                                          r"lower ctx \(at most 524288 fits with 4 slots\) or slots"):
+        check_fits(2**20, 4, 256, 2**29, "this machine")
+    with pytest.raises(ConfigError, match="lower slots and ctx$"):
+        check_fits(2**20, 1024, 2**20, 2**30, "cuda:0")
+
+
+def test_a_model_other_than_the_loaded_one_is_refused_as_the_server_does(tiny_engine):
+    from mashbox import ModelNotFoundError
+
+    hi = [{"role": "user", "content": "hi"}]
+    calls = [lambda m: tiny_engine.chat(model=m, messages=hi, max_tokens=1),
+             lambda m: tiny_engine.complete({"model": m, "prompt": "a", "max_tokens": 1}),
+             lambda m: tiny_engine.respond(model=m, input="a", max_output_tokens=16),
+             lambda m: asyncio.run(tiny_engine.achat(model=m, messages=hi, max_tokens=1))]
+    for call in calls:
+        with pytest.raises(ModelNotFoundError) as err:
+            call("gpt-4o")
+        assert err.value.param == "model" and "'gpt-4o' is not served here" in str(err.value)
+        assert tiny_engine.model_id in str(err.value)
+        call(tiny_engine.model_id)
+    answer = tiny_engine.message(model="claude-sonnet-4", messages=hi, max_tokens=1)  # Anthropic: any model
+    assert answer.model == "claude-sonnet-4"

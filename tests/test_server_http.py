@@ -103,6 +103,7 @@ def test_models(http, tiny_server):
     assert model["id"] == tiny_server.backend.model_id
     assert model["object"] == "model" and model["owned_by"] == "mashbox-labs" and model["created"] == 0
     assert model["max_model_len"] == 32768 and model["slots"] == 4
+    assert model["weights"] == tiny_server.backend.info.weights.rsplit("/", 1)[-1] and "/" not in model["weights"]
 
 
 def test_models_in_anthropic_shape(http, tiny_server):
@@ -141,17 +142,25 @@ def test_415_for_a_body_that_is_not_json(http):
     assert response.status_code == 415 and response.json()["type"] == "error"
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
-def test_invalid_json_is_400(http, body):
+@pytest.mark.parametrize(("body", "says"), [
+    (b"{not json", "the body is not valid JSON: object keys must be strings (byte 1)"),
+    (b'{"messages": [', "the body is not valid JSON: it ends in the middle of a value (input data was truncated)"),
+    (b"", "the body is not valid JSON: it is empty; send a JSON object"),
+    (b"[1, 2]", "the body must be a JSON object: expected `object`, got `array`"),
+])
+def test_invalid_json_is_400_saying_so_on_every_route(http, body, says):
     headers = {"content-type": "application/json"}
-    openai_error(http.post("/v1/chat/completions", content=body, headers=headers), 400)
-    anthropic_error(http.post("/v1/messages", content=body, headers=headers), 400, "invalid_request_error")
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        assert openai_error(http.post(path, content=body, headers=headers), 400)["message"] == says
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert anthropic_error(http.post(path, content=body, headers=headers), 400, "invalid_request_error") == says
 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({**CHAT, "temperature": 9}, "temperature"),
     ({**CHAT, "logprobs": True}, "logprobs"),
     ({"max_tokens": 3}, "messages"),
+    ({"max_tokens": 3, "messages": [{"role": "user", "text": "Hi"}]}, "messages.0.content"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
 ])
@@ -159,9 +168,14 @@ def test_bad_fields_are_400_naming_the_field(http, body, param):
     openai_error(http.post("/v1/chat/completions", json=body), 400, param)
 
 
-def test_previous_response_id_is_400(http):
-    openai_error(http.post("/v1/responses", json={"previous_response_id": "resp_1", "input": "x"}), 400,
-                 "previous_response_id")
+def test_what_this_server_does_not_keep_is_400_naming_the_field_with_a_code(http):
+    error = openai_error(http.post("/v1/responses", json={"previous_response_id": "resp_1", "input": "x"}), 400,
+                         "previous_response_id")
+    assert error["code"] == "unsupported_parameter" and "previous_response_id" in error["message"]
+    error = openai_error(http.post("/v1/responses", json={"input": [{"type": "item_reference", "id": "msg_1"}]}), 400,
+                         "input.0.type")
+    assert error["code"] == "unsupported_value" and "item_reference ('msg_1')" in error["message"]
+    assert "send the items themselves" in error["message"]
 
 
 def test_messages_400_in_anthropic_shape(http):

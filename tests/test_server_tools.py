@@ -91,7 +91,7 @@ def test_required_without_parallel_calls_gives_one_call_and_ends(oai, claude):
 
     tools = [{"type": "function", "name": "get_weather", "parameters": PARAMETERS, "strict": False}]
     response = oai.responses.create(model="smollm2-135m", input=ASK, tools=tools, tool_choice="required",
-                                    max_output_tokens=150)  # the spec's default: parallel_tool_calls false
+                                    parallel_tool_calls=False, max_output_tokens=150)
     (item,) = response.output
     assert item.type == "function_call" and response.status == "completed" and response.parallel_tool_calls is False
 

@@ -24,7 +24,7 @@ LONG = {"messages": [{"role": "user", "content": "Go on and on."}], "max_tokens"
 @pytest.fixture(scope="module")
 def one_slot(tiny_model_dir) -> Iterator[Running]:
     """One slot, so every request but the first waits; keys for nine named tenants and one alone."""
-    with Engine(str(tiny_model_dir), ctx=2048, slots=1, quiet=True) as engine:
+    with Engine(str(tiny_model_dir), ctx=2048, slots=1, allow_long_context=True, quiet=True) as engine:
         yield from _running(engine, Settings(api_keys=parse_keys(KEYS)))
 
 

@@ -206,7 +206,8 @@ def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
     err, path = errors[best], paths[best]
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, InvalidRequestError):
-        return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message)
+        return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message,
+                                   code=cause.code)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "union_tag_invalid":
         message = f"unknown type {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"

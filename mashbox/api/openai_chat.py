@@ -82,6 +82,13 @@ class ChatMessage(Part):
     reasoning: str | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if "content" not in self.model_fields_set and self.role != "assistant":
+            keys = ", ".join(sorted(self.model_fields_set | set(self.model_extra or {})))
+            raise InvalidRequestError("content", f"is required in a {self.role} message (this one has: {keys})")
+        return self
+
 
 class FunctionDef(Part):
     name: str

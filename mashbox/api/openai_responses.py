@@ -39,7 +39,8 @@ from mashbox.errors import InvalidRequestError
 
 __all__ = ["ResponsesRequest", "Response", "StreamEvent", "Translator", "to_engine"]
 
-STATELESS = "is not supported: this server keeps nothing between requests; send the whole conversation"
+STATELESS = ("this server keeps no responses, so previous_response_id cannot refer to one; send the whole "
+             "conversation in input (as clients do with store: false)")
 
 
 class ReasoningConfig(Part):
@@ -87,7 +88,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
     @classmethod
     def _stateless(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("previous_response_id") is not None:
-            raise InvalidRequestError("previous_response_id", STATELESS)
+            raise InvalidRequestError("previous_response_id", STATELESS, code="unsupported_parameter")
         return data
 
     @field_validator("include")
@@ -121,6 +122,6 @@ def to_engine(req: ResponsesRequest) -> EngineRequest:
         sampling=req.sampling(),
         tools=allowed_tools(req.tool_choice, tools),
         tool_choice=engine_tool_choice(req.tool_choice, tools),
-        parallel_tool_calls=bool(req.parallel_tool_calls),  # the spec's default: false
+        parallel_tool_calls=req.parallel_tool_calls is not False,  # OpenAI's default: true
         enable_thinking=req.reasoning.thinking() if req.reasoning else None,
     )

@@ -11,11 +11,12 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from mashbox.api.base import Part, UnsupportedPart, type_of
 from mashbox.api.responses_tools import LOCAL_SHELL, ToolMap
 from mashbox.engine.request import Message, ToolCall
+from mashbox.errors import InvalidRequestError
 
 
 class TextPart(Part):
@@ -93,6 +94,20 @@ class ReasoningItem(Part):
         return "\n".join(p.text for p in self.content or self.summary)
 
 
+class ItemReference(Part):
+    """An earlier item by its id, as the AI SDK sends the items OpenAI stored: refused, saying what to do."""
+
+    type: Literal["item_reference"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        named = f" ({data['id']!r})" if isinstance(data, dict) and isinstance(data.get("id"), str) else ""
+        raise InvalidRequestError("type", f"this server keeps no items, so an item_reference{named} cannot refer "
+                                          "to one; send the items themselves in input (as clients do with "
+                                          "store: false)", code="unsupported_value")
+
+
 _ITEM_TAGS = {
     "function_call_output": "output",
     "custom_tool_call_output": "output",
@@ -111,7 +126,8 @@ InputItem = Annotated[
     | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
     | Annotated[LocalShellCallItem, Tag("local_shell_call")]
     | Annotated[CallOutputItem, Tag("output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[ItemReference, Tag("item_reference")],
     Discriminator(_item_tag),
 ]
 

@@ -26,6 +26,9 @@ class EngineConfig:
     what runs beside it with mashbox's kernels; with ``float32`` that takes
     ``batch_invariant`` (fixed-shape matmul tiles, slower alone); fbgemm's fp16
     kernel does not promise it on every CPU.
+    A ``ctx`` above the context the model was trained on is refused unless
+    ``allow_long_context`` (answers degrade past it); one whose KV cache
+    (``ctx`` x ``slots``) needs more memory than the device has free is refused.
     """
 
     model: str = "smollm2-135m"
@@ -41,6 +44,7 @@ class EngineConfig:
     cache_dir: str | None = None
     batch_invariant: bool = True
     quiet: bool = False
+    allow_long_context: bool = False
 
     def __post_init__(self) -> None:
         if self.ctx is not None and self.ctx < 16:

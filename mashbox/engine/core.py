@@ -23,8 +23,11 @@ from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.stats import Counters, EngineStats
 from mashbox.engine.stop import StopMatcher
+from mashbox.errors import EngineClosedError
 
 log = logging.getLogger("mashbox.engine")
+
+CLOSED = "this Engine is closed (engine.close() or the end of its `with` block); make a new Engine()"
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,20 +88,26 @@ class EngineCore:
         self.counters = Counters()
         self.snapshot = self._stats()  # replaced, never changed: other threads read it without a lock
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._closing = threading.Lock()  # no request joins the inbox behind "close"
+        self.closed = False
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
         self._thread.start()
 
     def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None) -> Channel[Event]:
         detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:])
         stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget)
-        self._inbox.put(("add", stream))
+        with self._closing:
+            if self.closed:
+                raise EngineClosedError(CLOSED)
+            self._inbox.put(("add", stream))
         return stream.channel
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        with self._closing:
+            self.closed = True
             self._inbox.put(("close", None))
             self._thread.join(timeout=30)
         if self.scheduler.cache.disk is not None:

@@ -9,6 +9,7 @@ iterator of its stream events). ``achat`` ... are the async twins.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -19,25 +20,30 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from pydantic import BaseModel
+
 from mashbox.api import anthropic_messages, local_tasks, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import parse
-from mashbox.engine.config import EngineConfig
 from mashbox.engine.catalog import cache_dir
-from mashbox.engine.core import EngineCore, ThinkBudget
+from mashbox.engine.config import EngineConfig
+from mashbox.engine.core import CLOSED, EngineCore, ThinkBudget
 from mashbox.engine.disk_cache import PageStore
 from mashbox.engine.grammar import Grammars
 from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.events import Event, Finish, Queued
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.loader import LoadedModel, load, pick_device
-from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.memory import available, check_fits, kv_bytes_per_token
+from mashbox.engine.model_runner import ModelRunner, kv_dtype
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
 from mashbox.engine.weights import Weights, weight_mode
-from mashbox.errors import ContextLengthError, InvalidRequestError, MashboxError
+from mashbox.errors import (
+    ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError, MashboxError, ModelNotFoundError,
+)
 
 log = logging.getLogger("mashbox")
 
@@ -50,13 +56,14 @@ class IgnoredFieldsWarning(UserWarning):
 class Protocol:
     module: ModuleType
     request: type
+    any_model: bool = False  # as the server: Anthropic requests may name any model
 
 
 PROTOCOLS = {
     "chat": Protocol(openai_chat, openai_chat.ChatRequest),
     "complete": Protocol(openai_completions, openai_completions.CompletionRequest),
     "respond": Protocol(openai_responses, openai_responses.ResponsesRequest),
-    "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest),
+    "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest, any_model=True),
 }
 
 
@@ -83,7 +90,10 @@ class Engine:
         loaded = load(config.model, device=device, dtype=load_dtype, quiet=config.quiet)
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.ctx = config.ctx or loaded.ctx_default
+        self.ctx = _context(config, loaded)
+        per_token = kv_bytes_per_token(loaded.checkpoint.spec, kv_dtype(device, mode, load_dtype))
+        check_fits(self.ctx, config.slots, per_token, available(device),
+                   "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
         self._chars_per_token = _most_chars_per_token(self.tokenizer)
         self._template: ChatTemplate | None = None
@@ -137,6 +147,7 @@ class Engine:
         return self._aevents(self._job(request))
 
     def _job(self, request: EngineRequest) -> Job:
+        self._check_open()
         ids = self.encode(request)
         field = "prompt" if request.prompt is not None else "messages"
         if not ids:
@@ -226,14 +237,19 @@ class Engine:
 
     def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
-        req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields))
+        self._check_open()
+        req = parse(anthropic_messages.CountTokensRequest,
+                    _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens"))
         return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 
     def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
         protocol = PROTOCOLS[name]
-        req = parse(protocol.request, _merge(request, fields))
-        if ignored := req.ignored_fields():
-            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=3)
+        req = parse(protocol.request, _merge(request, fields, protocol.request, name))
+        model = getattr(req, "model", None)
+        if model not in (None, self.model_id) and not protocol.any_model:
+            raise ModelNotFoundError(model, self.model_id)
+        if ignored := req.ignored_fields():  # stacklevel: the caller's line, past _prepare, _call and chat
+            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=4)
         translator = protocol.module.Translator(req, self.model_id)
         return req, translator, self._job(protocol.module.to_engine(req))
 
@@ -269,6 +285,10 @@ class Engine:
         return self._core.stats()
 
     # -- lifetime -----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._core.closed:
+            raise EngineClosedError(CLOSED)
 
     def close(self) -> None:
         """Stop the engine thread and release the model and its KV cache."""
@@ -315,12 +335,25 @@ async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIt
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def _merge(request: Any, fields: dict[str, Any]) -> Any:
+def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Any:
+    """The request: ``request`` (a dict or model, whose unknown fields are reported as over HTTP) or
+    the keyword ``fields``, where an unknown name is a mistake in the caller's code and an error."""
     if request is None:
+        _check_names(fields, model, method)
         return fields
     if fields:
         raise MashboxError("pass a request object or keyword fields, not both")
     return request
+
+
+def _check_names(fields: dict[str, Any], model: type[BaseModel], method: str) -> None:
+    known = {name for name, info in model.model_fields.items() for name in (name, info.alias) if name}
+    for name in fields:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"its parameters are: {', '.join(sorted(known))}"
+            raise InvalidRequestError(name, f"is not a parameter of {method}(); {hint} (a request passed as "
+                                            "a dict keeps unknown fields and warns of them, as the server does)")
 
 
 def _most_chars_per_token(tokenizer: Any) -> int:
@@ -338,6 +371,18 @@ def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:
         return -(-len(request.prompt) // chars_per_token)
     chars = sum(len(m.content.strip()) for m in request.messages)  # templates may trim
     return max(len(request.messages), -(-chars // chars_per_token))
+
+
+def _context(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The context of each slot: the one asked for, refused past the model's training unless allowed."""
+    trained = loaded.checkpoint.trained_ctx
+    if config.ctx is None:
+        return loaded.ctx_default
+    if trained and config.ctx > trained and not config.allow_long_context:
+        raise ConfigError(f"ctx: {config.ctx} is more than the {trained} tokens {loaded.id} was trained on; "
+                          "lower it, or ask for it with allow_long_context=True (--allow-long-context "
+                          "on the command line), knowing that answers degrade past that length")
+    return config.ctx
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -43,6 +43,12 @@ class Batch:
     single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token work item
 
 
+def kv_dtype(device: torch.device, mode: str, weights_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: float16 beside mashbox's CPU kernels, else the weights' (as ``ops.pick``)."""
+    native_ops = device.type == "cpu" and mode in ops.NATIVE_MODES and native.load() is not None
+    return torch.float16 if native_ops else weights_dtype
+
+
 class ModelRunner:
     def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, mode: str = "tiled") -> None:
         lib = native.load() if mode in ops.NATIVE_MODES else None

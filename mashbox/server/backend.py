@@ -17,6 +17,7 @@ from mashbox.engine.events import Event
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
+from mashbox.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads only where an engine is built
     from mashbox.engine.engine import Engine
@@ -32,6 +33,7 @@ class Change:
     restarts: int
     error: str | None
     info: ModelInfo | None
+    refused: bool = False  # failed: a setting the model or the machine cannot take (ConfigError)
 
 
 class Backend(Protocol):
@@ -81,11 +83,14 @@ class InProcessBackend:
         return backend
 
     def _load(self, build: Callable[[], Engine]) -> None:
+        refused = False
         try:
             self._engine = build()
+        except ConfigError as exc:  # a setting refused: the message says which and what to do
+            self._error, refused = str(exc), True
         except Exception as exc:  # reported through state/error, and by the CLI
             self._error = f"{type(exc).__name__}: {exc}"
-        self.changes.put(Change(self.state, 0, self._error, self.info))
+        self.changes.put(Change(self.state, 0, self._error, self.info, refused))
 
     def wait(self, timeout: float | None = None) -> State:
         self._thread.join(timeout)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, SerializationException
 
 from mashbox.errors import ContextLengthError, InvalidRequestError, NotReadyError
 from mashbox.server.admission import QueueFull
@@ -81,15 +81,33 @@ def api_error(exc: Exception, retry_after: int) -> ApiError:
         return ApiError(400, exc.message, param=exc.param, code="context_length_exceeded",
                         anthropic_message=f"prompt is too long: {exc.tokens} tokens > {exc.ctx} maximum")
     if isinstance(exc, InvalidRequestError):
-        return ApiError(400, exc.message, param=exc.param or None)
+        return ApiError(400, exc.message, param=exc.param or None, code=exc.code)
     if isinstance(exc, NotReadyError):
         return ApiError(503, str(exc), retry_after=retry_after)
     if isinstance(exc, QueueFull):
         return ApiError(429, exc.message, retry_after=exc.retry_after, overloaded=exc.scope == "server")
     if isinstance(exc, HTTPException):
-        return ApiError(exc.status_code, _detail(exc))
+        return ApiError(exc.status_code, _body_error(exc) or _detail(exc))
     log.error("unexpected error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+def _body_error(exc: HTTPException) -> str | None:
+    """What is wrong with a body Litestar could not read as a JSON object (None: something else)."""
+    if isinstance(exc.__cause__, SerializationException):  # msgspec: "Input data was truncated", "... (byte 7)"
+        reason = _lower(str(exc.__cause__).removeprefix("JSON is malformed: "))
+        where = "it ends in the middle of a value (input data was truncated)" if "truncated" in reason else reason
+        return f"the body is not valid JSON: {where}"
+    for item in exc.extra if isinstance(exc.extra, list) else ():
+        if isinstance(item, dict) and item.get("key") == "data" and item.get("source") == "body":
+            if item.get("message") == "'data'":  # no body at all
+                return "the body is not valid JSON: it is empty; send a JSON object"
+            return f"the body must be a JSON object: {_lower(str(item.get('message', '')))}"
+    return None
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]
 
 
 def _detail(exc: HTTPException) -> str:

@@ -5,10 +5,12 @@ the worker on the way out (Ctrl-C or SIGTERM).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,14 +34,20 @@ class Launch:
 
 
 def serve(launch: Launch) -> int:
-    """Serve until interrupted (0) or until the model fails to load (1)."""
+    """Serve until interrupted (0) or until the model fails to load (1); 2 if the address cannot be
+    listened on (found before the model loads) or the engine refuses a setting (before allocating)."""
+    try:
+        sock = listen(launch.settings.host, launch.settings.port)
+    except OSError as err:
+        _say(f"cannot listen on {_url(launch.settings).removeprefix('http://')}: {_reason(err)}")
+        return 2
     _log_requests()
     backend = _backend(launch)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     if launch.settings.key_file:
         signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))
     try:
-        return _serve(backend, launch.settings)
+        return _serve(backend, launch.settings, sock)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -48,14 +56,38 @@ def serve(launch: Launch) -> int:
         backend.close()
 
 
-def _serve(backend: Backend, settings: Settings) -> int:
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now so that a port in use shows before any loading."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _reason(err: OSError) -> str:
+    if isinstance(err, socket.gaierror):
+        return f"no such host ({err.strerror})"
+    reason = (err.strerror or str(err)).lower()
+    if err.errno == errno.EADDRINUSE:
+        return f"{reason} (another server is on it: stop it or pick another --port)"
+    return reason
+
+
+def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
     config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
                             log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     watch = Watch(backend, server, _url(settings))
     threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
-    server.run()
-    return 1 if watch.failed else 0
+    server.run(sockets=[sock])
+    return watch.status
 
 
 class Watch:
@@ -63,7 +95,7 @@ class Watch:
 
     def __init__(self, backend: Backend, server: uvicorn.Server, url: str, every: float = 0.1) -> None:
         self.backend, self.server, self.url, self.every = backend, server, url, every
-        self.failed = False
+        self.status = 0  # the exit status: 1 once the model failed to load, 2 once a setting was refused
 
     def run(self) -> None:
         while not self.server.started and not self.server.should_exit:
@@ -76,7 +108,8 @@ class Watch:
                 continue
             self._report(change)
             if change.state == "failed":
-                self.failed = self.server.should_exit = True
+                self.status = 2 if change.refused else 1
+                self.server.should_exit = True
 
     def _report(self, change: Change) -> None:
         if change.state == "ready" and change.info is not None:
@@ -85,7 +118,7 @@ class Watch:
         elif change.state == "loading":
             _say(f"the worker stopped; loading the model again (restart {change.restarts})")
         elif change.state == "failed":
-            _say(f"the model did not load: {change.error}")
+            _say(change.error if change.refused else f"the model did not load: {change.error}")
 
 
 def _backend(launch: Launch) -> Backend:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Literal
 
 from mashbox.api.base import OutModel
@@ -26,7 +27,8 @@ class Model(OutModel):
 
     @classmethod
     def of(cls, info: ModelInfo, settings: Settings) -> Model:
-        return cls(id=info.id, max_model_len=info.ctx, weights=info.weights, gb=round(info.gb, 3),
+        # the file's name only: its path would tell every client how this machine's disk is laid out
+        return cls(id=info.id, max_model_len=info.ctx, weights=PurePath(info.weights).name, gb=round(info.gb, 3),
                    bpw=info.bpw, slots=info.slots, cache_ram_mib=settings.cache_ram_mib)
 
 

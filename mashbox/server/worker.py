@@ -94,6 +94,7 @@ class WorkerBackend:
         self._pending: dict[int, Pending] = {}
         self._state: State = "loading"
         self._error: str | None = None
+        self._refused = False
         self._info: ModelInfo | None = None
         self._threads = 0
         self._restarts = 0
@@ -169,7 +170,8 @@ class WorkerBackend:
             return self._state
 
     def close(self) -> None:
-        """Stop the worker: ``Stop``, then terminate and kill after ``stop_timeout`` s."""
+        """Stop the worker: ``Stop``, then terminate and kill after ``stop_timeout`` s (at once while it
+        loads)."""
         with self._lock:
             if self._closed:
                 return
@@ -179,7 +181,7 @@ class WorkerBackend:
             self._changed.notify_all()
         worker.outbox.put(Stop())
         worker.outbox.put(None)
-        _stop(worker.process, self._stop_timeout)
+        _stop(worker.process, self._stop_timeout if worker.ready else 0)  # a loading worker reads no Stop
 
     # -- requests ------------------------------------------------------------
 
@@ -267,8 +269,8 @@ class WorkerBackend:
         match reply:
             case Ready(info, threads):
                 self._ready(worker, info, threads)
-            case Failed(error):
-                self._failed(worker, error)
+            case Failed(error, refused):
+                self._failed(worker, error, refused)
             case StatsSnapshot(stats=stats):
                 self._stats = stats
             case EventMsg() | Error() | Counted():
@@ -277,15 +279,18 @@ class WorkerBackend:
 
     def _ready(self, worker: Incarnation, info: ModelInfo, threads: int) -> None:
         with self._changed:
+            if self._closed:  # loaded as the server stopped: nothing to announce
+                return
             worker.ready = True
             self._info, self._threads, self._state = info, threads, "ready"
             self._changed.notify_all()
             self._announce()
         log.info("worker %s ready: %s", worker.process.pid, info.id)
 
-    def _failed(self, worker: Incarnation, error: str) -> None:
+    def _failed(self, worker: Incarnation, error: str, refused: bool) -> None:
         with self._changed:
             worker.failed = self._error = error
+            self._refused = refused
             self._state = "failed"
             self._changed.notify_all()
             self._announce()
@@ -310,7 +315,7 @@ class WorkerBackend:
 
     def _announce(self) -> None:
         """Queue the state as it is now (lock held): every change reaches the terminal."""
-        self.changes.put(Change(self._state, self._restarts, self._error, self._info))
+        self.changes.put(Change(self._state, self._restarts, self._error, self._info, self._refused))
 
 
 def _exit(code: int | None) -> str:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mashbox.engine.events import Event
 from mashbox.engine.request import EngineRequest
+from mashbox.errors import ConfigError
 from mashbox.server.worker_messages import (
     Abort,
     Command,
@@ -62,6 +63,9 @@ def _load(conn: Connection, model: str, options: dict[str, Any]) -> Engine | Non
         from mashbox.engine.engine import Engine
 
         engine = Engine(model, **options)
+    except ConfigError as exc:  # a setting refused: the message says which and what to do
+        conn.send(Failed(str(exc), refused=True))
+        return None
     except Exception as exc:  # reported to the server, which shows it and stops
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return None

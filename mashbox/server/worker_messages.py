@@ -54,9 +54,11 @@ class Ready:
 
 @dataclass(slots=True, frozen=True)
 class Failed:
-    """The model did not load; the worker exits after sending this."""
+    """The model did not load; the worker exits after sending this. ``refused``: a setting the model
+    or the machine cannot take (``ConfigError``), found before any allocation."""
 
     error: str
+    refused: bool = False
 
 
 @dataclass(slots=True, frozen=True)
