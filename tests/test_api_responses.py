@@ -221,9 +221,9 @@ def test_model_defaults_to_the_served_id():
     sdk.Response.model_validate(body)
 
 
-@pytest.mark.parametrize(("sent", "echoed"), [({}, True), ({"parallel_tool_calls": True}, True),
+@pytest.mark.parametrize(("sent", "echoed"), [({}, False), ({"parallel_tool_calls": True}, True),
                                               ({"parallel_tool_calls": False}, False)])
-def test_parallel_tool_calls_is_echoed_as_sent_and_defaults_to_true(sent, echoed):
+def test_parallel_tool_calls_is_echoed_as_sent_and_defaults_to_false_as_the_server_api_says(sent, echoed):
     request = parse(ResponsesRequest, {"input": "hi", "tools": TOOLS, **sent})
     translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])
     assert translator.response().dump()["parallel_tool_calls"] is echoed

@@ -122,6 +122,6 @@ def to_engine(req: ResponsesRequest) -> EngineRequest:
         sampling=req.sampling(),
         tools=allowed_tools(req.tool_choice, tools),
         tool_choice=engine_tool_choice(req.tool_choice, tools),
-        parallel_tool_calls=req.parallel_tool_calls is not False,  # OpenAI's default: true
+        parallel_tool_calls=bool(req.parallel_tool_calls),  # the Server API's default: false
         enable_thinking=req.reasoning.thinking() if req.reasoning else None,
     )

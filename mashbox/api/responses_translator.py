@@ -62,7 +62,7 @@ def _echo(request: ResponsesRequest, model: str) -> dict[str, Any]:
     sampling, reasoning = request.sampling(), request.reasoning
     return {
         "model": model,
-        "parallel_tool_calls": request.parallel_tool_calls is not False,  # as sent; OpenAI's default: true
+        "parallel_tool_calls": bool(request.parallel_tool_calls),  # as sent; the Server API's default: false
         "tool_choice": echo_tool_choice(request.tool_choice),
         "tools": [echo_tool(t) for t in request.tools or ()],
         "instructions": request.instructions,
