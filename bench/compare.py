@@ -6,7 +6,7 @@ Starts each server in turn on 127.0.0.1 (never two at once: they share the machi
 its health, then drives it with bench/loadgen.py at each stream count (~107-token prompts, 128 new
 tokens, greedy, streaming), times one 2k-token prompt to its first token (prefill speed), and a
 second 2k-token prompt sharing the first's prefix (the prefix cache). Peers: llama.cpp's
-``llama-server`` (``--llama-server``, else on PATH, else where ../shared/bench/build_llama_server.sh
+``llama-server`` (``--llama-server``, else on PATH, else where bench/build_llama_server.sh
 puts it) with 16 slots on the same GGUF; ``transformers serve`` with ``--transformers``. Prints
 one table with each figure and mashbox's ratio to the best peer, and writes it as JSON with --json.
 """
@@ -238,7 +238,7 @@ def main() -> None:
     if binary:
         servers.append(llama_server(binary, free_port(), args.threads))
     else:
-        print("no llama-server found: build it with ../shared/bench/build_llama_server.sh", file=sys.stderr)
+        print("no llama-server found: build it with bench/build_llama_server.sh", file=sys.stderr)
     if args.transformers:
         servers.append(transformers_server(free_port(), args.threads))
     for server in servers:
