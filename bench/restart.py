@@ -3,7 +3,7 @@
     .venv/bin/python bench/restart.py REQUEST.json [--model qwen2.5-coder-0.5b] [--ctx 32768]
 
 REQUEST.json is a captured request (``method``, ``path``, ``headers``, ``body``), e.g. Claude Code's
-first ``POST /v1/messages`` as a logging proxy captures it). Starts
+first ``POST /v1/messages``, as a logging proxy captures it. Starts
 ``mashbox run`` with a fresh prefix folder on disk, sends the request cold (everything prefilled),
 stops the server, starts it again and sends the same request as a new session would: its system
 prompt and tools come from the disk tier of the prefix cache. Prints the time to the first
