@@ -33,7 +33,7 @@ from mashbox.errors import (
 )
 
 if TYPE_CHECKING:
-    from mashbox.engine.engine import Engine, IgnoredFieldsWarning
+    from mashbox.facade import Engine, IgnoredFieldsWarning
 
 __all__ = [
     "ConfigError", "ContextLengthError", "Engine", "EngineClosedError", "EngineConfig", "EngineRequest", "Event",
@@ -45,7 +45,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("Engine", "IgnoredFieldsWarning"):
-        from mashbox.engine import engine
+        from mashbox import facade
 
-        return getattr(engine, name)
+        return getattr(facade, name)
     raise AttributeError(f"module 'mashbox' has no attribute {name!r}")

@@ -163,7 +163,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def chat(args: argparse.Namespace) -> int:
-    from mashbox.engine.engine import Engine  # torch loads only when needed
+    from mashbox.facade import Engine  # torch loads only when needed
 
     interactive = sys.stdin.isatty()
     messages = [{"role": "system", "content": args.system}] if args.system else []

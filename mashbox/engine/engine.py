@@ -1,38 +1,27 @@
-"""``Engine``: the product. Four typed protocol methods over one continuously
-batched engine, usable from plain code, a notebook or a server.
-
-``stream(EngineRequest)`` yields the engine's events; ``chat``, ``complete``,
-``respond`` and ``message`` translate a protocol request into that, and the
-events back into the protocol's response (or, with ``stream=True``, an
-iterator of its stream events). ``achat`` ... are the async twins.
+"""``Runtime``: one model running on this machine, continuously batched: ``EngineRequest`` in,
+engine events out (``stream`` / ``astream``). The protocols sit above it: ``mashbox.Engine``
+(``mashbox/facade.py``) answers them over a Runtime, and nothing here imports them.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import logging
-import warnings
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel
-
-from mashbox.api import anthropic_messages, local_tasks, openai_chat, openai_completions, openai_responses
-from mashbox.api.base import parse
 from mashbox.engine.catalog import cache_dir
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import CLOSED, EngineCore, ThinkBudget
 from mashbox.engine.disk_cache import PageStore
-from mashbox.engine.grammar import Grammars
-from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.events import Event, Finish, Queued
+from mashbox.engine.grammar import Grammars
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.loader import LoadedModel, load, pick_device
+from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.memory import available, check_fits, kv_bytes_per_token
 from mashbox.engine.model_runner import ModelRunner, kv_dtype
 from mashbox.engine.request import EngineRequest
@@ -41,30 +30,9 @@ from mashbox.engine.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.template import ChatTemplate
 from mashbox.engine.weights import Weights, weight_mode
-from mashbox.errors import (
-    ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError, MashboxError, ModelNotFoundError,
-)
+from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
-
-
-class IgnoredFieldsWarning(UserWarning):
-    """A request carried fields mashbox accepts but does not act on."""
-
-
-@dataclass(slots=True, frozen=True)
-class Protocol:
-    module: ModuleType
-    request: type
-    any_model: bool = False  # as the server: Anthropic requests may name any model
-
-
-PROTOCOLS = {
-    "chat": Protocol(openai_chat, openai_chat.ChatRequest),
-    "complete": Protocol(openai_completions, openai_completions.CompletionRequest),
-    "respond": Protocol(openai_responses, openai_responses.ResponsesRequest),
-    "message": Protocol(anthropic_messages, anthropic_messages.MessagesRequest, any_model=True),
-}
 
 
 class Job(NamedTuple):
@@ -75,7 +43,7 @@ class Job(NamedTuple):
     budget: ThinkBudget | None
 
 
-class Engine:
+class Runtime:
     """One model, answering many requests at once.
 
     >>> with Engine() as engine:
@@ -205,81 +173,6 @@ class Engine:
             if not finished:
                 self._core.abort(job.seq.id)
 
-    # -- the four protocols ----------------------------------------------
-
-    def chat(self, request: Any = None, /, **fields: Any) -> Any:
-        """OpenAI Chat Completions: a ChatCompletion, or chunks with stream=True."""
-        return self._call("chat", request, fields)
-
-    def complete(self, request: Any = None, /, **fields: Any) -> Any:
-        """OpenAI Completions: a Completion, or Completion chunks with stream=True."""
-        return self._call("complete", request, fields)
-
-    def respond(self, request: Any = None, /, **fields: Any) -> Any:
-        """OpenAI Responses: a Response, or Responses stream events with stream=True."""
-        return self._call("respond", request, fields)
-
-    def message(self, request: Any = None, /, **fields: Any) -> Any:
-        """Anthropic Messages: a Message, or Messages stream events with stream=True."""
-        return self._call("message", request, fields)
-
-    async def achat(self, request: Any = None, /, **fields: Any) -> Any:
-        return await self._acall("chat", request, fields)
-
-    async def acomplete(self, request: Any = None, /, **fields: Any) -> Any:
-        return await self._acall("complete", request, fields)
-
-    async def arespond(self, request: Any = None, /, **fields: Any) -> Any:
-        return await self._acall("respond", request, fields)
-
-    async def amessage(self, request: Any = None, /, **fields: Any) -> Any:
-        return await self._acall("message", request, fields)
-
-    def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
-        """Anthropic count_tokens: prompt tokens a Messages request would use."""
-        self._check_open()
-        req = parse(anthropic_messages.CountTokensRequest,
-                    _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens"))
-        return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
-
-    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
-        protocol = PROTOCOLS[name]
-        req = parse(protocol.request, _merge(request, fields, protocol.request, name))
-        model = getattr(req, "model", None)
-        if model not in (None, self.model_id) and not protocol.any_model:
-            raise ModelNotFoundError(model, self.model_id)
-        if ignored := req.ignored_fields():  # stacklevel: the caller's line, past _prepare, _call and chat
-            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=4)
-        translator = protocol.module.Translator(req, self.model_id)
-        return req, translator, self._job(protocol.module.to_engine(req))
-
-    def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
-        req, translator, job = self._prepare(name, request, fields)
-        events = self._events(job)
-        if req.stream:
-            return _translated(translator, events)
-        for event in events:
-            translator.feed(event)
-        return translator.response()
-
-    async def _acall(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
-        req, translator, job = self._prepare(name, request, fields)
-        events = self._aevents(job)
-        if req.stream:
-            return _atranslated(translator, events)
-        async for event in events:
-            translator.feed(event)
-        return translator.response()
-
-    def task(self, request: Any = None, /, **fields: Any) -> Any:
-        """Agent Tasks (docs/tasks.md): the agent loop over this engine. A ``TaskObject``, or its
-        ``task.*`` events with stream=True. ``client_tools`` may hold Python functions: the loop
-        calls them itself; a client tool given as a description stops the task ``input-required``."""
-        return local_tasks.run_sync(_merge(request, fields), self.astream)
-
-    async def atask(self, request: Any = None, /, **fields: Any) -> Any:
-        return await local_tasks.run_async(_merge(request, fields), self.astream)
-
     def stats(self) -> EngineStats:
         """Requests running and waiting, KV use and token counters, as of the engine's last step."""
         return self._core.stats()
@@ -295,7 +188,7 @@ class Engine:
         self._core.close()
         self._core.runner = None  # type: ignore[assignment]
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -313,47 +206,6 @@ def _page_store(config: EngineConfig, info: ModelInfo, runner: ModelRunner) -> P
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
     return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
-
-
-def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
-    yield from translator.start()
-    try:
-        for event in events:
-            yield from translator.feed(event)
-    finally:
-        events.close()  # type: ignore[attr-defined]
-
-
-async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIterator[Any]:
-    for item in translator.start():
-        yield item
-    try:
-        async for event in events:
-            for item in translator.feed(event):
-                yield item
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-
-
-def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Any:
-    """The request: ``request`` (a dict or model, whose unknown fields are reported as over HTTP) or
-    the keyword ``fields``, where an unknown name is a mistake in the caller's code and an error."""
-    if request is None:
-        _check_names(fields, model, method)
-        return fields
-    if fields:
-        raise MashboxError("pass a request object or keyword fields, not both")
-    return request
-
-
-def _check_names(fields: dict[str, Any], model: type[BaseModel], method: str) -> None:
-    known = {name for name, info in model.model_fields.items() for name in (name, info.alias) if name}
-    for name in fields:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean `{close[0]}`?" if close else f"its parameters are: {', '.join(sorted(known))}"
-            raise InvalidRequestError(name, f"is not a parameter of {method}(); {hint} (a request passed as "
-                                            "a dict keeps unknown fields and warns of them, as the server does)")
 
 
 def _most_chars_per_token(tokenizer: Any) -> int:

@@ -20,7 +20,7 @@ from mashbox.engine.stats import EngineStats
 from mashbox.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads only where an engine is built
-    from mashbox.engine.engine import Engine
+    from mashbox.facade import Engine
 
 State = Literal["loading", "ready", "failed"]
 

@@ -17,47 +17,26 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from litestar import Request, Response
 from litestar.types import Receive
 
-from mashbox.api import anthropic_messages, openai_chat, openai_completions, openai_responses
 from mashbox.api.base import RequestModel, parse
+from mashbox.api.protocols import Protocol
 from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ContextLengthError
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
-from mashbox.server.sse import COMMENT, DONE, PING, EventStream, data_frame, event_frame
+from mashbox.server.sse import EventStream
 
 log = logging.getLogger("mashbox.server")
 MAX_HEADER = 2048  # an ignored-fields header longer than this is cut
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Protocol:
-    name: str
-    module: ModuleType
-    request: type[RequestModel]
-    frame: Callable[[dict[str, Any]], bytes]
-    done: bytes = b""
-    keepalive: bytes = COMMENT
-    any_model: bool = False
-    turns: str | None = "messages"  # the body's list of conversation items
-
-
-CHAT = Protocol("chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)
-COMPLETIONS = Protocol("completions", openai_completions, openai_completions.CompletionRequest, data_frame, DONE,
-                       turns=None)
-RESPONSES = Protocol("responses", openai_responses, openai_responses.ResponsesRequest, event_frame, turns="input")
-MESSAGES = Protocol("messages", anthropic_messages, anthropic_messages.MessagesRequest, event_frame,
-                    keepalive=PING, any_model=True)
 
 
 def refuse_overlong(ctx: Context, body: dict[str, Any], turns: str | None) -> None:

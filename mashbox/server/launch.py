@@ -126,7 +126,7 @@ def _backend(launch: Launch) -> Backend:
         # the HTTP layer re-sends a request lost before its client got output (once), so the
         # backend does not retry too
         return WorkerBackend(launch.model, launch.engine_options)
-    from mashbox.engine.engine import Engine  # torch loads in this process only with --in-process
+    from mashbox.facade import Engine  # torch loads in this process only with --in-process
 
     return InProcessBackend(launch.model, lambda: Engine(launch.model, **launch.engine_options))
 

@@ -10,9 +10,10 @@ from litestar.params import FromPath, JSONBody
 
 from mashbox.api.anthropic_messages import CountTokensRequest, TokenCount, to_engine
 from mashbox.api.base import parse
+from mashbox.api.protocols import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
-from mashbox.server.generation import CHAT, COMPLETIONS, MESSAGES, RESPONSES, generate, refuse_overlong
+from mashbox.server.generation import generate, refuse_overlong
 from mashbox.server.health import health
 from mashbox.server.metrics import CONTENT_TYPE
 from mashbox.server.models import AnthropicModel, AnthropicModelList, Model, ModelList

@@ -1,4 +1,4 @@
-"""Server-sent events: how each protocol frames its stream, and the response that sends it.
+"""Server-sent events: the response that sends a protocol's frames (``mashbox.api.frames``).
 
 ``EventStream`` differs from Litestar's ``Stream`` in two ways the server needs: a write the
 client does not take within ``idle_s`` ends the stream, and ``on_close`` runs once however the
@@ -7,7 +7,6 @@ stream ends (done, client gone, client idle), so that the request's slot is alwa
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,24 +20,7 @@ from litestar.types import Message, Receive, Send
 
 log = logging.getLogger("mashbox.server")
 
-DONE = b"data: [DONE]\n\n"
-COMMENT = b": keep-alive\n\n"  # an SSE comment: clients skip it
-PING = b'event: ping\ndata: {"type":"ping"}\n\n'  # Anthropic's keep-alive event
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-def _json(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-
-
-def data_frame(payload: dict[str, Any]) -> bytes:
-    """Chat and Completions: ``data: {json}``."""
-    return f"data: {_json(payload)}\n\n".encode()
-
-
-def event_frame(payload: dict[str, Any]) -> bytes:
-    """Messages and Responses: ``event: <type>`` then ``data: {json}``."""
-    return f"event: {payload['type']}\ndata: {_json(payload)}\n\n".encode()
 
 
 class EventStream(Stream):

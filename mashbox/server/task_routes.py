@@ -16,13 +16,14 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from mashbox.api.base import parse
+from mashbox.api.frames import COMMENT
 from mashbox.api.task_items import STATUSES, CreateTask, Envelope
+from mashbox.errors import InvalidRequestError
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.generation import ignored_header, request_id, unless_gone
-from mashbox.server.sse import COMMENT, EventStream
+from mashbox.server.sse import EventStream
 from mashbox.server.task_runs import Live
-from mashbox.errors import InvalidRequestError
 
 Ctx = NamedDependency[Context]
 Body = JSONBody[dict[str, Any]]

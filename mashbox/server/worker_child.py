@@ -41,7 +41,7 @@ from mashbox.server.worker_messages import (
 )
 
 if TYPE_CHECKING:
-    from mashbox.engine.engine import Engine
+    from mashbox.facade import Engine
 
 
 def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def _load(conn: Connection, model: str, options: dict[str, Any]) -> Engine | Non
     try:
         import torch
 
-        from mashbox.engine.engine import Engine
+        from mashbox.facade import Engine
 
         engine = Engine(model, **options)
     except ConfigError as exc:  # a setting refused: the message says which and what to do

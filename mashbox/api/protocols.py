@@ -1,0 +1,45 @@
+"""The protocols mashbox speaks, in the one registry the Engine facade and the server both read.
+
+Each names its request model, the module that translates it (``to_engine(request)`` into an
+``EngineRequest``; ``Translator(request, model)`` from engine events back), the Engine method that
+answers it, and how its stream is framed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from mashbox.api import (
+    anthropic_messages,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+)
+from mashbox.api.base import RequestModel
+from mashbox.api.frames import COMMENT, DONE, PING, data_frame, event_frame
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    name: str
+    method: str  # the Engine's method (chat, complete, respond, message)
+    module: ModuleType
+    request: type[RequestModel]
+    frame: Callable[[dict[str, Any]], bytes]
+    done: bytes = b""
+    keepalive: bytes = COMMENT
+    any_model: bool = False  # Anthropic requests may name any model; the answer names it back
+    turns: str | None = "messages"  # the body's list of conversation items
+
+
+CHAT = Protocol("chat", "chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)
+COMPLETIONS = Protocol("completions", "complete", openai_completions, openai_completions.CompletionRequest,
+                       data_frame, DONE, turns=None)
+RESPONSES = Protocol("responses", "respond", openai_responses, openai_responses.ResponsesRequest, event_frame,
+                     turns="input")
+MESSAGES = Protocol("messages", "message", anthropic_messages, anthropic_messages.MessagesRequest, event_frame,
+                    keepalive=PING, any_model=True)
+PROTOCOLS = {p.method: p for p in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)}  # by Engine method

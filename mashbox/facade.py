@@ -1,0 +1,152 @@
+"""``Engine``: the product. The four protocols (and agent tasks) as typed methods over one
+continuously batched ``Runtime``, usable from plain code, a notebook or a server.
+
+``stream(EngineRequest)`` (the Runtime's) yields the engine's events; ``chat``, ``complete``,
+``respond`` and ``message`` translate a protocol request into that, and the events back into the
+protocol's response (or, with ``stream=True``, an iterator of its stream events). ``achat`` ...
+are the async twins. Which module and request model answer each method comes from the protocol
+registry the server reads too (``mashbox.api.protocols``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from mashbox.api import anthropic_messages, local_tasks
+from mashbox.api.base import parse
+from mashbox.api.protocols import PROTOCOLS
+from mashbox.api.task_items import CreateTask
+from mashbox.engine.engine import Job, Runtime
+from mashbox.engine.events import Event
+from mashbox.errors import InvalidRequestError, MashboxError, ModelNotFoundError
+
+
+class IgnoredFieldsWarning(UserWarning):
+    """A request carried fields mashbox accepts but does not act on."""
+
+
+class Engine(Runtime):
+    """One model, answering many requests at once, in the protocols agents and SDKs speak.
+
+    >>> with Engine() as engine:
+    ...     engine.chat(messages=[{"role": "user", "content": "Hi"}]).choices[0].message.content
+    """
+
+    def chat(self, request: Any = None, /, **fields: Any) -> Any:
+        """OpenAI Chat Completions: a ChatCompletion, or chunks with stream=True."""
+        return self._call("chat", request, fields)
+
+    def complete(self, request: Any = None, /, **fields: Any) -> Any:
+        """OpenAI Completions: a Completion, or Completion chunks with stream=True."""
+        return self._call("complete", request, fields)
+
+    def respond(self, request: Any = None, /, **fields: Any) -> Any:
+        """OpenAI Responses: a Response, or Responses stream events with stream=True."""
+        return self._call("respond", request, fields)
+
+    def message(self, request: Any = None, /, **fields: Any) -> Any:
+        """Anthropic Messages: a Message, or Messages stream events with stream=True."""
+        return self._call("message", request, fields)
+
+    async def achat(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("chat", request, fields)
+
+    async def acomplete(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("complete", request, fields)
+
+    async def arespond(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("respond", request, fields)
+
+    async def amessage(self, request: Any = None, /, **fields: Any) -> Any:
+        return await self._acall("message", request, fields)
+
+    def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
+        """Anthropic count_tokens: prompt tokens a Messages request would use."""
+        self._check_open()
+        req = parse(anthropic_messages.CountTokensRequest,
+                    _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens"))
+        return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
+
+    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
+        protocol = PROTOCOLS[name]
+        req = parse(protocol.request, _merge(request, fields, protocol.request, name))
+        model = getattr(req, "model", None)
+        if model not in (None, self.model_id) and not protocol.any_model:
+            raise ModelNotFoundError(model, self.model_id)
+        if ignored := req.ignored_fields():  # stacklevel: the caller's line, past _prepare, _call and chat
+            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=4)
+        translator = protocol.module.Translator(req, self.model_id)
+        return req, translator, self._job(protocol.module.to_engine(req))
+
+    def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
+        req, translator, job = self._prepare(name, request, fields)
+        events = self._events(job)
+        if req.stream:
+            return _translated(translator, events)
+        for event in events:
+            translator.feed(event)
+        return translator.response()
+
+    async def _acall(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
+        req, translator, job = self._prepare(name, request, fields)
+        events = self._aevents(job)
+        if req.stream:
+            return _atranslated(translator, events)
+        async for event in events:
+            translator.feed(event)
+        return translator.response()
+
+    def task(self, request: Any = None, /, **fields: Any) -> Any:
+        """Agent Tasks (docs/tasks.md): the agent loop over this engine. A ``TaskObject``, or its
+        ``task.*`` events with stream=True. ``client_tools`` may hold Python functions: the loop
+        calls them itself; a client tool given as a description stops the task ``input-required``."""
+        return local_tasks.run_sync(_merge(request, fields, CreateTask, "task"), self.astream)
+
+    async def atask(self, request: Any = None, /, **fields: Any) -> Any:
+        return await local_tasks.run_async(_merge(request, fields, CreateTask, "atask"), self.astream)
+
+
+def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
+    yield from translator.start()
+    try:
+        for event in events:
+            yield from translator.feed(event)
+    finally:
+        events.close()  # type: ignore[attr-defined]
+
+
+async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIterator[Any]:
+    for item in translator.start():
+        yield item
+    try:
+        async for event in events:
+            for item in translator.feed(event):
+                yield item
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Any:
+    """The request: ``request`` (a dict or model, whose unknown fields are reported as over HTTP) or
+    the keyword ``fields``, where an unknown name is a mistake in the caller's code and an error."""
+    if request is None:
+        _check_names(fields, model, method)
+        return fields
+    if fields:
+        raise MashboxError("pass a request object or keyword fields, not both")
+    return request
+
+
+def _check_names(fields: dict[str, Any], model: type[BaseModel], method: str) -> None:
+    known = {name for name, info in model.model_fields.items() for name in (name, info.alias) if name}
+    for name in fields:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"its parameters are: {', '.join(sorted(known))}"
+            raise InvalidRequestError(name, f"is not a parameter of {method}(); {hint} (a request passed as "
+                                            "a dict keeps unknown fields and warns of them, as the server does)")
