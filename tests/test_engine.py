@@ -453,3 +453,18 @@ def test_a_model_other_than_the_loaded_one_is_refused_as_the_server_does(tiny_en
         call(tiny_engine.model_id)
     answer = tiny_engine.message(model="claude-sonnet-4", messages=hi, max_tokens=1)  # Anthropic: any model
     assert answer.model == "claude-sonnet-4"
+
+
+def test_the_engine_package_imports_no_protocol_and_the_facade_reads_the_registry():
+    import subprocess
+    import sys
+
+    from mashbox.api.protocols import PROTOCOLS
+
+    code = ("import sys, mashbox.engine.engine; "
+            "print(sorted(m for m in sys.modules if m.startswith('mashbox.api')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert {p.method for p in PROTOCOLS.values()} == {"chat", "complete", "respond", "message"}
+    assert all(callable(getattr(Engine, p.method)) and callable(getattr(Engine, "a" + p.method))
+               for p in PROTOCOLS.values())
