@@ -111,8 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def list_models() -> int:
+    """The catalog: each model's default context, the size of its weights file, and whether it is
+    installed (``/v1/models`` and ``engine.info`` give the loaded model's size in memory instead)."""
+    from mashbox.engine.catalog import installed
+
     for entry in catalog().values():
-        print(f"{entry.id:22} ctx {entry.ctx:>6}  {entry.gb:5.2f} GB  {entry.description}")
+        where = "installed" if installed(entry) else f"not installed: {entry.install}"
+        print(f"{entry.id:22} ctx {entry.ctx:>6}  file {entry.gb:5.2f} GB  {where}\n{'':24}{entry.description}")
     return 0
 
 

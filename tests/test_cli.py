@@ -25,6 +25,22 @@ def test_unknown_model_is_one_clear_error():
     assert "Traceback" not in done.stderr
 
 
-def test_models_lists_the_catalog():
+def test_models_lists_the_catalog_with_file_sizes_and_what_is_installed():
+    from mashbox.engine.catalog import catalog, installed
+
     done = mashbox("models")
     assert done.returncode == 0 and "smollm2-135m" in done.stdout and "qwen2.5-coder-0.5b" in done.stdout
+    smol = next(line for line in done.stdout.splitlines() if line.startswith("smollm2-135m"))
+    assert "file  0.10 GB  installed" in smol  # the embedded model always is
+    for entry in catalog().values():
+        line = next(line for line in done.stdout.splitlines() if line.startswith(entry.id))
+        assert line.endswith("installed" if installed(entry) else entry.install)
+
+
+def test_a_model_is_installed_only_when_every_part_is(monkeypatch):
+    from mashbox.engine import catalog
+
+    qwen = catalog.catalog()["qwen2.5-coder-0.5b"]
+    monkeypatch.setattr(catalog, "package_file", lambda part: None if part == qwen.source.parts[-1] else "x")
+    assert not catalog.installed(qwen)
+    assert catalog.installed(catalog.catalog()["smollm2-135m"])

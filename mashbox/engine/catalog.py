@@ -110,6 +110,12 @@ def package_file(ref: PackageFile) -> Path | None:
     return None
 
 
+def installed(entry: CatalogEntry) -> bool:
+    """Whether the packages holding ``entry``'s weights are installed (nothing is read or joined)."""
+    parts = entry.source.parts if isinstance(entry.source, SplitFile) else (entry.source,)
+    return all(package_file(part) is not None for part in parts)
+
+
 def resolve(model: str, *, cache: Path | None = None) -> ModelSource:
     """Resolve a catalog id, an HF model directory or a ``.gguf`` path; raise ModelLoadError."""
     entries = catalog()
