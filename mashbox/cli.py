@@ -76,6 +76,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
                           "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
                           "(default: none; MASHBOX_API_KEY adds one more key)")
+    run.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                     help="a web page origin (e.g. http://localhost:3000; '*' for any) whose scripts may call the "
+                          "API, with CORS; repeatable; MASHBOX_ALLOW_ORIGINS adds a comma-separated list "
+                          "(default: none: pages of other origins are refused)")
     run.add_argument("--ui", action="store_true",
                      help="serve the MASHBOX Chat page at / (default: off: / answers like /health)")
     run.add_argument("--tasks-db", default=None, metavar="PATH",
@@ -153,7 +157,9 @@ def _settings(args: argparse.Namespace):
     from mashbox.server.settings import Settings
 
     keys = load_keys(args.api_key_file, os.environ.get("MASHBOX_API_KEY"))
+    origins = [*args.allow_origin, *os.environ.get("MASHBOX_ALLOW_ORIGINS", "").split(",")]
     return Settings(host=args.host, port=args.port, api_keys=keys, key_file=args.api_key_file, ui=args.ui,
+                    allow_origins=tuple(o.strip().rstrip("/") for o in origins if o.strip()),
                     cache_ram_mib=args.cache_ram, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600)
 
 

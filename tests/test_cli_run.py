@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
-         "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process")
+         "--allow-origin", "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process")
 
 
 def free_port():

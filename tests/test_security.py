@@ -240,3 +240,34 @@ def test_get_needs_no_content_type():
 
 def test_unauthorized_comes_before_unsupported_type():
     assert status(keyed(), "POST", "/v1/chat/completions", {"content-type": "text/plain"}) == 401
+
+
+def test_an_allowed_origin_passes_and_others_are_still_refused():
+    settings = Settings(allow_origins=("http://localhost:3000",))
+    page = {"host": "127.0.0.1:8000", "origin": "http://localhost:3000"}
+    assert status(settings, "POST", "/v1/chat/completions", {**page, "content-type": "application/json"}) is None
+    assert status(settings, "GET", "/v1/models", {**page, "origin": "http://evil.example"}) == 403
+    assert status(Settings(), "GET", "/v1/models", page) == 403  # closed by default
+    assert status(Settings(allow_origins=("*",)), "GET", "/v1/models", {**page, "origin": "https://x.example"}) is None
+
+
+def test_cors_over_http_preflight_and_answers_name_the_allowed_origin(tiny_engine):
+    import httpx
+    from server import serve
+
+    from mashbox.server.backend import InProcessBackend
+
+    server = serve(InProcessBackend.of(tiny_engine), Settings(allow_origins=("http://localhost:3000",)))
+    url = next(server)
+    origin = {"origin": "http://localhost:3000"}
+    preflight = httpx.options(f"{url}/v1/chat/completions", headers={
+        **origin, "access-control-request-method": "POST", "access-control-request-headers": "content-type"})
+    assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == origin["origin"]
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    answer = httpx.post(f"{url}/v1/chat/completions", headers=origin, timeout=60,
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin["origin"]
+    assert "x-request-id" in answer.headers["access-control-expose-headers"]
+    foreign = httpx.get(f"{url}/v1/models", headers={"origin": "http://evil.example"})
+    assert foreign.status_code == 403 and "access-control-allow-origin" not in foreign.headers
+    server.close()

@@ -30,11 +30,14 @@ class Gate:
             return
         request_id = "req_" + uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id  # type: ignore[typeddict-item]
-        send = _tagged(send, request_id)
-        method, path = scope["method"], scope["path"]
+        method, path, headers = scope["method"], scope["path"], Headers.from_scope(scope)
+        origin = security.allowed_origin(self.ctx.settings, headers)
+        send = _tagged(send, request_id, cors(origin))
+        if origin is not None and method == "OPTIONS" and "access-control-request-method" in headers:
+            await _reply(send, 204, None, PREFLIGHT)  # a browser asks first; the answer names what it may send
+            return
         server = scope.get("server")
-        refusal = security.check(self.ctx.settings, method, path, Headers.from_scope(scope),
-                                 server[0] if server else None)
+        refusal = security.check(self.ctx.settings, method, path, headers, server[0] if server else None)
         if refusal is not None:
             status, body, headers = answer(path, ApiError(refusal.status, refusal.message), request_id)
             await _reply(send, status, None if method == "HEAD" else body, headers)
@@ -48,10 +51,22 @@ class Gate:
         return {"retry-after": str(self.ctx.settings.retry_after_s)}
 
 
-def _tagged(send: Send, request_id: str) -> Send:
+PREFLIGHT = {"access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
+             "access-control-allow-headers": "*, authorization", "access-control-max-age": "600"}
+
+
+def cors(origin: str | None) -> list[tuple[bytes, bytes]]:
+    """The CORS headers every answer to an allowed origin carries (none for others)."""
+    if origin is None:
+        return []
+    return [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin"),
+            (b"access-control-expose-headers", b"x-request-id, retry-after, x-mashbox-ignored-fields")]
+
+
+def _tagged(send: Send, request_id: str, extra: list[tuple[bytes, bytes]]) -> Send:
     async def tagged(message: Message) -> None:
         if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode()), *extra]
         await send(message)
 
     return tagged

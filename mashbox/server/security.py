@@ -3,7 +3,8 @@
 Pure functions over a request's method, path and headers; the HTTP layer turns
 a ``Refusal`` into its route's error shape. Checks run in this order:
 
-1. 403 ``Origin`` present and not the server's own origin (``null`` is foreign).
+1. 403 ``Origin`` present and not the server's own origin (``null`` is foreign)
+   nor one of ``--allow-origin`` (``allowed_origin``: those get CORS headers).
    Own origin: http(s) on a host name the server answers to (2.) with
    ``--port``, or exactly the name and port the request's ``Host`` names (an
    SSH tunnel changes the port; the page was served through it).
@@ -110,11 +111,19 @@ def check(
     lowered = _lower(headers)
     hosts = answered_hosts(settings, server_host)
     return (
-        _origin_refusal(lowered, hosts, settings.port)
+        (None if allowed_origin(settings, lowered) else _origin_refusal(lowered, hosts, settings.port))
         or _host_refusal(lowered, hosts)
         or _key_refusal(settings, method, path, lowered)
         or _type_refusal(method, lowered)
     )
+
+
+def allowed_origin(settings: Settings, headers: Mapping[str, str]) -> str | None:
+    """The request's ``Origin`` when ``--allow-origin`` names it (CORS answers go to it), else None."""
+    origin = _lower(headers).get("origin")
+    if origin is None:
+        return None
+    return origin if "*" in settings.allow_origins or origin.rstrip("/") in settings.allow_origins else None
 
 
 def tenant(settings: Settings, headers: Mapping[str, str]) -> str:

@@ -53,6 +53,7 @@ class Settings:
     max_waiting: int = 256
     idle_timeout_s: float = 30.0
     keepalive_s: float = 5.0  # a stream with no output yet sends a keep-alive this often
+    allow_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); "*": any
     retry_after_s: int = 1
     cache_ram_mib: int = 0
     tasks_db: str | None = None  # the agent tasks' SQLite file (default: tasks.sqlite3 in the mashbox cache)
