@@ -212,6 +212,12 @@ def test_ignored_field_names_with_control_characters_still_get_an_answer(http):
     assert "bad\\r\\nname\\x07\\xe9" in header and len(header) <= 2051 and header.isprintable()
 
 
+def test_ignored_field_names_with_spaces_at_their_ends_still_get_an_answer(http):
+    response = http.post("/v1/chat/completions", json={**CHAT, " padded ": 1})
+    assert response.status_code == 200
+    assert response.headers["x-mashbox-ignored-fields"] == "\\x20padded\\x20"
+
+
 def test_conversation_without_content_is_a_400_naming_messages(http):
     for path in ("/v1/chat/completions", "/v1/messages/count_tokens"):
         body = {"messages": [{"role": "system", "content": ""}], "max_tokens": 2}

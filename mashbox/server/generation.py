@@ -74,8 +74,9 @@ def ignored_header(req: RequestModel) -> dict[str, str]:
     if not ignored:
         return {}
     log.debug("ignored fields: %s", ", ".join(ignored))
-    value = ", ".join(name.encode("unicode_escape").decode("ascii") for name in ignored)
-    return {"x-mashbox-ignored-fields": value[:MAX_HEADER] + ("..." if len(value) > MAX_HEADER else "")}
+    # control, non-ASCII and space characters escaped: a header value may not start or end with a space
+    value = ", ".join(name.encode("unicode_escape").decode("ascii").replace(" ", "\\x20") for name in ignored)
+    return {"x-mashbox-ignored-fields": value[:MAX_HEADER].rstrip(", ") + ("..." if len(value) > MAX_HEADER else "")}
 
 
 async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], request: Request) -> Response:
