@@ -174,37 +174,11 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def chat(args: argparse.Namespace) -> int:
+    from mashbox.chat import run
     from mashbox.facade import Engine  # torch loads only when needed
 
     interactive = sys.stdin.isatty()
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     with Engine(args.model, ctx=args.ctx, slots=args.slots, allow_long_context=args.allow_long_context,
                 quiet=not interactive) as engine:
-        if interactive:
-            print(f"mashbox: chatting with {engine.model_id} (ctx {engine.ctx}); Ctrl-D to quit.", file=sys.stderr)
-        for line in _prompts(interactive):
-            messages.append({"role": "user", "content": line})
-            answer = _answer(engine, messages, args)
-            messages.append({"role": "assistant", "content": answer})
-    return 0
-
-
-def _prompts(interactive: bool):
-    while True:
-        try:
-            line = input("> " if interactive else "")
-        except EOFError:
-            return
-        if line.strip():
-            yield line
-
-
-def _answer(engine, messages: list[dict], args: argparse.Namespace) -> str:
-    text = []
-    for chunk in engine.chat(messages=messages, max_tokens=args.max_tokens, temperature=args.temperature, stream=True):
-        piece = chunk.choices[0].delta.content if chunk.choices else None
-        if piece:
-            text.append(piece)
-            print(piece, end="", flush=True)
-    print()
-    return "".join(text)
+        return run(engine, args.system, options, interactive)

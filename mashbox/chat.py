@@ -1,0 +1,148 @@
+"""``mashbox chat``: a conversation with the model in the terminal.
+
+In a terminal: line editing and history (readline; kept in the mashbox cache), Ctrl-C stops the
+answer being written (not the program), Ctrl-D or ``/exit`` quits, ``/reset`` starts over,
+``/system TEXT`` sets the system prompt. When the conversation outgrows the context, its oldest
+turns are dropped, with a notice. Piped in, each line is one question; its answer is followed by a
+separator line.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from mashbox.errors import ContextLengthError
+
+HELP = "/reset starts over, /system TEXT sets the system prompt, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
+SEPARATOR = "---"
+
+
+class Conversation:
+    def __init__(self, system: str | None) -> None:
+        self.system = system
+        self.turns: list[dict[str, str]] = []
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+
+    def drop_oldest(self) -> bool:
+        """Drop the oldest question and its answer; False when only the last question is left."""
+        if len(self.turns) <= 1:
+            return False
+        del self.turns[: 2 if len(self.turns) > 2 else 1]
+        return True
+
+
+def run(engine: Any, system: str | None, options: dict[str, Any], interactive: bool) -> int:
+    conversation = Conversation(system)
+    if interactive:
+        _line_editing()
+        _say(f"chatting with {engine.model_id} (ctx {engine.ctx}). {HELP}.")
+    for line in _lines(interactive):
+        if line.startswith("/"):
+            if _command(line, conversation) == "exit":
+                break
+            continue
+        conversation.turns.append({"role": "user", "content": line})
+        answer = _answer(engine, conversation, options)
+        if answer is not None:
+            conversation.turns.append({"role": "assistant", "content": answer})
+        if not interactive:
+            print(SEPARATOR, flush=True)
+    return 0
+
+
+def _lines(interactive: bool) -> Iterator[str]:
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print()  # the prompt's line ends cleanly
+            return
+        except KeyboardInterrupt:  # at the prompt: a new prompt, as in a shell
+            print()
+            continue
+        if line.strip():
+            yield line.strip()
+
+
+def _command(line: str, conversation: Conversation) -> str | None:
+    name, _, rest = line.partition(" ")
+    if name == "/exit":
+        return "exit"
+    if name == "/reset":
+        conversation.turns.clear()
+        _say("a new conversation")
+    elif name == "/system":
+        conversation.system = rest.strip() or None
+        _say("system prompt set" if conversation.system else "system prompt removed")
+    else:
+        _say(f"unknown command {name}: {HELP}")
+    return None
+
+
+def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) -> str | None:
+    """Stream one answer; the text written (all of it, or up to Ctrl-C), None if it did not fit."""
+    stream = _fitting(engine, conversation, options)
+    if stream is None:
+        return None
+    text: list[str] = []
+    try:
+        for chunk in stream:
+            piece = chunk.choices[0].delta.content if chunk.choices else None
+            if piece:
+                text.append(piece)
+                print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        stream.close()  # the request stops and its slot is freed
+        print(" [stopped]", end="")
+    print(flush=True)
+    return "".join(text)
+
+
+def _fitting(engine: Any, conversation: Conversation, options: dict[str, Any]) -> Iterator[Any] | None:
+    """The answer's stream, once the conversation fits the context (oldest turns dropped first)."""
+    while True:
+        try:
+            return engine.chat(messages=conversation.messages, stream=True, **options)
+        except ContextLengthError as err:
+            if not conversation.drop_oldest():
+                conversation.turns.pop()
+                _say(f"this question does not fit the context: {err.message}")
+                return None
+            _say("the conversation outgrew the context: dropped its oldest turn")
+
+
+def _line_editing() -> None:
+    """Arrow keys and history for input(), kept across sessions (where readline exists)."""
+    import atexit
+
+    from mashbox.engine.catalog import cache_dir
+
+    try:
+        import readline
+    except ImportError:  # not on every platform
+        return
+    history = cache_dir() / "chat_history"
+    try:
+        history.parent.mkdir(parents=True, exist_ok=True)
+        readline.read_history_file(history)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    atexit.register(_save_history, readline, history)
+
+
+def _save_history(readline: Any, history: Any) -> None:
+    try:
+        readline.write_history_file(history)
+    except OSError:
+        pass
+
+
+def _say(text: str) -> None:
+    print(f"mashbox: {text}", file=sys.stderr, flush=True)

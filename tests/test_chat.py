@@ -1,0 +1,82 @@
+"""``mashbox chat``: in a real terminal (a pty), and with piped input."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from mashbox import chat
+
+
+class Terminal:
+    """``mashbox chat`` on a pseudo-terminal: what it wrote, and keys typed into it."""
+
+    def __init__(self, *args: str) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-m", "mashbox", "chat", *args], stdin=slave, stdout=slave,
+                                     stderr=slave, close_fds=True)
+        os.close(slave)
+        self.seen = ""
+
+    def wait_for(self, text: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            assert time.monotonic() < deadline, f"no {text!r} in {self.seen[-500:]!r}"
+            self.read()
+        return self.seen
+
+    def read(self, timeout: float = 0.2) -> None:
+        if select.select([self.master], [], [], timeout)[0]:
+            try:
+                self.seen += os.read(self.master, 65536).decode(errors="replace")
+            except OSError:  # the program ended
+                pass
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+
+def test_in_a_terminal_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir):
+    term = Terminal(str(tiny_model_dir), "--ctx", "1024", "--slots", "1", "--max-tokens", "900")
+    try:
+        term.wait_for("> ")
+        term.type("Tell me a very long story.\n")
+        term.wait_for("Tell me a very long story.\r\n")
+        start = len(term.seen)
+        deadline = time.monotonic() + 60
+        while len(term.seen) < start + 40:  # some of the answer is out
+            assert time.monotonic() < deadline
+            term.read()
+        term.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        term.wait_for(" [stopped]\r\n> ")
+        assert term.proc.poll() is None
+        term.type("/reset\n")
+        term.wait_for("mashbox: a new conversation")
+        term.type("/exit\n")
+        assert term.proc.wait(30) == 0
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+
+
+def test_piped_questions_get_one_answer_each_and_old_turns_make_room(tiny_engine, monkeypatch, capsys):
+    questions = [" ".join(["word"] * 150) + f" question {i}" for i in range(4)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(questions) + "\n/system Be brief.\n" + questions[0] + "\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 40, "temperature": 0}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert out.count(chat.SEPARATOR + "\n") == 5  # one answer per question
+    assert "mashbox: the conversation outgrew the context: dropped its oldest turn" in err  # ctx 512
+    assert "mashbox: system prompt set" in err
+
+
+def test_a_question_too_long_alone_is_said_and_the_chat_goes_on(tiny_engine, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 2000 + "\nhi\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "mashbox: this question does not fit the context" in err and out.count(chat.SEPARATOR) == 2
