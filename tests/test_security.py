@@ -227,11 +227,18 @@ def test_wildcard_bind_answers_any_host_but_needs_keys():
     ],
 )
 def test_post_bodies_must_be_json(content_type, expected):
-    headers = {} if content_type is None else {"content-type": content_type}
+    headers = {"content-length": "12"} | ({} if content_type is None else {"content-type": content_type})
     refusal = check(Settings(), "POST", "/v1/chat/completions", headers)
     assert (refusal.status if refusal else None) == expected
     if refusal:
         assert refusal.kind == "invalid_request_error"
+
+
+@pytest.mark.parametrize("headers", [{}, {"content-length": "0"}])
+def test_a_post_without_a_body_needs_no_content_type(headers):
+    assert check(Settings(), "POST", "/v1/tasks/task_1/cancel", headers) is None
+    chunked = {"transfer-encoding": "chunked", "content-type": "text/plain"}
+    assert check(Settings(), "POST", "/v1/chat/completions", chunked).status == 415
 
 
 def test_get_needs_no_content_type():

@@ -19,7 +19,7 @@ a ``Refusal`` into its route's error shape. Checks run in this order:
    health paths excepted) without a valid key in ``Authorization: Bearer`` or
    ``x-api-key``, whatever the route. Keys are compared in constant time with
    every configured key. Without keys no key is checked; any key sent is ignored.
-4. 415 a POST whose Content-Type is not application/json (parameters allowed).
+4. 415 a POST with a body whose Content-Type is not application/json (parameters allowed).
 
 Keys are never logged nor put in messages; a key file line without a tenant
 name makes the key its own tenant, ``key:<first 12 hex of its sha256>``.
@@ -223,6 +223,8 @@ def _key_refusal(settings: Settings, method: str, path: str, headers: dict[str, 
 def _type_refusal(method: str, headers: dict[str, str]) -> Refusal | None:
     if method.upper() != "POST":
         return None
+    if headers.get("content-length", "0").strip() == "0" and "transfer-encoding" not in headers:
+        return None  # no body (cancel, pause, resume): nothing to read as JSON
     media_type = headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type == "application/json":
         return None
