@@ -20,3 +20,15 @@ def test_quickstart_notebook_runs():
     assert "refused: temperature" in printed
     assert any(p in printed.lower() for p in ("mars", "venus", "earth", "jupiter", "saturn"))
     assert namespace["message"].stop_reason in ("end_turn", "max_tokens")
+
+
+def test_answers_show_their_text_finish_and_usage_at_a_glance_in_jupyter(tiny_engine):
+    hi = [{"role": "user", "content": "hi"}]
+    answers = [tiny_engine.chat(messages=hi, max_tokens=3), tiny_engine.complete(prompt="a", max_tokens=3),
+               tiny_engine.respond(input="hi", max_output_tokens=16), tiny_engine.message(messages=hi, max_tokens=3)]
+    texts = [answers[0].choices[0].message.content, answers[1].choices[0].text,
+             answers[2].output[-1].content[0].text, answers[3].content[0].text]
+    for answer, text in zip(answers, texts):
+        shown = answer._repr_markdown_()
+        assert shown.startswith(text.strip()) and "*finish: " in shown and " new tokens*" in shown
+    assert "*finish: length · " in answers[0]._repr_markdown_()

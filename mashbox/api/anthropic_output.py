@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
-from mashbox.api.base import OutModel, json_object, new_id, prefixed
+from mashbox.api.base import OutModel, at_a_glance, json_object, new_id, prefixed
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.engine.events import Event, Finish, Usage
 
@@ -67,6 +67,12 @@ class AnthropicMessage(OutModel):
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: MessageUsage
+
+    def _repr_markdown_(self) -> str:
+        parts = [getattr(b, "text", None) or (f"`{b.name}({b.input})`" if getattr(b, "name", None) else "")
+                 for b in self.content if getattr(b, "type", "") != "thinking"]
+        return at_a_glance("\n".join(p for p in parts if p), self.stop_reason, self.usage.input_tokens,
+                           self.usage.output_tokens)
 
 
 class MessageStart(OutModel):

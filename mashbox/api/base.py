@@ -69,6 +69,13 @@ class OutModel(BaseModel):
         return self.model_dump(mode="json")
 
 
+def at_a_glance(text: str, finish: str | None, prompt_tokens: int | None, output_tokens: int | None) -> str:
+    """How Jupyter shows a whole answer (``_repr_markdown_``): its text, then its finish reason
+    and token counts, instead of a one-line model dump."""
+    counts = "" if prompt_tokens is None else f" · {prompt_tokens} prompt + {output_tokens} new tokens"
+    return f"{text.strip() or '*(no text)*'}\n\n---\n*finish: {finish}{counts}*"
+
+
 class UnsupportedPart(Part):
     """Image, audio and file parts: recognised so that the 400 names them clearly."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mashbox.api.base import ErrorBody, OutModel
+from mashbox.api.base import ErrorBody, OutModel, at_a_glance
 from mashbox.engine.events import Timings, Usage
 
 
@@ -92,6 +92,12 @@ class ChatCompletion(OutModel):
     choices: list[ChatChoice]
     usage: ChatUsage
     timings: ChatTimings | None = None
+
+    def _repr_markdown_(self) -> str:
+        choice = self.choices[0]
+        calls = [f"`{c.function.name}({c.function.arguments})`" for c in choice.message.tool_calls or []]
+        text = "\n".join([choice.message.content or "", *calls])
+        return at_a_glance(text, choice.finish_reason, self.usage.prompt_tokens, self.usage.completion_tokens)
 
 
 class ToolCallDeltaOut(OutModel):

@@ -14,6 +14,7 @@ from pydantic import field_validator
 from mashbox.api.base import (
     ErrorBody,
     OutModel,
+    at_a_glance,
     RequestModel,
     SamplingFields,
     engine_request,
@@ -87,6 +88,11 @@ class Completion(OutModel):
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
     error: ErrorBody | None = None
+
+    def _repr_markdown_(self) -> str:
+        usage = self.usage
+        return at_a_glance(self.choices[0].text if self.choices else "", self.choices[0].finish_reason if self.choices
+                           else None, usage and usage.prompt_tokens, usage and usage.completion_tokens)
 
 
 def finish_reason(finish: Finish) -> CompletionFinishReason:

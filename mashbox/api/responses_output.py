@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mashbox.api.base import OutModel
+from mashbox.api.base import OutModel, at_a_glance
 from mashbox.engine.events import Usage
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -172,6 +172,11 @@ class Response(OutModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     safety_identifier: None = None
     prompt_cache_key: str | None = None
+
+    def _repr_markdown_(self) -> str:
+        text = "".join(part.text for item in self.output if isinstance(item, MessageOut) for part in item.content)
+        usage = self.usage
+        return at_a_glance(text, self.status, usage and usage.input_tokens, usage and usage.output_tokens)
 
 
 class EventBase(OutModel):
