@@ -43,7 +43,8 @@ class Terminal:
 
 
 def test_in_a_terminal_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir):
-    term = Terminal(str(tiny_model_dir), "--ctx", "1024", "--slots", "1", "--max-tokens", "900")
+    # sampled (the greedy answer of this random model ends within ~100 tokens): 900 tokens take seconds
+    term = Terminal(str(tiny_model_dir), "--ctx", "1024", "--slots", "1", "--max-tokens", "900", "--temperature", "1")
     try:
         term.wait_for("> ")
         term.type("Tell me a very long story.\n")
