@@ -9,6 +9,7 @@ separator line.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,7 @@ class Conversation:
 def run(engine: Any, system: str | None, options: dict[str, Any], interactive: bool) -> int:
     conversation = Conversation(system)
     if interactive:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if our parent ignored it
         _line_editing()
         _say(f"chatting with {engine.model_id} (ctx {engine.ctx}). {HELP}.")
     for line in _lines(interactive):
