@@ -20,7 +20,6 @@ import math
 import torch
 
 from mashbox import Engine, EngineRequest, Message, SamplingParams
-from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.loader import hf_model, load
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Scheduler
