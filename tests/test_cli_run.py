@@ -114,10 +114,7 @@ def test_a_model_that_does_not_load_is_an_error(tmp_path):
 def test_a_worker_killed_while_loading_is_said_in_one_line_and_exits_1(tiny_model_dir):
     port = free_port()
     process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")
-    deadline = time.monotonic() + 60
-    while (pid := _loading_worker(port)) is None:
-        assert time.monotonic() < deadline and process.poll() is None, "no worker pid while loading"
-        time.sleep(0.02)
+    pid = loading_worker(port, process)
     os.kill(pid, signal.SIGKILL)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 1 and "Traceback" not in err, err
@@ -152,10 +149,7 @@ def test_a_ctx_the_model_or_the_memory_cannot_take_is_one_line_and_exit_2(tiny_m
 def test_ctrl_c_while_loading_stops_within_a_second(tiny_model_dir):
     port = free_port()
     process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")
-    deadline = time.monotonic() + 60
-    while (pid := _loading_worker(port)) is None:
-        assert time.monotonic() < deadline and process.poll() is None, "no worker pid while loading"
-        time.sleep(0.02)
+    pid = loading_worker(port, process)
     process.send_signal(signal.SIGINT)
     start = time.monotonic()
     _, err = process.communicate(timeout=30)
@@ -165,7 +159,16 @@ def test_ctrl_c_while_loading_stops_within_a_second(tiny_model_dir):
     assert gone(pid, timeout=1)
 
 
-def _loading_worker(port):
+def loading_worker(port, process, timeout=60):
+    """The worker's pid as soon as /health shows it while the model still loads."""
+    deadline = time.monotonic() + timeout
+    while (pid := _worker_pid_if_loading(port)) is None:
+        assert time.monotonic() < deadline and process.poll() is None, "no worker pid while loading"
+        time.sleep(0.02)
+    return pid
+
+
+def _worker_pid_if_loading(port):
     try:
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
     except httpx.TransportError:
