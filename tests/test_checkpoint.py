@@ -59,7 +59,7 @@ def test_a_directory_of_bin_weights_is_read_through_transformers(tmp_path: Path,
     (tmp_path / "model.safetensors").unlink()
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     assert checkpoint.read(tmp_path, torch.device("cpu"), torch.float32) is None
-    loaded = load(str(tmp_path), quiet=True)
+    loaded = load(str(tmp_path))
     assert torch.equal(loaded.checkpoint.tensors["model.layers.1.mlp.up_proj.weight"],
                        model.state_dict()["model.layers.1.mlp.up_proj.weight"])
 

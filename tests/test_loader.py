@@ -31,7 +31,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def smol(cache: Path) -> LoadedModel:
-    return load("smollm2-135m", quiet=True)
+    return load("smollm2-135m")
 
 
 def test_catalog_lists_both_models() -> None:
@@ -63,7 +63,7 @@ def test_embedded_chat_template_is_chatml(smol: LoadedModel) -> None:
 
 def test_second_load_reads_converted_copy_with_the_same_model(smol: LoadedModel) -> None:
     assert (converted_dir(resolve("smollm2-135m"), torch.float32) / "complete").is_file()
-    again = load("smollm2-135m", quiet=True)
+    again = load("smollm2-135m")
     first, second = smol.checkpoint, again.checkpoint
     assert first.tensors.keys() == second.tensors.keys()
     assert second.tensors["lm_head.weight"] is second.tensors["model.embed_tokens.weight"]  # tied, saved once
@@ -82,7 +82,7 @@ def test_corrupt_cached_copy_is_named_then_built_again(smol: LoadedModel, caplog
     with weights.open("r+b") as file:
         file.truncate(1_000_000)  # a disk that filled up, a copy cut short
     with caplog.at_level("WARNING", logger="mashbox.engine"):
-        again = load("smollm2-135m", quiet=True)
+        again = load("smollm2-135m")
     assert f"The cached file '{weights}' does not read" in caplog.text and "building it again" in caplog.text
     assert weights.stat().st_size > 500_000_000 and (converted / "complete").is_file()
     assert torch.equal(again.checkpoint.tensors["model.norm.weight"], smol.checkpoint.tensors["model.norm.weight"])
@@ -95,7 +95,7 @@ def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:
                          max_position_embeddings=16384)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     smol.tokenizer.save_pretrained(tmp_path)
-    tiny = load(str(tmp_path), quiet=True)
+    tiny = load(str(tmp_path))
     assert tiny.id == tmp_path.name
     assert tiny.checkpoint.spec.num_layers == 2 and tiny.checkpoint.spec.num_kv_heads == 2
     assert tiny.ctx_default == 8192  # capped
@@ -109,7 +109,7 @@ def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:
 ])
 def test_bad_argument_says_what_to_do(tmp_path: Path, make, words: list[str]) -> None:
     with pytest.raises(ModelLoadError) as err:
-        load(make(tmp_path), quiet=True)
+        load(make(tmp_path))
     for word in words:
         assert word in str(err.value)
 
@@ -119,7 +119,7 @@ def test_corrupt_gguf_is_named(cache: Path, tmp_path: Path, head: bytes) -> None
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(head + os.urandom(4096))
     with pytest.raises(ModelLoadError) as err:
-        load(str(bad), quiet=True)
+        load(str(bad))
     assert "broken.gguf" in str(err.value) and "corrupt" in str(err.value)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 
 from mashbox.engine.catalog import cache_dir
@@ -24,6 +24,7 @@ from mashbox.engine.loader import LoadedModel, load, pick_device
 from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.memory import available, check_fits, kv_bytes_per_token
 from mashbox.engine.model_runner import ModelRunner, kv_dtype
+from mashbox.engine.progress import loading
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
@@ -53,9 +54,13 @@ class Runtime:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
         config = config or EngineConfig()
         config = replace(config, **options, **({"model": model} if model else {}))
+        with loading(PurePath(config.model).name, config.quiet) as step:
+            self._build(config, step)
+
+    def _build(self, config: EngineConfig, step: Callable[[str], None]) -> None:
         device = pick_device(config.device)
         load_dtype, mode = weight_mode(device, config.dtype, config.batch_invariant)
-        loaded = load(config.model, device=device, dtype=load_dtype, quiet=config.quiet)
+        loaded = load(config.model, device=device, dtype=load_dtype, step=step)
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.ctx = _context(config, loaded)
@@ -66,6 +71,7 @@ class Runtime:
         self._chars_per_token = _most_chars_per_token(self.tokenizer)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
+        step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens)")
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode)
         self.info = _info(loaded, self.ctx, config.slots, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,

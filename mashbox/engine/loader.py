@@ -3,8 +3,9 @@
 ``load()`` resolves the argument through the catalog, picks the device (CUDA + bfloat16 when a GPU
 is there, else CPU + float32), reads the tokenizer with transformers and the weights as a
 ``Checkpoint`` (safetensors read directly; transformers builds the model only for what it alone
-can read), with ``local_files_only=True``, and shows a transient rich progress bar on a terminal.
-transformers' own logging, warnings and tqdm bars are silenced during the load.
+can read), with ``local_files_only=True``, naming each step to a ``step`` callback as it begins
+(``mashbox.engine.progress`` shows them). transformers' own logging, warnings and tqdm bars are
+silenced during the load.
 
 Reading a GGUF with transformers is slow (parsing metadata and dequantizing: ~20 s for SmolLM2 on
 2 CPU cores), so the first load of a GGUF saves the dequantized model as an HF directory under
@@ -24,7 +25,6 @@ import logging
 import os
 import shutil
 import tempfile
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +33,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a model hub
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
+
+with warnings.catch_warnings():  # tqdm.auto warns on import in a Jupyter kernel without ipywidgets
+    warnings.filterwarnings("ignore", "IProgress not found")
+    import transformers  # noqa: E402
 
 from mashbox.engine import blocks, checkpoint  # noqa: E402
 from mashbox.engine.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
@@ -65,8 +68,9 @@ class LoadedModel:
 
 
 def load(model: str, *, device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None, quiet: bool = False) -> LoadedModel:
+         dtype: str | torch.dtype | None = None, step: Callable[[str], None] = lambda _what: None) -> LoadedModel:
     """Load ``model`` (catalog id, HF directory or .gguf path); raise ModelLoadError if it can't.
+    ``step(what)`` is called as each step begins.
 
     A cached converted copy that does not read (truncated, overwritten) is reported, removed and
     built again from the GGUF."""
@@ -75,11 +79,11 @@ def load(model: str, *, device: str | torch.device | None = None,
     dt = pick_dtype(dtype, dev)
     converted = converted_dir(source, dt)
     try:
-        return _load(source, converted, dev, dt, quiet)
+        return _load(source, converted, dev, dt, step)
     except _CacheUnreadable as err:
         log.warning("%s; building it again from '%s'", err, source.path)
         shutil.rmtree(converted, ignore_errors=True)
-        return _load(source, converted, dev, dt, quiet)
+        return _load(source, converted, dev, dt, step)
 
 
 class _CacheUnreadable(ModelLoadError):
@@ -87,25 +91,25 @@ class _CacheUnreadable(ModelLoadError):
 
 
 def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: torch.dtype,
-          quiet: bool) -> LoadedModel:
+          step: Callable[[str], None]) -> LoadedModel:
     cold = converted is not None and not (converted / _DONE).is_file()
-    show = not quiet and sys.stderr.isatty()
-    with _progress(source.id, show, total=4 if cold else 2) as step, _hush():
+    with _hush():
         read = source if cold or converted is None else _as_hf(source, converted)
-        step("reading tokenizer")
+        step("reading the tokenizer")
         with _cached(read.path / "tokenizer.json"):
             tokenizer = _load_tokenizer(read)
-        step("reading weights")
+        step("converting the GGUF weights (first load only)" if cold else "reading the weights")
         with _cached(read.path / "model.safetensors"):
             ckpt = _read_checkpoint(read, dev, dt) if read.kind == "hf" else None
         if ckpt is None:
             net = _load_model(read, dt)
             if cold:
-                step("saving converted weights for faster loads")
+                step("saving the converted weights for faster loads")
                 _save_converted(net, tokenizer, converted)
-            step(f"moving to {dev}")
+            step(f"moving the weights to {dev}")
             ckpt = checkpoint.Checkpoint.from_model(net.to(dev))
         if converted is not None and dev.type == "cpu":
+            step("reading the GGUF blocks")
             with _cached(converted / blocks.FILE):
                 ckpt = dataclasses.replace(ckpt, blocks=blocks.cached(source.path, converted, ckpt))
     return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt),
@@ -157,26 +161,6 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if name not in _DTYPES:
         raise ValueError(f"Unknown dtype '{dtype}'. Use one of: {', '.join(_DTYPES)}.")
     return _DTYPES[name]
-
-
-@contextlib.contextmanager
-def _progress(model_id: str, show: bool, total: int) -> Iterator[Callable[[str], None]]:
-    if not show:
-        yield lambda _what: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    # Bind the real stderr now: _hush() redirects sys.stderr to swallow tqdm bars.
-    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
-        task = bar.add_task(model_id, total=total)
-        done = iter(range(total))
-
-        def step(what: str) -> None:
-            bar.update(task, description=f"{model_id}: {what}", completed=next(done, total))
-
-        yield step
 
 
 @contextlib.contextmanager
