@@ -6,24 +6,43 @@ continuously batched ``Runtime``, usable from plain code, a notebook or a server
 protocol's response (or, with ``stream=True``, an iterator of its stream events). ``achat`` ...
 are the async twins. Which module and request model answer each method comes from the protocol
 registry the server reads too (``mashbox.api.protocols``).
+
+Each method's overloads give type checkers its keyword parameters (``mashbox.api.params``) and
+the return type ``stream`` picks; a request passed whole (a dict or model) may stream or not.
+``self, /`` in the overloads: positional-only, as in the implementations (mypy requires it).
 """
 
 from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, Literal, Unpack, overload
 
 from pydantic import BaseModel
 
 from mashbox.api import anthropic_messages, local_tasks
+from mashbox.api.anthropic_messages import AnthropicMessage, TokenCount
+from mashbox.api.anthropic_messages import StreamEvent as MessageEvent
 from mashbox.api.base import parse
+from mashbox.api.chat_output import ChatCompletion, ChatCompletionChunk
+from mashbox.api.openai_completions import Completion
+from mashbox.api.openai_responses import Response
+from mashbox.api.openai_responses import StreamEvent as ResponseEvent
+from mashbox.api.params import (
+    ChatParams,
+    CompletionParams,
+    CountTokensParams,
+    MessagesParams,
+    ResponsesParams,
+)
 from mashbox.api.protocols import PROTOCOLS
 from mashbox.api.task_items import CreateTask
 from mashbox.engine.engine import Job, Runtime
 from mashbox.engine.events import Event
 from mashbox.errors import InvalidRequestError, MashboxError, ModelNotFoundError
+
+Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model
 
 
 class IgnoredFieldsWarning(UserWarning):
@@ -37,40 +56,108 @@ class Engine(Runtime):
     ...     engine.chat(messages=[{"role": "user", "content": "Hi"}]).choices[0].message.content
     """
 
+    @overload
+    def chat(self, /, *, stream: Literal[True], **fields: Unpack[ChatParams]) -> Iterator[ChatCompletionChunk]: ...
+    @overload
+    def chat(self, /, *, stream: Literal[False] = False, **fields: Unpack[ChatParams]) -> ChatCompletion: ...
+    @overload
+    def chat(self, /, *, stream: bool, **fields: Unpack[ChatParams]) -> ChatCompletion | Iterator[ChatCompletionChunk]: ...
+    @overload
+    def chat(self, request: Request, /) -> ChatCompletion | Iterator[ChatCompletionChunk]: ...
     def chat(self, request: Any = None, /, **fields: Any) -> Any:
         """OpenAI Chat Completions: a ChatCompletion, or chunks with stream=True."""
         return self._call("chat", request, fields)
 
+    @overload
+    def complete(self, /, *, stream: Literal[True], **fields: Unpack[CompletionParams]) -> Iterator[Completion]: ...
+    @overload
+    def complete(self, /, *, stream: Literal[False] = False, **fields: Unpack[CompletionParams]) -> Completion: ...
+    @overload
+    def complete(self, /, *, stream: bool, **fields: Unpack[CompletionParams]) -> Completion | Iterator[Completion]: ...
+    @overload
+    def complete(self, request: Request, /) -> Completion | Iterator[Completion]: ...
     def complete(self, request: Any = None, /, **fields: Any) -> Any:
         """OpenAI Completions: a Completion, or Completion chunks with stream=True."""
         return self._call("complete", request, fields)
 
+    @overload
+    def respond(self, /, *, stream: Literal[True], **fields: Unpack[ResponsesParams]) -> Iterator[ResponseEvent]: ...
+    @overload
+    def respond(self, /, *, stream: Literal[False] = False, **fields: Unpack[ResponsesParams]) -> Response: ...
+    @overload
+    def respond(self, /, *, stream: bool, **fields: Unpack[ResponsesParams]) -> Response | Iterator[ResponseEvent]: ...
+    @overload
+    def respond(self, request: Request, /) -> Response | Iterator[ResponseEvent]: ...
     def respond(self, request: Any = None, /, **fields: Any) -> Any:
         """OpenAI Responses: a Response, or Responses stream events with stream=True."""
         return self._call("respond", request, fields)
 
+    @overload
+    def message(self, /, *, stream: Literal[True], **fields: Unpack[MessagesParams]) -> Iterator[MessageEvent]: ...
+    @overload
+    def message(self, /, *, stream: Literal[False] = False, **fields: Unpack[MessagesParams]) -> AnthropicMessage: ...
+    @overload
+    def message(self, /, *, stream: bool, **fields: Unpack[MessagesParams]) -> AnthropicMessage | Iterator[MessageEvent]: ...
+    @overload
+    def message(self, request: Request, /) -> AnthropicMessage | Iterator[MessageEvent]: ...
     def message(self, request: Any = None, /, **fields: Any) -> Any:
         """Anthropic Messages: a Message, or Messages stream events with stream=True."""
         return self._call("message", request, fields)
 
+    @overload
+    async def achat(self, /, *, stream: Literal[True], **fields: Unpack[ChatParams]) -> AsyncIterator[ChatCompletionChunk]: ...
+    @overload
+    async def achat(self, /, *, stream: Literal[False] = False, **fields: Unpack[ChatParams]) -> ChatCompletion: ...
+    @overload
+    async def achat(self, /, *, stream: bool, **fields: Unpack[ChatParams]) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]: ...
+    @overload
+    async def achat(self, request: Request, /) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]: ...
     async def achat(self, request: Any = None, /, **fields: Any) -> Any:
         return await self._acall("chat", request, fields)
 
+    @overload
+    async def acomplete(self, /, *, stream: Literal[True], **fields: Unpack[CompletionParams]) -> AsyncIterator[Completion]: ...
+    @overload
+    async def acomplete(self, /, *, stream: Literal[False] = False, **fields: Unpack[CompletionParams]) -> Completion: ...
+    @overload
+    async def acomplete(self, /, *, stream: bool, **fields: Unpack[CompletionParams]) -> Completion | AsyncIterator[Completion]: ...
+    @overload
+    async def acomplete(self, request: Request, /) -> Completion | AsyncIterator[Completion]: ...
     async def acomplete(self, request: Any = None, /, **fields: Any) -> Any:
         return await self._acall("complete", request, fields)
 
+    @overload
+    async def arespond(self, /, *, stream: Literal[True], **fields: Unpack[ResponsesParams]) -> AsyncIterator[ResponseEvent]: ...
+    @overload
+    async def arespond(self, /, *, stream: Literal[False] = False, **fields: Unpack[ResponsesParams]) -> Response: ...
+    @overload
+    async def arespond(self, /, *, stream: bool, **fields: Unpack[ResponsesParams]) -> Response | AsyncIterator[ResponseEvent]: ...
+    @overload
+    async def arespond(self, request: Request, /) -> Response | AsyncIterator[ResponseEvent]: ...
     async def arespond(self, request: Any = None, /, **fields: Any) -> Any:
         return await self._acall("respond", request, fields)
 
+    @overload
+    async def amessage(self, /, *, stream: Literal[True], **fields: Unpack[MessagesParams]) -> AsyncIterator[MessageEvent]: ...
+    @overload
+    async def amessage(self, /, *, stream: Literal[False] = False, **fields: Unpack[MessagesParams]) -> AnthropicMessage: ...
+    @overload
+    async def amessage(self, /, *, stream: bool, **fields: Unpack[MessagesParams]) -> AnthropicMessage | AsyncIterator[MessageEvent]: ...
+    @overload
+    async def amessage(self, request: Request, /) -> AnthropicMessage | AsyncIterator[MessageEvent]: ...
     async def amessage(self, request: Any = None, /, **fields: Any) -> Any:
         return await self._acall("message", request, fields)
 
-    def count_tokens(self, request: Any = None, /, **fields: Any) -> anthropic_messages.TokenCount:
+    @overload
+    def count_tokens(self, /, **fields: Unpack[CountTokensParams]) -> TokenCount: ...
+    @overload
+    def count_tokens(self, request: Request, /) -> TokenCount: ...
+    def count_tokens(self, request: Any = None, /, **fields: Any) -> TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
         self._check_open()
         req = parse(anthropic_messages.CountTokensRequest,
                     _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens"))
-        return anthropic_messages.TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
+        return TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 
     def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
         protocol = PROTOCOLS[name]
@@ -143,7 +230,7 @@ def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method:
 
 
 def _check_names(fields: dict[str, Any], model: type[BaseModel], method: str) -> None:
-    known = {name for name, info in model.model_fields.items() for name in (name, info.alias) if name}
+    known = {key for name, info in model.model_fields.items() for key in (name, info.alias) if key}
     for name in fields:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
