@@ -3,9 +3,12 @@
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
+# a path of this machine: /root/..., /home/..., /tmp/... (also escaped in JSON), or a Windows drive
+ABSOLUTE = re.compile(r"(?<![\w.~])(?:\\?/(?:root|home|tmp|work|usr|opt|var|srv|mnt|Users)\\?/|[A-Za-z]:\\\\)")
 
 
 def test_quickstart_notebook_runs():
@@ -32,3 +35,14 @@ def test_answers_show_their_text_finish_and_usage_at_a_glance_in_jupyter(tiny_en
         shown = answer._repr_markdown_()
         assert shown.startswith(text.strip()) and "*finish: " in shown and " new tokens*" in shown
     assert "*finish: length · " in answers[0]._repr_markdown_()
+
+
+def test_saved_outputs_carry_no_absolute_path_of_the_machine():
+    text = NOTEBOOK.read_text()
+    assert json.loads(text)["cells"][1]["outputs"], "the notebook is saved with its outputs"
+    assert ABSOLUTE.findall(text) == []
+
+
+def test_engine_info_names_the_weights_not_their_path(tiny_engine, tiny_model_dir):
+    assert tiny_engine.info.weights == tiny_model_dir.name
+    assert ABSOLUTE.findall(repr(tiny_engine.info)) == []

@@ -76,7 +76,7 @@ class Runtime:
         self.info = _info(loaded, self.ctx, config.slots, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
-                              _page_store(config, self.info, runner))
+                              _page_store(config, Path(loaded.weights), self.info, runner))
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
     @property
@@ -201,13 +201,12 @@ class Runtime:
         self.close()
 
 
-def _page_store(config: EngineConfig, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
+def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
     """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
     if config.cache_disk_gib <= 0:
         return None
-    weights = Path(info.weights)
     stat = weights.stat() if weights.exists() else None
-    parts = [info.id, info.weights, stat and (stat.st_size, stat.st_mtime_ns), info.ctx, info.dtype,
+    parts = [info.id, str(weights), stat and (stat.st_size, stat.st_mtime_ns), info.ctx, info.dtype,
              info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens]
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
@@ -264,5 +263,5 @@ def _info(loaded: LoadedModel, ctx: int, slots: int, weights: Weights) -> ModelI
     else:
         dtype = str(loaded.dtype).removeprefix("torch.")
     mode = "+".join(modes) or weights.linears[0].mode
-    return ModelInfo(loaded.id, ctx, slots, loaded.weights, loaded.bpw, weights.nbytes / 1e9,
+    return ModelInfo(loaded.id, ctx, slots, PurePath(loaded.weights).name, loaded.bpw, weights.nbytes / 1e9,
                      str(loaded.device), dtype, mode)

@@ -10,7 +10,7 @@ class ModelInfo:
     id: str
     ctx: int
     slots: int
-    weights: str
+    weights: str  # the file (or directory) name, not its path: notebooks and clients see it
     bpw: float
     gb: float
     device: str
