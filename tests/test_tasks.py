@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 
 import agentlin_client
 import httpx
@@ -15,6 +16,7 @@ from server import frames, serve
 
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
+from mashbox.server.task_store import TaskStore
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city.",
@@ -110,10 +112,10 @@ def test_structured_output(tasks):
     jsonschema.validate(json.loads(task.output[-1].message_content[0].text), PERSON)
 
 
-def _streamed(url: str, body: dict, on_event) -> list[dict]:
+def _streamed(url: str, body: dict, on_event, timeout: float = 120) -> list[dict]:
     """Stream a create in raw HTTP, calling ``on_event(result)`` for each event as it comes."""
     out = []
-    with httpx.stream("POST", url + "/v1/tasks", json={"stream": True, **body}, timeout=120) as response:
+    with httpx.stream("POST", url + "/v1/tasks", json={"stream": True, **body}, timeout=timeout) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -226,3 +228,51 @@ def test_engine_task(smol_engine):
     assert task.status == "completed" and task.usage["steps"] >= 2
     events = list(smol_engine.task(user_message_content="Hi.", stream=True, inference_args={"max_tokens": 3}))
     assert events[0].type == "task.created" and events[-1].type == "task.completed"
+
+
+def test_store_expires_unfinished_and_deletes_finished(tmp_path):
+    now = [1000.0]
+    store = TaskStore(tmp_path / "t.sqlite3", ttl_s=60, clock=lambda: now[0])
+    for task_id, status in [("waiting", "input-required"), ("done", "completed"), ("running", "working")]:
+        store.save("t", {"object": "task", "id": task_id, "status": status, "created_at": 1, "output": []})
+    now[0] += 59
+    assert store.sweep(set()) == [] and store.get("t", "done")["status"] == "completed"
+    now[0] += 2
+    assert store.sweep({("t", "running")}) == [("t", "running")]  # a live one is its run's to expire
+    waiting = store.get("t", "waiting")
+    assert waiting["status"] == "expired" and waiting["error"]["code"] == -32002
+    assert store.get("t", "done") is None and store.get("t", "running")["status"] == "working"
+    now[0] += 61
+    store.sweep(set())
+    assert store.get("t", "waiting") is None  # expired is final: deleted a time to live later
+
+
+def test_expiry_needs_no_request(backend, tmp_path):
+    """A task left paused expires on the server's own timer: its stream, which asks nothing, ends
+    with task.expired; a finished task is deleted from the file a time to live later."""
+    db = tmp_path / "t.sqlite3"
+    for url in serve(backend, Settings(tasks_db=str(db), tasks_ttl_s=1.0, keepalive_s=60)):
+        tasks, seen = client(url).tasks, []
+
+        def on_event(result):
+            seen.append(result["type"])
+            if result["type"] == "task.output_text.delta" and seen.count("task.output_text.delta") == 2:
+                assert tasks.pause(result["task_id"]).status == "paused"
+
+        started = time.monotonic()
+        results = _streamed(url, {"user_message_content": "Count to ten.", "inference_args": {"max_tokens": 64}},
+                            on_event, timeout=15)
+        assert [r["type"] for r in results[-2:]] == ["task.paused", "task.expired"]
+        expired = results[-1]["task"]
+        assert expired["status"] == "expired" and expired["error"]["code"] == -32002
+        assert expired["output"][0]["status"] == "incomplete" and time.monotonic() - started >= 1.0
+        done = tasks.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 2}).result.id
+        deadline = time.monotonic() + 10
+        while _row(db, done) is not None:
+            assert time.monotonic() < deadline, "the finished task was not deleted"
+            time.sleep(0.1)
+
+
+def _row(db, task_id: str):
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT status FROM tasks WHERE id=?", (task_id,)).fetchone()

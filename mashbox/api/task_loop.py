@@ -34,6 +34,7 @@ Action = Literal["cancel", "pause", "resume", "expire"]
 DEFAULT_MAX_STEPS = 10
 STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
 GENERATION_FAILED = -32603
+EXPIRED = -32002  # of an expired one
 _PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
            "tool_choice": "inference_args.tool_choice"}
 
@@ -59,6 +60,8 @@ class Control:
         self._signal = asyncio.Event()
 
     def ask(self, action: Action) -> None:
+        if self.wanted in ("cancel", "expire") and action in ("pause", "resume"):
+            return  # an end already asked for is not undone
         self.wanted = action
         self._signal.set()
 
@@ -143,6 +146,9 @@ class TaskLoop:
                     if action in ("resume", "pause"):
                         yield self.status("working")
                         continue
+                if action == "expire":
+                    self.task.error = RpcError(code=EXPIRED, message="the task expired: it stayed paused for "
+                                                                     "the tasks' time to live")
                 yield self.status("expired" if action == "expire" else "canceled")
                 return
             async for event in self._after(translator):
