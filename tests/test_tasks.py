@@ -3,6 +3,7 @@ against a real server on the embedded SmolLM2."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
@@ -252,16 +253,9 @@ def test_expiry_needs_no_request(backend, tmp_path):
     with task.expired; a finished task is deleted from the file a time to live later."""
     db = tmp_path / "t.sqlite3"
     for url in serve(backend, Settings(tasks_db=str(db), tasks_ttl_s=1.0, keepalive_s=60)):
-        tasks, seen = client(url).tasks, []
-
-        def on_event(result):
-            seen.append(result["type"])
-            if result["type"] == "task.output_text.delta" and seen.count("task.output_text.delta") == 2:
-                assert tasks.pause(result["task_id"]).status == "paused"
-
-        started = time.monotonic()
+        tasks, started = client(url).tasks, time.monotonic()
         results = _streamed(url, {"user_message_content": "Count to ten.", "inference_args": {"max_tokens": 64}},
-                            on_event, timeout=15)
+                            _pause_at_second_delta(tasks), timeout=15)
         assert [r["type"] for r in results[-2:]] == ["task.paused", "task.expired"]
         expired = results[-1]["task"]
         assert expired["status"] == "expired" and expired["error"]["code"] == -32002
@@ -273,6 +267,91 @@ def test_expiry_needs_no_request(backend, tmp_path):
             time.sleep(0.1)
 
 
+def _pause_at_second_delta(tasks):
+    deltas = []
+
+    def on_event(result):
+        if result["type"] == "task.output_text.delta" and len(deltas) < 2:
+            deltas.append(result)
+            if len(deltas) == 2:
+                assert tasks.pause(result["task_id"]).status == "paused"
+
+    return on_event
+
+
 def _row(db, task_id: str):
     with sqlite3.connect(db) as conn:
         return conn.execute("SELECT status FROM tasks WHERE id=?", (task_id,)).fetchone()
+
+
+@pytest.mark.parametrize(("background", "final"), [(False, "canceled"), (True, "completed")])
+def test_a_client_gone_cancels_its_task_unless_background(url, tasks, background, final):
+    body = {"stream": True, "background": background, "user_message_content": "Tell a long story.",
+            "inference_args": {"max_tokens": 96, "temperature": 0}}
+    with httpx.stream("POST", url + "/v1/tasks", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            result = json.loads(line[6:])["result"] if line.startswith("data: ") else {}
+            if result.get("type") == "task.output_text.delta":
+                task_id = result["task_id"]
+                break  # and hang up
+    task = _until_final(tasks, task_id)
+    assert task.status == final and task.output[0].status == ("incomplete" if final == "canceled" else "completed")
+    assert (task.usage or {}).get("output_tokens", 0) < 96 if final == "canceled" else task.usage["output_tokens"]
+
+
+def test_background_create_answers_at_once(tasks):
+    first = tasks.create(stream=False, user_message_content="Tell a long story.", extra_body={"background": True},
+                         inference_args={"max_tokens": 48}).result
+    assert first.status in ("queued", "working") and not first.output  # not waited for
+    task = _until_final(tasks, first.id)
+    assert task.status == "completed" and task.output[0].message_content[0].text
+
+
+def _until_final(tasks, task_id: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while (task := tasks.info(task_id).result).status not in ("completed", "canceled", "failed", "expired"):
+        assert time.monotonic() < deadline, task.status
+        time.sleep(0.05)
+    return task
+
+
+class Gated:
+    """The backend whose runs wait for ``release`` before the engine sees them: tasks queue."""
+
+    def __init__(self, inner: InProcessBackend) -> None:
+        self.inner, self.release = inner, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def astream(self, request):
+        while not self.release.is_set():
+            await asyncio.sleep(0.02)
+        async for event in self.inner.astream(request):
+            yield event
+
+
+def test_a_full_queue_refuses_tasks_with_429(backend, tmp_path):
+    gated = Gated(backend)
+    settings = Settings(tasks_db=str(tmp_path / "t.sqlite3"), max_waiting_per_tenant=1, max_waiting=1)
+    for url in serve(gated, settings):
+        tasks, body = client(url).tasks, {"stream": False, "user_message_content": "Hi.",
+                                          "inference_args": {"max_tokens": 2}}
+        waiting = threading.Thread(target=tasks.create, kwargs=body)
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/v1/health").json()["waiting"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(url + "/v1/tasks", json={**body, "request_id": "r-9"})
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        error = refused.json()
+        assert error["jsonrpc"] == "2.0" and error["id"] == "r-9"  # the create's request_id
+        assert error["error"]["code"] == -32029 and error["error"]["data"]["type"] == "rate_limit_error"
+        with pytest.raises(agentlin_client.RateLimitError):
+            tasks.create(**body)
+        chat = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=chat).status_code == 429  # the same allowance
+        gated.release.set()
+        waiting.join(30)
+        assert [t.status for t in tasks.list()] == ["completed"]  # the refused left no task
