@@ -15,6 +15,17 @@ import jsonschema
 import pytest
 from server import frames, serve
 
+from mashbox.api.local_tasks import run_async
+from mashbox.engine.events import (
+    Finish,
+    Queued,
+    Started,
+    Timings,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
 from mashbox.server.task_store import TaskStore
@@ -73,6 +84,23 @@ def test_create(tasks):
     message = task.output[-1]
     assert message.type == "message" and message.message_content[0].text
     assert task.usage["output_tokens"] == 12 and task.usage["total_tokens"] == task.usage["input_tokens"] + 12
+    assert message.status == "completed" and "incomplete_details" not in task.model_dump()  # ended by itself
+
+
+def test_max_tokens_cuts_the_answer_short(tasks):
+    """The task is done, but its answer was cut by max_tokens: the item is incomplete and the task
+    says why in incomplete_details (as the spec's task examples carry it)."""
+    task = tasks.create(stream=False, user_message_content="Name three planets.",
+                        inference_args={"max_tokens": 6}).result
+    assert task.status == "completed" and task.usage["output_tokens"] == 6
+    assert task.incomplete_details == {"reason": "max_output_tokens"} and task.output[-1].status == "incomplete"
+    with tasks.with_streaming_response.create(stream=True, user_message_content="Name three planets.",
+                                              inference_args={"max_tokens": 6}) as response:
+        results = [e["result"] for e in events_of(response)]
+    done = [r["item"] for r in results if r["type"] == "task.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]
+    assert results[-1]["type"] == "task.completed"
+    assert results[-1]["task"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 def test_create_stream(tasks):
@@ -355,3 +383,45 @@ def test_a_full_queue_refuses_tasks_with_429(backend, tmp_path):
         gated.release.set()
         waiting.join(30)
         assert [t.status for t in tasks.list()] == ["completed"]  # the refused left no task
+
+
+def scripted(*steps):
+    """A stand-in for the engine's ``astream`` that answers each generation with the next step's
+    events: (name, arguments) tool calls, then a Finish with ``reason``."""
+    answers = iter(steps)
+
+    async def generate(request):
+        calls, reason = next(answers)
+        yield Queued(10)
+        yield Started(0)
+        for index, (name, arguments) in enumerate(calls):
+            yield ToolCallStart(index, f"call_{index}", name)
+            yield ToolCallDelta(index, arguments)
+            if reason != "length" or index < len(calls) - 1:
+                yield ToolCallEnd(index)
+        yield Finish(reason, Usage(10, 8), Timings(10, 1.0, 8, 1.0, 0, 0.0))
+
+    return generate
+
+
+def test_every_client_call_of_a_step_waits_for_the_client():
+    """Two client calls and a server tool in one step: the server's runs, the task stops
+    input-required on the first client call, and both client calls are in the output unanswered."""
+    def get_time() -> str:
+        return "12:00"
+
+    generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_time", "{}"),
+                          ("get_weather", '{"city": "Rome"}')], "tool_calls"))
+    task = asyncio.run(run_async({"user_message_content": "Weather and time?", "client_tools": [WEATHER, get_time]},
+                                 generate))
+    assert task.status == "input-required" and task.input_required.call_id == "call_0"
+    assert [(o.type, o.call_id) for o in task.output] == [("tool_call", "call_0"), ("tool_call", "call_1"),
+                                                          ("tool_call", "call_2"), ("tool_result", "call_1")]
+    assert task.output[3].message_content[0].text == "12:00"
+
+
+def test_a_step_cut_short_runs_none_of_its_calls():
+    generate = scripted(([("get_weather", '{"city": "Par')], "length"))
+    task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
+    assert task.status == "completed" and task.input_required is None
+    assert task.incomplete_details.reason == "max_output_tokens" and task.output[0].status == "incomplete"
