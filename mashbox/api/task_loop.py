@@ -3,7 +3,8 @@
 ``TaskLoop.run`` yields the task's events: ``task.created``, ``task.queued`` when the engine takes
 its first generation, ``task.working`` once that has a slot, then each step's output. A step is one
 generation with the task's tools. After it: no call, or a call of a ``stop_tools`` name, completes
-the task, and so does a generation cut short by ``max_tokens`` (``incomplete_details``); a call of
+the task, and so does a generation cut short by ``max_tokens`` with no whole call
+(``incomplete_details``; a call cut short never runs); a call of
 a server tool runs it and adds its ``tool_result``; then calls of client tools stop it
 ``input-required`` (the client continues with a new task), or the next step starts (a forced
 ``tool_choice`` holds for the first step only). More
@@ -24,7 +25,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mashbox.api.base import engine_request, json_object
-from mashbox.api.task_events import STATUS_EVENT, StepTranslator, TaskLifecycleEvent, tool_result_events
+from mashbox.api.task_events import (
+    STATUS_EVENT,
+    StepTranslator,
+    TaskLifecycleEvent,
+    tool_result_events,
+)
 from mashbox.api.task_items import (
     CreateTask,
     IncompleteDetails,
@@ -208,11 +214,11 @@ class TaskLoop:
             self.task.error = RpcError(code=GENERATION_FAILED, message=finish.error or "the generation stopped")
             yield self.status("failed")
             return
-        calls = translator.calls
+        calls = [c for c in translator.calls if c.status == "completed"]  # one cut by max_tokens never runs
         self._messages.append(Message("assistant", translator.text(),
                                       tuple(ToolCall(c.call_id, c.name, c.arguments) for c in calls),
                                       reasoning=translator.reasoning() or None))
-        if finish.reason == "length":  # cut short: its last item is incomplete, and none of its calls runs
+        if finish.reason == "length" and not calls:  # cut short, nothing to go on with: its last item incomplete
             self.task.incomplete_details = IncompleteDetails()
             yield self.status("completed")
             return

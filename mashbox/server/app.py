@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-
 from typing import Any
 
 from litestar import Litestar, Request
