@@ -42,7 +42,7 @@ def serve(backend: Backend, settings: Settings, send_buffer: int | None = None) 
     if send_buffer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="off")
+    config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="on")  # as `mashbox run`
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

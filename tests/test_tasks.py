@@ -3,9 +3,11 @@ against a real server on the embedded SmolLM2."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
+import time
 
 import agentlin_client
 import httpx
@@ -13,8 +15,20 @@ import jsonschema
 import pytest
 from server import frames, serve
 
+from mashbox.api.local_tasks import run_async
+from mashbox.engine.events import (
+    Finish,
+    Queued,
+    Started,
+    Timings,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
+from mashbox.server.task_store import TaskStore
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city.",
@@ -70,13 +84,37 @@ def test_create(tasks):
     message = task.output[-1]
     assert message.type == "message" and message.message_content[0].text
     assert task.usage["output_tokens"] == 12 and task.usage["total_tokens"] == task.usage["input_tokens"] + 12
+    assert message.status == "completed" and "incomplete_details" not in task.model_dump()  # ended by itself
+
+
+def test_max_tokens_cuts_the_answer_short(tasks):
+    """The task is done, but its answer was cut by max_tokens: the item is incomplete and the task
+    says why in incomplete_details (as the spec's task examples carry it)."""
+    task = tasks.create(stream=False, user_message_content="Name three planets.",
+                        inference_args={"max_tokens": 6}).result
+    assert task.status == "completed" and task.usage["output_tokens"] == 6
+    assert task.incomplete_details == {"reason": "max_output_tokens"} and task.output[-1].status == "incomplete"
+    with tasks.with_streaming_response.create(stream=True, user_message_content="Name three planets.",
+                                              inference_args={"max_tokens": 6}) as response:
+        results = [e["result"] for e in events_of(response)]
+    done = [r["item"] for r in results if r["type"] == "task.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]
+    assert results[-1]["type"] == "task.completed"
+    assert results[-1]["task"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 def test_create_stream(tasks):
-    with tasks.with_streaming_response.create(stream=True, user_message_content="Say hello.",
+    with tasks.with_streaming_response.create(stream=True, user_message_content="Say hello.", request_id="req-s",
                                               inference_args={"max_tokens": 8}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        results = [e["result"] for e in events_of(response)]
+        envelopes = events_of(response)
+    assert {e["id"] for e in envelopes} == {"req-s"}
+    results = [e["result"] for e in envelopes]
+    # the spec's lifecycle events each carry the whole task, as it is at that event
+    lifecycle = [r for r in results if "task" in r]
+    assert [r["type"] for r in lifecycle] == ["task.created", "task.queued", "task.working", "task.completed"]
+    assert [r["task"]["status"] for r in lifecycle] == ["created", "queued", "working", "completed"]
+    assert lifecycle[0]["task"]["output"] == [] and lifecycle[-1]["task"]["output"]
     kinds = [r["type"] for r in results]
     assert kinds[:3] == ["task.created", "task.queued", "task.working"] and kinds[-1] == "task.completed"
     assert kinds[3:7] == ["task.output_item.added", "task.content_part.added", "task.output_text.delta",
@@ -85,6 +123,19 @@ def test_create_stream(tasks):
     final = results[-1]["task"]
     assert final["status"] == "completed" and final["output"][0]["message_content"][0]["text"] == text
     assert tasks.info(final["id"]).result.output[0].message_content[0].text == text
+
+
+def test_the_clients_own_stream_path(url, tasks):
+    """agentlin-client's create(stream=True) is no stream: it sends stream: true and reads the whole
+    answer as JSON (it has no stream class for tasks). The server answers as the spec says, SSE, so
+    the strict client refuses the content type and a lax one returns the SSE text, whole."""
+    with pytest.raises(agentlin_client.APIResponseValidationError, match="text/event-stream"):
+        tasks.create(stream=True, user_message_content="Hi.", inference_args={"max_tokens": 3})
+    lax = agentlin_client.Client(base_url=url + "/v1", api_key="unused", max_retries=0)
+    text = lax.tasks.create(stream=True, user_message_content="Hi.", inference_args={"max_tokens": 3})
+    assert isinstance(text, str)
+    names = [name for name, _ in frames(text)]
+    assert names[0] == "task.created" and names[-1] == "task.completed"
 
 
 def test_client_tool_then_continuation(tasks):
@@ -110,10 +161,10 @@ def test_structured_output(tasks):
     jsonschema.validate(json.loads(task.output[-1].message_content[0].text), PERSON)
 
 
-def _streamed(url: str, body: dict, on_event) -> list[dict]:
+def _streamed(url: str, body: dict, on_event, timeout: float = 120) -> list[dict]:
     """Stream a create in raw HTTP, calling ``on_event(result)`` for each event as it comes."""
     out = []
-    with httpx.stream("POST", url + "/v1/tasks", json={"stream": True, **body}, timeout=120) as response:
+    with httpx.stream("POST", url + "/v1/tasks", json={"stream": True, **body}, timeout=timeout) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -122,7 +173,7 @@ def _streamed(url: str, body: dict, on_event) -> list[dict]:
     return out
 
 
-def test_cancel_mid_stream(url, tasks):
+def test_cancel_mid_stream(url, tasks, smol_engine):
     def on_event(result):
         if result["type"] == "task.output_text.delta" and result["sequence_number"] == 7:
             assert tasks.cancel(result["task_id"]).status == "canceled"
@@ -133,9 +184,10 @@ def test_cancel_mid_stream(url, tasks):
     task = tasks.info(results[-1]["task_id"]).result
     assert task.status == "canceled" and task.output[0].status == "incomplete"
     assert len(task.output[0].message_content[0].text) < 500 * 4
+    _until(lambda: smol_engine.stats().running == 0)  # its slot is free
 
 
-def test_pause_and_resume(url, tasks):
+def test_pause_and_resume(url, tasks, smol_engine):
     seen = []
 
     def on_event(result):
@@ -143,6 +195,7 @@ def test_pause_and_resume(url, tasks):
         if result["type"] == "task.output_text.delta" and seen.count("task.output_text.delta") == 2:
             paused = tasks.pause(result["task_id"])
             assert paused.status == "paused" and tasks.info(result["task_id"]).result.status == "paused"
+            _until(lambda: smol_engine.stats().running == 0)  # a paused task holds no slot
             threading.Timer(0.5, lambda: tasks.resume(result["task_id"])).start()
 
     results = _streamed(url, {"user_message_content": "Count to ten.", "inference_args": {"max_tokens": 16}},
@@ -150,7 +203,9 @@ def test_pause_and_resume(url, tasks):
     kinds = [r["type"] for r in results]
     assert kinds.index("task.paused") < kinds.index("task.working", 3) and kinds[-1] == "task.completed"
     final = results[-1]["task"]
-    assert [item["status"] for item in final["output"]] == ["incomplete", "completed"]
+    # the paused step's item stays incomplete; the step ran again as a new item, cut by max_tokens this time
+    assert [item["status"] for item in final["output"]] == ["incomplete", "incomplete"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"} and final["usage"]["steps"] == 1
 
 
 def test_list_retrieve_delete(tasks):
@@ -184,19 +239,32 @@ def test_bad_input(url, tasks):
     raw = tasks.with_raw_response.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 2},
                                          extra_body={"frobnicate": 1})
     assert raw.headers["x-mashbox-ignored-fields"] == "frobnicate" and raw.parse().result.status == "completed"
-    for body, param in [({"inference_args": {"temperature": "hot"}}, "inference_args.temperature"),
-                        ({"client_tools": [{"type": "function"}]}, "client_tools.0.function"),
-                        ({"structured_output": PERSON, "stream": True}, "structured_output"),
-                        ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type")]:
-        response = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, **body})
+    for n, (body, param) in enumerate([
+            ({"inference_args": {"temperature": "hot"}}, "inference_args.temperature"),
+            ({"inference_args": {"max_tokens": 0}}, "inference_args.max_tokens"),
+            ({"client_tools": [{"type": "function"}]}, "client_tools.0.function"),
+            ({"structured_output": PERSON, "stream": True}, "structured_output"),
+            ({"client_tools": [WEATHER], "inference_args": {"tool_choice": {"name": "nope"}}},
+             "inference_args.tool_choice"),
+            ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type")]):
+        response = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False,
+                                                       "task_id": f"bad-{n}", **body})
         assert response.status_code == 400, response.text
         error = response.json()
         assert error["jsonrpc"] == "2.0" and error["error"]["code"] == -32602
         assert error["error"]["data"]["param"] == param
+        with pytest.raises(agentlin_client.NotFoundError):  # a bad request leaves no task
+            tasks.info(f"bad-{n}")
     with pytest.raises(agentlin_client.BadRequestError):
         tasks.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 0})
     with pytest.raises(agentlin_client.NotFoundError):
         tasks.cancel("task_nope")
+    done = raw.parse().result.id
+    for response in (httpx.post(url + f"/v1/tasks/{done}/pause"),  # a completed task cannot be paused
+                     httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "task_id": done})):
+        assert response.status_code == 409 and response.json()["error"]["code"] == -32009, response.text
+        assert response.json()["error"]["data"]["param"] == "task_id"
+    assert tasks.info(done).result.status == "completed"
 
 
 def test_tenants(backend, tmp_path):
@@ -226,3 +294,186 @@ def test_engine_task(smol_engine):
     assert task.status == "completed" and task.usage["steps"] >= 2
     events = list(smol_engine.task(user_message_content="Hi.", stream=True, inference_args={"max_tokens": 3}))
     assert events[0].type == "task.created" and events[-1].type == "task.completed"
+
+
+def test_store_expires_unfinished_and_deletes_finished(tmp_path):
+    now = [1000.0]
+    store = TaskStore(tmp_path / "t.sqlite3", ttl_s=60, clock=lambda: now[0])
+    for task_id, status in [("waiting", "input-required"), ("done", "completed"), ("running", "working")]:
+        store.save("t", {"object": "task", "id": task_id, "status": status, "created_at": 1, "output": []})
+    now[0] += 59
+    assert store.sweep(set()) == [] and store.get("t", "done")["status"] == "completed"
+    now[0] += 2
+    assert store.sweep({("t", "running")}) == [("t", "running")]  # a live one is its run's to expire
+    waiting = store.get("t", "waiting")
+    assert waiting["status"] == "expired" and waiting["error"]["code"] == -32002
+    assert store.get("t", "done") is None and store.get("t", "running")["status"] == "working"
+    now[0] += 61
+    store.sweep(set())
+    assert store.get("t", "waiting") is None  # expired is final: deleted a time to live later
+
+
+def test_expiry_needs_no_request(backend, tmp_path):
+    """A task left paused expires on the server's own timer: its stream, which asks nothing, ends
+    with task.expired; a finished task is deleted from the file a time to live later."""
+    db = tmp_path / "t.sqlite3"
+    for url in serve(backend, Settings(tasks_db=str(db), tasks_ttl_s=1.0, keepalive_s=60)):
+        tasks, started = client(url).tasks, time.monotonic()
+        results = _streamed(url, {"user_message_content": "Count to ten.", "inference_args": {"max_tokens": 64}},
+                            _pause_at_second_delta(tasks), timeout=15)
+        assert [r["type"] for r in results[-2:]] == ["task.paused", "task.expired"]
+        expired = results[-1]["task"]
+        assert expired["status"] == "expired" and expired["error"]["code"] == -32002
+        assert expired["output"][0]["status"] == "incomplete" and time.monotonic() - started >= 1.0
+        done = tasks.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 2}).result.id
+        deadline = time.monotonic() + 10
+        while _row(db, done) is not None:
+            assert time.monotonic() < deadline, "the finished task was not deleted"
+            time.sleep(0.1)
+
+
+def _pause_at_second_delta(tasks):
+    deltas = []
+
+    def on_event(result):
+        if result["type"] == "task.output_text.delta" and len(deltas) < 2:
+            deltas.append(result)
+            if len(deltas) == 2:
+                assert tasks.pause(result["task_id"]).status == "paused"
+
+    return on_event
+
+
+def _row(db, task_id: str):
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT status FROM tasks WHERE id=?", (task_id,)).fetchone()
+
+
+@pytest.mark.parametrize(("background", "final"), [(False, "canceled"), (True, "completed")])
+def test_a_client_gone_cancels_its_task_unless_background(url, tasks, background, final):
+    body = {"stream": True, "background": background, "user_message_content": "Tell a long story.",
+            "inference_args": {"max_tokens": 96, "temperature": 0}}
+    with httpx.stream("POST", url + "/v1/tasks", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            result = json.loads(line[6:])["result"] if line.startswith("data: ") else {}
+            if result.get("type") == "task.output_text.delta":
+                task_id = result["task_id"]
+                break  # and hang up
+    task = _until_final(tasks, task_id)
+    assert task.status == final
+    if background:  # it ran to its end (max_tokens) with nobody listening
+        assert task.usage["output_tokens"] == 96 and task.output[0].message_content[0].text
+    else:
+        assert task.output[0].status == "incomplete"  # stopped mid-generation
+
+
+def test_background_create_answers_at_once(tasks):
+    first = tasks.create(stream=False, user_message_content="Tell a long story.", extra_body={"background": True},
+                         inference_args={"max_tokens": 48}).result
+    assert first.status in ("queued", "working") and not first.output  # not waited for
+    task = _until_final(tasks, first.id)
+    assert task.status == "completed" and task.output[0].message_content[0].text
+
+
+def _until(condition, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def _until_final(tasks, task_id: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while (task := tasks.info(task_id).result).status not in ("completed", "canceled", "failed", "expired"):
+        assert time.monotonic() < deadline, task.status
+        time.sleep(0.05)
+    return task
+
+
+class Gated:
+    """The backend whose runs wait for ``release`` before the engine sees them: tasks queue."""
+
+    def __init__(self, inner: InProcessBackend) -> None:
+        self.inner, self.release = inner, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def astream(self, request):
+        while not self.release.is_set():
+            await asyncio.sleep(0.02)
+        async for event in self.inner.astream(request):
+            yield event
+
+
+def test_a_full_queue_refuses_tasks_with_429(backend, tmp_path):
+    gated = Gated(backend)
+    settings = Settings(tasks_db=str(tmp_path / "t.sqlite3"), max_waiting_per_tenant=1, max_waiting=1)
+    for url in serve(gated, settings):
+        tasks, body = client(url).tasks, {"stream": False, "user_message_content": "Hi.",
+                                          "inference_args": {"max_tokens": 2}}
+        waiting = threading.Thread(target=tasks.create, kwargs=body)
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/v1/health").json()["waiting"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(url + "/v1/tasks", json={**body, "request_id": "r-9"})
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        error = refused.json()
+        assert error["jsonrpc"] == "2.0" and error["id"] == "r-9"  # the create's request_id
+        assert error["error"]["code"] == -32029 and error["error"]["data"]["type"] == "rate_limit_error"
+        with pytest.raises(agentlin_client.RateLimitError):
+            tasks.create(**body)
+        chat = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=chat).status_code == 429  # the same allowance
+        gated.release.set()
+        waiting.join(30)
+        assert [t.status for t in tasks.list()] == ["completed"]  # the refused left no task
+
+
+def scripted(*steps):
+    """A stand-in for the engine's ``astream`` that answers each generation with the next step's
+    events: (name, arguments) tool calls, then a Finish with ``reason``."""
+    answers = iter(steps)
+
+    async def generate(request):
+        calls, reason = next(answers)
+        yield Queued(10)
+        yield Started(0)
+        for index, (name, arguments) in enumerate(calls):
+            yield ToolCallStart(index, f"call_{index}", name)
+            yield ToolCallDelta(index, arguments)
+            if reason != "length" or index < len(calls) - 1:
+                yield ToolCallEnd(index)
+        yield Finish(reason, Usage(10, 8), Timings(10, 1.0, 8, 1.0, 0, 0.0))
+
+    return generate
+
+
+def test_every_client_call_of_a_step_waits_for_the_client():
+    """Two client calls and a server tool in one step: the server's runs, the task stops
+    input-required on the first client call, and both client calls are in the output unanswered."""
+    def get_time() -> str:
+        return "12:00"
+
+    generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_time", "{}"),
+                          ("get_weather", '{"city": "Rome"}')], "tool_calls"))
+    task = asyncio.run(run_async({"user_message_content": "Weather and time?", "client_tools": [WEATHER, get_time]},
+                                 generate))
+    assert task.status == "input-required" and task.input_required.call_id == "call_0"
+    assert [(o.type, o.call_id) for o in task.output] == [("tool_call", "call_0"), ("tool_call", "call_1"),
+                                                          ("tool_call", "call_2"), ("tool_result", "call_1")]
+    assert task.output[3].message_content[0].text == "12:00"
+
+
+def test_a_call_cut_by_max_tokens_never_runs():
+    generate = scripted(([("get_weather", '{"city": "Par')], "length"))
+    task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
+    assert task.status == "completed" and task.input_required is None
+    assert task.incomplete_details.reason == "max_output_tokens" and task.output[0].status == "incomplete"
+    # a whole call before the cut one still counts: the task waits for it alone
+    generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Ro')], "length"))
+    task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
+    assert task.status == "input-required" and task.input_required.call_id == "call_0"
+    assert [o.status for o in task.output] == ["completed", "incomplete"] and task.incomplete_details is None

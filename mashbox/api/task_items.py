@@ -268,6 +268,12 @@ class RpcError(OutModel):
     data: Any = None
 
 
+class IncompleteDetails(OutModel):
+    """Why a completed task's answer is cut short (as the spec's task examples and OpenAI's Responses)."""
+
+    reason: Literal["max_output_tokens"] = "max_output_tokens"
+
+
 class TaskObject(OutModel):
     object: Literal["task"] = "task"
     id: str
@@ -278,6 +284,7 @@ class TaskObject(OutModel):
     output: list[OutputItem] = []
     usage: dict[str, Any] | None = None
     error: RpcError | None = None
+    incomplete_details: IncompleteDetails | None = None
     input_required: ToolCallOut | None = None
     metadata: dict[str, Any] = {}
     previous_task_id: str | None = None

@@ -3,8 +3,10 @@
 ``TaskLoop.run`` yields the task's events: ``task.created``, ``task.queued`` when the engine takes
 its first generation, ``task.working`` once that has a slot, then each step's output. A step is one
 generation with the task's tools. After it: no call, or a call of a ``stop_tools`` name, completes
-the task; a call of a client tool stops it ``input-required`` (the client continues with a new
-task); a call of a server tool runs it, adds its ``tool_result`` and starts the next step (a forced
+the task, and so does a generation cut short by ``max_tokens`` with no whole call
+(``incomplete_details``; a call cut short never runs); a call of
+a server tool runs it and adds its ``tool_result``; then calls of client tools stop it
+``input-required`` (the client continues with a new task), or the next step starts (a forced
 ``tool_choice`` holds for the first step only). More
 than ``max_steps`` steps fail the task. ``Control`` cancels, pauses and resumes it at the next token.
 
@@ -23,8 +25,21 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mashbox.api.base import engine_request, json_object
-from mashbox.api.task_events import STATUS_EVENT, StepTranslator, TaskLifecycleEvent, tool_result_events
-from mashbox.api.task_items import CreateTask, RpcError, TaskObject, client_tools, offered_tools, to_messages
+from mashbox.api.task_events import (
+    STATUS_EVENT,
+    StepTranslator,
+    TaskLifecycleEvent,
+    tool_result_events,
+)
+from mashbox.api.task_items import (
+    CreateTask,
+    IncompleteDetails,
+    RpcError,
+    TaskObject,
+    client_tools,
+    offered_tools,
+    to_messages,
+)
 from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest, Message, Tool, ToolCall
 from mashbox.errors import InvalidRequestError
@@ -34,6 +49,7 @@ Action = Literal["cancel", "pause", "resume", "expire"]
 DEFAULT_MAX_STEPS = 10
 STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
 GENERATION_FAILED = -32603
+EXPIRED = -32002  # of an expired one
 _PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
            "tool_choice": "inference_args.tool_choice"}
 
@@ -59,6 +75,8 @@ class Control:
         self._signal = asyncio.Event()
 
     def ask(self, action: Action) -> None:
+        if self.wanted in ("cancel", "expire") and action in ("pause", "resume"):
+            return  # an end already asked for is not undone
         self.wanted = action
         self._signal.set()
 
@@ -143,6 +161,9 @@ class TaskLoop:
                     if action in ("resume", "pause"):
                         yield self.status("working")
                         continue
+                if action == "expire":
+                    self.task.error = RpcError(code=EXPIRED, message="the task expired: it stayed paused for "
+                                                                     "the tasks' time to live")
                 yield self.status("expired" if action == "expire" else "canceled")
                 return
             async for event in self._after(translator):
@@ -193,22 +214,30 @@ class TaskLoop:
             self.task.error = RpcError(code=GENERATION_FAILED, message=finish.error or "the generation stopped")
             yield self.status("failed")
             return
-        calls = translator.calls
+        calls = [c for c in translator.calls if c.status == "completed"]  # one cut by max_tokens never runs
         self._messages.append(Message("assistant", translator.text(),
                                       tuple(ToolCall(c.call_id, c.name, c.arguments) for c in calls),
                                       reasoning=translator.reasoning() or None))
+        if finish.reason == "length" and not calls:  # cut short, nothing to go on with: its last item incomplete
+            self.task.incomplete_details = IncompleteDetails()
+            yield self.status("completed")
+            return
+        waiting = []  # the client's calls: answered by the client, after the server's have run
         for call in calls:
             if call.name in self._stop:
                 break
             if call.name not in self._server and call.name in self._client:
-                self.task.input_required = call
-                yield self.status("input-required")
-                return
+                waiting.append(call)
+                continue
             text = await self._call(call.name, call.arguments)
             for event in tool_result_events(self.task, self.emit, call, text):
                 yield event
             self._messages.append(Message("tool", text, tool_call_id=call.call_id, name=call.name))
         else:
+            if waiting:
+                self.task.input_required = waiting[0]  # the spec's one call; the others are in output too
+                yield self.status("input-required")
+                return
             if calls:
                 return  # the results go to the next step
         yield self.status("completed")

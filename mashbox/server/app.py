@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-
 from typing import Any
 
 from litestar import Litestar, Request
@@ -26,6 +25,7 @@ def create_app(backend: Backend, settings: Settings) -> Litestar:
         route_handlers=[*HANDLERS, *TASK_HANDLERS, *(UI_HANDLERS if settings.ui else [])],
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handler(settings.retry_after_s)},
+        lifespan=[lambda _app: ctx.tasks.sweeping()],
         request_class=BodyRequest,
         openapi_config=None,
         logging_config=None,

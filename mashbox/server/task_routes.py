@@ -47,6 +47,7 @@ async def create_task(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
     ctx.served()
     req = parse(CreateTask, data)
     rid = req.request_id if req.request_id is not None else request_id(request)
+    request.scope["state"]["request_id"] = rid  # an error from here on (a 429, a 409) echoes it too
     live = await ctx.tasks.start(req, _tenant(ctx, request))
     headers = ignored_header(req)
     if req.stream:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from mashbox.api.base import new_id
@@ -28,6 +29,7 @@ from mashbox.server.task_store import TaskStore
 
 log = logging.getLogger("mashbox.server")
 ACT_TIMEOUT_S = 30.0
+MAX_SWEEP_EVERY_S = 60.0  # old tasks expire this long after their time to live at most
 # what each action needs of a running task, and the statuses that show it took effect
 NEEDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "cancel": (frozenset({"created", "queued", "working", "paused"}), frozenset({"canceled"}) | FINAL),
@@ -84,6 +86,27 @@ class TaskRuns:
     def __init__(self, backend: Backend, admission: Admission, store: TaskStore, salted: bool) -> None:
         self._backend, self._admission, self.store, self._salted = backend, admission, store, salted
         self._live: dict[tuple[str, str], Live] = {}
+        self.sweep_every_s = min(store.ttl_s / 2, MAX_SWEEP_EVERY_S)
+
+    @asynccontextmanager
+    async def sweeping(self) -> AsyncIterator[None]:
+        """While the server runs (its lifespan): expire old tasks on a timer, not only when a
+        request comes."""
+        async def every() -> None:
+            while True:
+                await asyncio.sleep(self.sweep_every_s)
+                try:
+                    self.sweep()
+                except Exception:  # a locked or broken file: said, and tried again next time
+                    log.exception("expiring old tasks failed")
+
+        timer = asyncio.ensure_future(every())
+        try:
+            yield
+        finally:
+            timer.cancel()
+            with suppress(asyncio.CancelledError):
+                await timer
 
     async def start(self, req: CreateTask, tenant: str) -> Live:
         """Start a task; returns once the engine has taken its first generation (a request it
@@ -138,7 +161,10 @@ class TaskRuns:
         self._on(live, live.loop.status("failed"))
 
     def find(self, tenant: str, task_id: str, strict: bool = True) -> dict[str, Any] | None:
-        """The task as it is now (a running one from memory); 404 when ``strict`` and unknown."""
+        """The task as it is now (a running one from memory); 404 when ``strict`` and unknown.
+        A strict look (a client's) expires what is old first, so none sees a task past its time."""
+        if strict:
+            self.sweep()
         live = self._live.get((tenant, task_id))
         found = live.task.dump() if live is not None and live.accepted.done() else self.store.get(tenant, task_id)
         if found is None and strict:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mashbox.api.task_items import FINAL
+from mashbox.api.task_loop import EXPIRED as EXPIRED_CODE
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, id TEXT NOT NULL, status TEXT NOT NULL,
@@ -24,7 +25,7 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
 CREATE INDEX IF NOT EXISTS tasks_updated ON tasks (updated_at)"""
 RUNNING = ("created", "queued", "working", "paused")
 STOPPED = {"code": -32001, "message": "the server stopped while this task was running; create it again"}
-EXPIRED = {"code": -32002, "message": "the task expired: nothing happened to it for the tasks' time to live"}
+EXPIRED = {"code": EXPIRED_CODE, "message": "the task expired: nothing happened to it for the tasks' time to live"}
 
 
 class TaskStore:
