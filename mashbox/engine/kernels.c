@@ -169,100 +169,134 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
 /* A GGUF Q4_1 block: fp16 d and m, then 16 bytes holding q[i] in the low nibble of byte i and
  * q[16 + i] in the high one. */
 #define Q41_BYTES 20
+/* Kept repacked (mb_q41_repack) in groups of 8 weight rows, block by block: for group g and block
+ * b, 160 bytes: the 8 rows' fp16 d, their 8 fp16 m, then 128 bytes of 4-bit q where byte
+ * 32i + 4c + t holds q[c][8i + t] in its low nibble and q[c][8i + 4 + t] in its high one. One
+ * byte-multiply then serves 4 positions of 8 rows, so a block's 8 dot products come out in the 8
+ * lanes of one register, with no horizontal sums; each lane is one output. */
+#define G8 8
+#define G8_BYTES (G8 * Q41_BYTES)
 
 static inline float h2f(uint16_t h);
 
-/* Per block of an activation row: xs * (sum of its int8 values) / 8, the weight of m. An eighth
- * so that it can be added to each of the 8 lanes of an accumulator (exact: a power of two). */
+static inline int q41_at(const uint8_t *blk, int k) {
+    return k < 16 ? blk[4 + k] & 15 : blk[4 + k - 16] >> 4;
+}
+
+/* src [N, K / 32 * 20] (Q4_1 rows) -> dst [ceil(N / 8), K / 32, 160]; rows past N are zero. */
+void mb_q41_repack(const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
+    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
+    memset(dst, 0, groups * nb * G8_BYTES);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + (n * nb + b) * Q41_BYTES;
+            uint8_t *o = dst + ((n / G8) * nb + b) * G8_BYTES;
+            int c = (int)(n % G8);
+            memcpy(o + 2 * c, blk, 2);
+            memcpy(o + 16 + 2 * c, blk + 2, 2);
+            for (int i = 0; i < 4; i++)
+                for (int t = 0; t < 4; t++)
+                    o[32 + 32 * i + 4 * c + t] = (uint8_t)(q41_at(blk, 8 * i + t) | q41_at(blk, 8 * i + 4 + t) << 4);
+        }
+}
+
+/* Per block of an activation row: xs * (the sum of its int8 values), the weight of m. */
 static void block_sums(const int8_t *q, const float *s, float *out, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         int32_t sum = 0;
         for (int l = 0; l < QK; l++) sum += q[b * QK + l];
-        out[b] = s[b] * (float)sum * 0.125f;
+        out[b] = s[b] * (float)sum;
     }
 }
 
+/* y[r, 0..8) for rows r < rows (at most TR) against one group of 8 weight rows. Per block and
+ * output: acc += (exact int dot) * (d * xs), then acc += m * xsum; the same whatever `rows` is.
+ * Int16 sums cannot overflow: each of 8 products pairs is at most 2 * 15 * 127. */
 #ifdef MB_AVX2
-static inline __m256i unpack4(const uint8_t *p) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-}
-
 static inline __attribute__((always_inline)) void tile41(
         const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, const int rows,
-        const int cols, float *y, int64_t ldy) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    int64_t nb = K / QK, row = nb * Q41_BYTES;
-    __m256 acc[TR][TC1];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) acc[r][c] = _mm256_setzero_ps();
+        float *y, int64_t ldy) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    int64_t nb = K / QK;
+    __m256 acc[TR];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i wq[TC1];
-        __m256 d[TC1], m[TC1];
-        for (int c = 0; c < cols; c++) {
-            const uint8_t *blk = w + c * row + b * Q41_BYTES;
-            wq[c] = unpack4(blk + 4);
-            d[c] = _mm256_set1_ps(h2f(*(const uint16_t *)blk));
-            m[c] = _mm256_set1_ps(h2f(*(const uint16_t *)(blk + 2)));
-        }
-        for (int r = 0; r < rows; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
-            __m256 s = _mm256_set1_ps(xs[r * nb + b]), sm = _mm256_set1_ps(xm[r * nb + b]);
-            for (int c = 0; c < cols; c++) {
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq[c], xv), ones));
-                acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[c], s), acc[r][c]);
-                acc[r][c] = _mm256_fmadd_ps(m[c], sm, acc[r][c]);
+        const uint8_t *blk = w + b * G8_BYTES;
+        __m256i sum[TR];
+        for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i));
+            __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xq + r * K + b * QK + 8 * i;
+                int32_t x0, x1;
+                memcpy(&x0, x, 4);
+                memcpy(&x1, x + 4, 4);
+                sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
             }
         }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int r = 0; r < rows; r++) {
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xm[r * nb + b]), acc[r]);
+        }
     }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) y[r * ldy + c] = hsum8(acc[r][c]);
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
 static void tile41(const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, int rows,
-                   int cols, float *y, int64_t ldy) {
-    int64_t nb = K / QK, row = nb * Q41_BYTES;
+                   float *y, int64_t ldy) {
+    int64_t nb = K / QK;
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
+        for (int c = 0; c < G8; c++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = w + c * row + b * Q41_BYTES;
+                const uint8_t *blk = w + b * G8_BYTES;
                 const int8_t *x = xq + r * K + b * QK;
                 int32_t sum = 0;
-                for (int j = 0; j < QK / 2; j++) sum += (blk[4 + j] & 15) * x[j] + (blk[4 + j] >> 4) * x[QK / 2 + j];
-                acc += (float)sum * (h2f(*(const uint16_t *)blk) * xs[r * nb + b]);
-                acc += h2f(*(const uint16_t *)(blk + 2)) * xm[r * nb + b] * 8.0f;
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < 4; t++) {
+                        uint8_t q = blk[32 + 32 * i + 4 * c + t];
+                        sum += (q & 15) * x[8 * i + t] + (q >> 4) * x[8 * i + 4 + t];
+                    }
+                acc = fmaf((float)sum, h2f(*(const uint16_t *)(blk + 2 * c)) * xs[r * nb + b], acc);
+                acc = fmaf(h2f(*(const uint16_t *)(blk + 16 + 2 * c)), xm[r * nb + b], acc);
             }
             y[r * ldy + c] = acc;
         }
 }
 #endif
 
-/* Rows m.. (at most TR) against weight rows n.. (TC, or 1 at the end), as tile_at does for Q8. */
+/* Rows m.. (at most TR) against group g; a last group past N goes through a scratch row. */
 static void tile41_at(const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t M, int64_t N,
-                      int64_t K, int64_t m, int64_t n, float *y) {
+                      int64_t K, int64_t m, int64_t g, float *y) {
     int64_t nb = K / QK;
     int rows = M - m < TR ? (int)(M - m) : TR;
     const int8_t *xr = xq + m * K;
     const float *sr = xs + m * nb, *mr = xm + m * nb;
-    const uint8_t *wn = w + n * nb * Q41_BYTES;
-    float *yr = y + m * N + n;
-    if (N - n < TC) {
-        for (int i = 0; i < rows; i++) tile41(xr + i * K, sr + i * nb, mr + i * nb, wn, K, 1, 1, yr + i * N, N);
+    const uint8_t *wg = w + g * nb * G8_BYTES;
+    int64_t n = g * G8;
+    if (N - n < G8) {
+        float part[TR * G8];
+        tile41(xr, sr, mr, wg, K, rows, part, G8);
+        for (int r = 0; r < rows; r++) memcpy(y + (m + r) * N + n, part + r * G8, sizeof(float) * (N - n));
         return;
     }
+    float *yr = y + m * N + n;
     switch (rows) {
-    case 1: tile41(xr, sr, mr, wn, K, 1, TC, yr, N); break;
-    case 2: tile41(xr, sr, mr, wn, K, 2, TC, yr, N); break;
-    case 3: tile41(xr, sr, mr, wn, K, 3, TC, yr, N); break;
-    default: tile41(xr, sr, mr, wn, K, 4, TC, yr, N); break;
+    case 1: tile41(xr, sr, mr, wg, K, 1, yr, N); break;
+    case 2: tile41(xr, sr, mr, wg, K, 2, yr, N); break;
+    case 3: tile41(xr, sr, mr, wg, K, 3, yr, N); break;
+    default: tile41(xr, sr, mr, wg, K, 4, yr, N); break;
     }
 }
 
-/* y[M, N] = x[M, K] @ dequant(w).T for Q4_1 blocks w [N, K / 32, 20 bytes]. */
+/* y[M, N] = x[M, K] @ dequant(w).T for Q4_1 blocks repacked by mb_q41_repack. */
 void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
-    int64_t nb = K / QK, row = nb * Q41_BYTES;
+    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * nb * 2), *xm = xs + M * nb;
 #pragma omp parallel for schedule(static) if (M * K > 65536)
@@ -270,14 +304,9 @@ void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_
         quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
         block_sums(xq + m * K, xs + m * nb, xm + m * nb, K);
     }
-    if (M == 1 && N % TC1 == 0) {
-#pragma omp parallel for schedule(static) if (N * K > 65536)
-        for (int64_t n = 0; n < N; n += TC1) tile41(xq, xs, xm, w + n * row, K, 1, TC1, y + n, N);
-    } else {
 #pragma omp parallel for schedule(static) if (M * N * K > 65536)
-        for (int64_t n = 0; n < N; n += TC)
-            for (int64_t m = 0; m < M; m += TR) tile41_at(xq, xs, xm, w, M, N, K, m, n, y);
-    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t m = 0; m < M; m += TR) tile41_at(xq, xs, xm, w, M, N, K, m, g, y);
     free(xq);
     free(xs);
 }

@@ -33,6 +33,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "mb_q8_linear": (_P, _P, _P, _P, _I, _I, _I),
     "mb_q41_linear": (_P, _P, _P, _I, _I, _I),
+    "mb_q41_repack": (_P, _P, _I, _I),
     "mb_linear": (_P, _P, _P, _P, _I, _I, _I),
     "mb_q8_quantize": (_P, _P, _P, _I, _I),
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),

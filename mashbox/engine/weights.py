@@ -22,8 +22,8 @@ TILE = 16
 class Linear:
     """``x @ weight.T`` in one of five forms, chosen once per model.
 
-    ``q41``: a GGUF's own Q4_1 blocks (``blocks.py``; 5 bits a weight), fp32 activations, through
-    mashbox's compiled kernel. ``q8``: int8 weights in blocks of 32 with a scale each, the same
+    ``q41``: a GGUF's own Q4_1 blocks (``blocks.py``; 5 bits a weight), regrouped by 8 rows for
+    mashbox's compiled kernel, fp32 activations. ``q8``: int8 weights in blocks of 32 with a scale each, the same
     way (a quarter of fp32's memory traffic). Both compute each row alone.
     ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
     memory traffic (fbgemm does not promise a row's bits independent of the batch).
@@ -52,7 +52,7 @@ class Linear:
             self.weight, self.scales = _quantize(lib, weight.float().contiguous())
         elif mode == "q41":
             self._lib = lib
-            self.weight = blocks
+            self.weight = _repack(lib, blocks, weight.shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._lib is not None:
@@ -85,6 +85,15 @@ def _quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     scales = torch.empty(n, k // native.BLOCK)
     lib.mb_q8_quantize(ptr(weight), ptr(q), ptr(scales), n, k)
     return q, scales
+
+
+def _repack(lib: ctypes.CDLL, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """A GGUF's Q4_1 rows [N, K / 32 * 20] in the kernel's groups of 8 rows (``kernels.c``):
+    uint8 [ceil(N / 8), K / 32 * 160], the same bytes moved (a last group padded with zeros)."""
+    n = blocks.shape[0]
+    out = torch.empty(-(-n // 8), k // native.BLOCK * 160, dtype=torch.uint8)
+    lib.mb_q41_repack(ptr(blocks.contiguous()), ptr(out), n, k)
+    return out
 
 
 def _quiet(fn, *args):

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from mashbox.engine.events import Event
+from mashbox.engine.openmp import prefer_passive_wait
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ConfigError
 from mashbox.server.worker_messages import (
@@ -58,6 +59,7 @@ def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
 
 def _load(conn: Connection, model: str, options: dict[str, Any]) -> Engine | None:
     try:
+        prefer_passive_wait()  # before torch loads OpenMP
         import torch
 
         from mashbox.facade import Engine
