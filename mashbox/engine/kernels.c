@@ -70,98 +70,110 @@ static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
     }
 }
 
-/* Outputs are computed in tiles of up to TR activation rows x TC weight rows. Each output has one
- * accumulator and adds its blocks in order, so its value is the same in any tile. */
+/* Outputs are computed in tiles of up to TR activation rows x one group of 8 weight rows. */
 #define TR 4
-#define TC 2
-#define TC1 4 /* weight rows per tile when there is one activation row */
-#ifdef MB_AVX2
-static inline __m256 block_dot(__m256i wv, __m256i wabs, __m256i xv) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones));
+#define G8 8
+
+/* Int8 weights are kept (mb_q8_repack) in groups of 8 rows, block by block: for group g and block
+ * b, 256 bytes where byte 32j + 4c + t holds w[c][4j + t], and their scales [g, b, 8]. One
+ * byte-multiply serves 4 positions of 8 rows, and a block's 8 dot products land in the 8 lanes of
+ * one register: each lane is one output, which adds its blocks in order, so its value is the same
+ * in any tile and with any number of threads. */
+void mb_q8_repack(const int8_t *q, const float *s, int8_t *wq, float *ws, int64_t N, int64_t K) {
+    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
+    memset(wq, 0, groups * nb * G8 * QK);
+    memset(ws, 0, sizeof(float) * groups * nb * G8);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t at = (n / G8) * nb + b, c = n % G8;
+            ws[at * G8 + c] = s[n * nb + b];
+            for (int64_t j = 0; j < QK / 4; j++) memcpy(wq + at * G8 * QK + 32 * j + 4 * c, q + n * K + b * QK + 4 * j, 4);
+        }
 }
 
+#ifdef MB_AVX2
+/* y[r, 0..8) for rows r < rows against one group: per block, exact int32 dots (|w| times x with
+ * w's sign, as pairs of int16 products that cannot overflow), then acc += dot * (ws * xs). */
 static inline __attribute__((always_inline)) void tile(
         const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, const int rows,
-        const int cols, float *y, int64_t ldy) {
+        float *y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
     int64_t nb = K / QK;
-    __m256 acc[TR][TC1];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) acc[r][c] = _mm256_setzero_ps();
+    __m256 acc[TR];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i wv[TC1], wa[TC1];
-        for (int c = 0; c < cols; c++) {
-            wv[c] = _mm256_loadu_si256((const __m256i *)(w + c * K + b * QK));
-            wa[c] = _mm256_sign_epi8(wv[c], wv[c]);
-        }
-        for (int r = 0; r < rows; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
-            for (int c = 0; c < cols; c++) {
-                __m256 scale = _mm256_set1_ps(xs[r * nb + b] * ws[c * nb + b]);
-                acc[r][c] = _mm256_fmadd_ps(block_dot(wv[c], wa[c], xv), scale, acc[r][c]);
+        const int8_t *blk = w + b * G8 * QK;
+        __m256i sum[TR];
+        for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < QK / 4; j++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 32 * j)), wa = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < rows; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + r * K + b * QK + 4 * j, 4);
+                __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
             }
         }
+        __m256 scale = _mm256_loadu_ps(ws + b * G8);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * nb + b])),
+                                     acc[r]);
     }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) y[r * ldy + c] = hsum8(acc[r][c]);
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
 static void tile(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, int rows,
-                 int cols, float *y, int64_t ldy) {
+                 float *y, int64_t ldy) {
     int64_t nb = K / QK;
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
+        for (int c = 0; c < G8; c++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
+                const int8_t *blk = w + b * G8 * QK, *x = xq + r * K + b * QK;
                 int32_t sum = 0;
-                for (int l = 0; l < QK; l++) sum += (int32_t)xq[r * K + b * QK + l] * w[c * K + b * QK + l];
-                acc += (float)sum * (xs[r * nb + b] * ws[c * nb + b]);
+                for (int j = 0; j < QK / 4; j++)
+                    for (int t = 0; t < 4; t++) sum += (int32_t)blk[32 * j + 4 * c + t] * x[4 * j + t];
+                acc = fmaf((float)sum, ws[b * G8 + c] * xs[r * nb + b], acc);
             }
             y[r * ldy + c] = acc;
         }
 }
 #endif
 
-/* Rows m.. (at most TR) against weight rows n.. (TC, or 1 at the end). */
+/* Rows m.. (at most TR) against group g; a last group past N goes through a scratch row. */
 static void tile_at(const int8_t *xq, const float *xs, const int8_t *w, const float *s, int64_t M, int64_t N,
-                    int64_t K, int64_t m, int64_t n, float *y) {
-    int64_t nb = K / QK;
+                    int64_t K, int64_t m, int64_t g, float *y) {
+    int64_t nb = K / QK, n = g * G8;
     int rows = M - m < TR ? (int)(M - m) : TR;
-    const int8_t *xm = xq + m * K, *wn = w + n * K;
-    const float *sm = xs + m * nb, *sn = s + n * nb;
-    float *ym = y + m * N + n;
-    if (N - n < TC) {
-        for (int i = 0; i < rows; i++) tile(xm + i * K, sm + i * nb, wn, sn, K, 1, 1, ym + i * N, N);
+    const int8_t *xr = xq + m * K, *wg = w + g * nb * G8 * QK;
+    const float *sr = xs + m * nb, *sg = s + g * nb * G8;
+    if (N - n < G8) {
+        float part[TR * G8];
+        tile(xr, sr, wg, sg, K, rows, part, G8);
+        for (int r = 0; r < rows; r++) memcpy(y + (m + r) * N + n, part + r * G8, sizeof(float) * (N - n));
         return;
     }
+    float *yr = y + m * N + n;
     switch (rows) {
-    case 1: tile(xm, sm, wn, sn, K, 1, TC, ym, N); break;
-    case 2: tile(xm, sm, wn, sn, K, 2, TC, ym, N); break;
-    case 3: tile(xm, sm, wn, sn, K, 3, TC, ym, N); break;
-    default: tile(xm, sm, wn, sn, K, 4, TC, ym, N); break;
+    case 1: tile(xr, sr, wg, sg, K, 1, yr, N); break;
+    case 2: tile(xr, sr, wg, sg, K, 2, yr, N); break;
+    case 3: tile(xr, sr, wg, sg, K, 3, yr, N); break;
+    default: tile(xr, sr, wg, sg, K, 4, yr, N); break;
     }
 }
 
-/* y[M, N] = x[M, K] @ dequant(w[N, K], s[N, K/32]).T, with x's rows quantized to int8 blocks.
- * One row streams the weights one output at a time; several share each weight load. */
+/* y[M, N] = x[M, K] @ dequant(w, s).T for int8 weights repacked by mb_q8_repack, with x's rows
+ * quantized to int8 blocks. */
 void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
                   int64_t M, int64_t N, int64_t K) {
-    int64_t nb = K / QK;
+    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * nb);
 #pragma omp parallel for schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
-    if (M == 1 && N % TC1 == 0) {
-#pragma omp parallel for schedule(static) if (N * K > 65536)
-        for (int64_t n = 0; n < N; n += TC1) tile(xq, xs, w + n * K, s + n * nb, K, 1, TC1, y + n, N);
-    } else if (M == 1) {
-#pragma omp parallel for schedule(static) if (N * K > 65536)
-        for (int64_t n = 0; n < N; n++) tile(xq, xs, w + n * K, s + n * nb, K, 1, 1, y + n, N);
-    } else {
 #pragma omp parallel for schedule(static) if (M * N * K > 65536)
-        for (int64_t n = 0; n < N; n += TC)
-            for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, w, s, M, N, K, m, n, y);
-    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, w, s, M, N, K, m, g, y);
     free(xq);
     free(xs);
 }
@@ -174,7 +186,6 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
  * 32i + 4c + t holds q[c][8i + t] in its low nibble and q[c][8i + 4 + t] in its high one. One
  * byte-multiply then serves 4 positions of 8 rows, so a block's 8 dot products come out in the 8
  * lanes of one register, with no horizontal sums; each lane is one output. */
-#define G8 8
 #define G8_BYTES (G8 * Q41_BYTES)
 
 static inline float h2f(uint16_t h);

@@ -79,7 +79,18 @@ class Linear:
 
 
 def _quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], fp32 scales [N, K / 32]) of an fp32 weight."""
+    """An fp32 weight [N, K] as int8 blocks of 32 with one fp32 scale each, in the kernel's groups of
+    8 rows (``kernels.c``): int8 [ceil(N / 8), K / 32 * 256] and scales [ceil(N / 8), K / 32 * 8]."""
+    n, k = weight.shape
+    q, scales = quantize_rows(lib, weight)
+    groups, blocks = -(-n // 8), k // native.BLOCK
+    grouped, grouped_scales = torch.empty(groups, blocks * 256, dtype=torch.int8), torch.empty(groups, blocks * 8)
+    lib.mb_q8_repack(ptr(q), ptr(scales), ptr(grouped), ptr(grouped_scales), n, k)
+    return grouped, grouped_scales
+
+
+def quantize_rows(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], fp32 scales [N, K / 32]) of an fp32 weight, row by row."""
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, k // native.BLOCK)
