@@ -5,7 +5,9 @@ Text goes in as the model writes it; engine events come out: ``TextDelta``,
 call ``ToolCallStart`` / ``ToolCallDelta`` / ``ToolCallEnd``. A partial tag at
 the end of the text is held back until it is complete or proven not to be a
 tag, so markup never leaks into text. A call whose body is not a valid call
-ends as plain text, never as a broken call.
+ends as plain text, never as a broken call. A call the answer already made (same name,
+same arguments) ends the answer: ``repeated`` turns True, nothing more comes out, and the engine
+stops the request (a small model otherwise writes the same call until its token budget runs out).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Markup:
         self.body = ""
         self.blank = ""
         self.num_calls = 0
+        self.made: set[tuple[str, str]] = set()
+        self.repeated = False
         self.bare = BareCall(names) if calls and names else None
         self.after = ""
 
@@ -66,7 +70,7 @@ class Markup:
         events: list[Event] = []
         buf = self.held + text
         self.held = ""
-        while buf:
+        while buf and not self.repeated:
             buf = self._step(buf, events)
         return events
 
@@ -74,6 +78,8 @@ class Markup:
         """End of the stream: what is held back, and an unclosed call if it parses."""
         events: list[Event] = []
         held, self.held = self.held, ""
+        if self.repeated:
+            return events
         if self.state == "call":
             self._end_call(self.body + held, events, closed=False)
         elif held and not self._cut_open_tag(held):
@@ -180,6 +186,11 @@ class Markup:
         events += self._call_events(*parsed)
 
     def _call_events(self, name: str, arguments: str) -> list[Event]:
+        key = (name, json.dumps(_loads(arguments), sort_keys=True))
+        if key in self.made:
+            self.repeated, self.held, self.after = True, "", ""
+            return []
+        self.made.add(key)
         index, self.num_calls = self.num_calls, self.num_calls + 1
         if self.bare:
             self.bare.open = True
