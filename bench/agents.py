@@ -38,7 +38,7 @@ MODEL = "qwen2.5-coder-0.5b"
 PROMPT = "Read the file secret.txt in the current folder and tell me the secret word written in it."
 WORDS = ("marmalade", "quokka", "tangerine", "zeppelin", "walrus", "obsidian", "pelican", "saffron",
          "gondola", "juniper", "kumquat", "narwhal", "paprika", "lantern", "meringue", "falcon")
-AGENTS = ("claude-code", "codex", "pi-anthropic-messages", "pi-openai-responses", "pi-openai-completions")
+AGENTS = ("pi-openai-completions", "pi-openai-responses", "pi-anthropic-messages", "codex", "claude-code")
 WATCHDOG_MS = "1800000"  # Claude Code's stream watchdog and request timeout: a cold prefill may pass 5 min
 
 

@@ -140,3 +140,17 @@ def test_an_answer_that_repeats_a_call_is_cut_after_the_first(first, again):
         assert m.repeated and m.num_calls == 1
     other = parse([WRITTEN[first] + "\n" + WRITTEN[again].replace("Paris", "Rome")], names=NAMES)
     assert [e[3]["city"] for e in other] == ["Paris", "Rome"]  # the same tool, other arguments: a new call
+
+
+def test_a_line_that_repeats_a_call_to_an_unknown_tool_is_cut_at_the_second():
+    """Pi on mashbox, turn 2: after a good call the model wrote the word it read as a tool name,
+    the same line 4,096 tokens long. Such a call stays text, but its repeat ends the answer."""
+    loop = '{"name": "walrus362", "arguments": {"path": "secret.txt"}}'
+    read = '{"name": "read", "arguments": {"path": "secret.txt"}}'
+    text = read + ("\n" + loop) * 6 + "\n"
+    expected = [("call", 0, "read", {"path": "secret.txt"}), ("text", ("\n" + loop) * 2)]
+    for cut in range(len(text) + 1):
+        m = Markup(names=frozenset({"read"}))
+        assert coalesce(m.push(text[:cut]) + m.push(text[cut:]) + m.flush()) == expected and m.repeated
+    prose = "I read it.\n" + loop + "\nThen " + loop.replace("walrus", "other") + "\ndone\n"
+    assert parse([prose], names=frozenset({"read"})) == [("text", prose)]  # no repeat: all kept

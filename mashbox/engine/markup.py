@@ -8,6 +8,8 @@ tag, so markup never leaks into text. A call whose body is not a valid call
 ends as plain text, never as a broken call. A call the answer already made (same name,
 same arguments) ends the answer: ``repeated`` turns True, nothing more comes out, and the engine
 stops the request (a small model otherwise writes the same call until its token budget runs out).
+So does a line of text that is a call the answer already wrote (a call to a tool that does not
+exist stays text; written again, it is the same loop).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Markup:
         self.num_calls = 0
         self.made: set[tuple[str, str]] = set()
         self.repeated = False
+        self.line = ""
         self.bare = BareCall(names) if calls and names else None
         self.after = ""
 
@@ -147,6 +150,7 @@ class Markup:
             full = self.blank + text
             body = full.rstrip()
             self.blank = full[len(body):]
+            body = self._watched(body)
             events += [TextDelta(body)] if body else []
             if body and self.bare:
                 self.bare.open = False
@@ -157,7 +161,8 @@ class Markup:
             return
         released, call, rest = decision
         if call is None:
-            events.append(TextDelta(released))
+            released = self._watched(released)
+            events += [TextDelta(released)] if released else []
             return
         events += self._call_events(*call)
         self.after = rest
@@ -186,16 +191,35 @@ class Markup:
         events += self._call_events(*parsed)
 
     def _call_events(self, name: str, arguments: str) -> list[Event]:
-        key = (name, json.dumps(_loads(arguments), sort_keys=True))
-        if key in self.made:
+        if self.repeated or self._made_before(name, arguments):
             self.repeated, self.held, self.after = True, "", ""
             return []
-        self.made.add(key)
         index, self.num_calls = self.num_calls, self.num_calls + 1
         if self.bare:
             self.bare.open = True
         return [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
                 ToolCallEnd(index)]
+
+
+    def _made_before(self, name: str, arguments: str) -> bool:
+        """Whether the answer already made this call; else it is noted as made."""
+        key = (name, json.dumps(_loads(arguments), sort_keys=True))
+        seen = key in self.made
+        self.made.add(key)
+        return seen
+
+    def _watched(self, text: str) -> str:
+        """``text`` up to the end of a line that is a call the answer already wrote (to a tool that
+        does not exist, or it would be a call: a loop), then ``repeated``; else all of it."""
+        start = 0
+        while (end := text.find("\n", start)) >= 0:
+            line, self.line, start = (self.line + text[start:end]).strip(), "", end + 1
+            call = HERMES.parse(line) if line.startswith("{") else None
+            if call is not None and self._made_before(*call):
+                self.repeated, self.held = True, ""
+                return text[:end]
+        self.line += text[start:]
+        return text
 
 
 class BareCall:
