@@ -141,16 +141,17 @@ def row(run: Run, proxy: Proxy) -> dict:
             "ttft_s": None if first is None else round(first, 1), "turns": len(turns),
             "tool_calls": sum(len(s.calls) for s in summaries), "calls": [c for s in summaries for c in s.calls],
             "solved": run.word.lower() in run.answer.lower(), "word": run.word,
-            "answer": run.answer.strip()[-400:], "protocol_errors": errors}
+            "answer": run.answer.strip()[:400], "protocol_errors": errors}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| agent / protocol | exit | first token, turn 1 | model turns | tool calls | answer holds the word |",
-             "|---|---:|---:|---:|---:|---|"]
+    head = "| agent / protocol | exit | first token, turn 1 | model turns | tool calls | answer holds the word |"
+    lines = [head + " the answer begins |", "|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ttft = "-" if r["ttft_s"] is None else f"{r['ttft_s']:.1f} s"
+        begins = " ".join(r["answer"].split())[:50].replace("|", "\\|").replace("`", "'")
         lines.append(f"| {r['agent']} | {r['rc']} | {ttft} | {r['turns']} | {r['tool_calls']} | "
-                     f"{'yes' if r['solved'] else 'no'} |")
+                     f"{'yes' if r['solved'] else 'no'} | `{begins}` |")
     return "\n".join(lines)
 
 
