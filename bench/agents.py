@@ -5,8 +5,10 @@
 ``make agents`` installs the pinned Claude Code, Codex and Pi into ``.agents/`` and runs this. Without
 ``--url`` it starts ``mashbox run qwen2.5-coder-0.5b --ctx 32768 --slots 2`` on a free port (prefix
 pages in ``.agents/prefixes``, so a second run is warm), or with ``--llama-server`` llama.cpp's
-server on the same GGUF. Each agent gets a fresh folder holding ``secret.txt`` with a random word,
-a fresh home (its own config, nothing from ``~``), and one prompt: read the file, say the word.
+server on the same GGUF. Each agent gets a fresh folder holding ``secret.txt`` with a random word
+(``.agents/work/AGENT/work``, the same path every run: Claude Code and Codex write it into their
+system prompt, so another path would miss the prefix cache), a fresh home beside it (its own
+config, nothing from ``~``), and one prompt: read the file, say the word.
 Claude Code speaks Anthropic Messages, Codex Responses, Pi each of the three protocols.
 
 Every request goes through a logging proxy (bench/agent_proxy.py), which times the first turn's
@@ -205,6 +207,9 @@ def main() -> int:
     parser.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
     parser.add_argument("--ctx", type=int, default=32768)
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".agents/prefixes")
+    parser.add_argument("--work", type=Path, default=ROOT / ".agents/work",
+                        help="each agent's folder and home go here; the same folder every run, since the agents put "
+                             "its path in their system prompt, and another path would miss the prefix cache")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each agent may take")
     parser.add_argument("--log-dir", type=Path, help="default: a new folder under /tmp")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -212,13 +217,13 @@ def main() -> int:
     args = parser.parse_args()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mashbox-agents-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    rng, scratch = random.Random(args.seed), log_dir / "scratch"
+    rng = random.Random(args.seed)
     url, proc = serve(args, log_dir / "server.log")
     rows = []
     try:
         with Proxy(url) as proxy:
             for agent in args.agents:
-                run = run_agent(agent, args.bin.resolve(), proxy, scratch, secret_word(rng), args.timeout)
+                run = run_agent(agent, args.bin.resolve(), proxy, args.work.resolve(), secret_word(rng), args.timeout)
                 write_log(log_dir, run, proxy)
                 rows.append(row(run, proxy))
                 print(json.dumps(rows[-1]), flush=True)
