@@ -154,3 +154,16 @@ def test_a_line_that_repeats_a_call_to_an_unknown_tool_is_cut_at_the_second():
         assert coalesce(m.push(text[:cut]) + m.push(text[cut:]) + m.flush()) == expected and m.repeated
     prose = "I read it.\n" + loop + "\nThen " + loop.replace("walrus", "other") + "\ndone\n"
     assert parse([prose], names=frozenset({"read"})) == [("text", prose)]  # no repeat: all kept
+
+
+def test_a_repeated_call_line_followed_only_by_blanks_still_ends_the_answer():
+    """Pi on mashbox (Anthropic Messages): a call, then that call again as a line of text, then
+    newlines until max_tokens. The line's own newline completes it: the answer ends there."""
+    bash = '{"name": "bash", "arguments": {"command": "cat secret.txt"}}'
+    text = bash + "\nI will check.\n" + bash + "\n" + "\n" * 50
+    for cut in range(len(text) + 1):
+        m = Markup(names=frozenset({"bash"}))
+        events = m.push(text[:cut]) + m.push(text[cut:])
+        assert m.repeated, cut
+        assert coalesce(events + m.flush()) == [("call", 0, "bash", {"command": "cat secret.txt"}),
+                                                ("text", "\nI will check.\n" + bash)]

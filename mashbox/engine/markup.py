@@ -147,10 +147,9 @@ class Markup:
                     self._bare(self.bare.decide(final=False), events)
                     return
                 text = offered
-            full = self.blank + text
+            full = self.blank + self._watched(text)
             body = full.rstrip()
             self.blank = full[len(body):]
-            body = self._watched(body)
             events += [TextDelta(body)] if body else []
             if body and self.bare:
                 self.bare.open = False
