@@ -167,3 +167,17 @@ def test_a_repeated_call_line_followed_only_by_blanks_still_ends_the_answer():
         assert m.repeated, cut
         assert coalesce(events + m.flush()) == [("call", 0, "bash", {"command": "cat secret.txt"}),
                                                 ("text", "\nI will check.\n" + bash)]
+
+
+def test_broken_call_lines_that_repeat_and_runs_of_blank_lines_end_the_answer():
+    """Pi on mashbox (Messages), turn 2: a call, then two lines of calls with broken JSON written
+    twice, then newlines to max_tokens (4,096 tokens, 262 s)."""
+    edit = '{"name": "edit", "arguments": {"path": "secret.txt", "edits": [{"oldText": "a", "newText": "a"}]}]}'
+    write = '{"name": "write", "arguments": {"path": "secret.txt", "content": "a"}}}'
+    text = f"{edit}\n{write}\n{edit}\n{write}\nmore"
+    assert parse([text], names=frozenset({"edit"})) == [("text", f"{edit}\n{write}\n{edit}")]
+    for blank in ("\n" * 33, " \n" * 33):
+        m = Markup()
+        events = m.push("The word is x." + blank + "y")
+        assert coalesce(events + m.flush()) == [("text", "The word is x.")] and m.repeated
+    assert parse(["x" + "\n" * 32 + "y"]) == [("text", "x" + "\n" * 32 + "y")]

@@ -9,12 +9,14 @@ ends as plain text, never as a broken call. A call the answer already made (same
 same arguments) ends the answer: ``repeated`` turns True, nothing more comes out, and the engine
 stops the request (a small model otherwise writes the same call until its token budget runs out).
 So does a line of text that is a call the answer already wrote (a call to a tool that does not
-exist stays text; written again, it is the same loop).
+exist, or one whose JSON is broken, stays text; written again, it is the same loop), and a run of
+more than ``BLANK_LINES`` blank lines.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,9 @@ class CallFormat:
 
 
 HERMES = CallFormat()
+CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
+BLANK_LINES = 32  # more blank lines in a row than this is a loop too
+BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -148,6 +153,8 @@ class Markup:
                     return
                 text = offered
             full = self.blank + self._watched(text)
+            if run := BLANK_RUN.search(full):  # a model that only writes newlines now says nothing more
+                full, self.repeated = full[: run.start()], True
             body = full.rstrip()
             self.blank = full[len(body):]
             events += [TextDelta(body)] if body else []
@@ -190,7 +197,7 @@ class Markup:
         events += self._call_events(*parsed)
 
     def _call_events(self, name: str, arguments: str) -> list[Event]:
-        if self.repeated or self._made_before(name, arguments):
+        if self.repeated or self._made_before(_key(name, arguments)):
             self.repeated, self.held, self.after = True, "", ""
             return []
         index, self.num_calls = self.num_calls, self.num_calls + 1
@@ -200,9 +207,8 @@ class Markup:
                 ToolCallEnd(index)]
 
 
-    def _made_before(self, name: str, arguments: str) -> bool:
+    def _made_before(self, key: tuple[str, str]) -> bool:
         """Whether the answer already made this call; else it is noted as made."""
-        key = (name, json.dumps(_loads(arguments), sort_keys=True))
         seen = key in self.made
         self.made.add(key)
         return seen
@@ -214,7 +220,8 @@ class Markup:
         while (end := text.find("\n", start)) >= 0:
             line, self.line, start = (self.line + text[start:end]).strip(), "", end + 1
             call = HERMES.parse(line) if line.startswith("{") else None
-            if call is not None and self._made_before(*call):
+            key = _key(*call) if call else ("", line) if line.startswith(CALL_LIKE) else None  # broken: as written
+            if key is not None and self._made_before(key):
                 self.repeated, self.held = True, ""
                 return text[:end]
         self.line += text[start:]
@@ -270,6 +277,11 @@ class BareCall:
         except json.JSONDecodeError:
             return None, ""
         return text[:end], text[end:]
+
+
+def _key(name: str, arguments: str) -> tuple[str, str]:
+    """What makes two calls the same: the name and the arguments, whatever their keys' order."""
+    return name, json.dumps(_loads(arguments), sort_keys=True)
 
 
 def _loads(text: str) -> Any:
