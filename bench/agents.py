@@ -6,8 +6,9 @@
 ``--url`` it starts ``mashbox run qwen2.5-coder-0.5b --ctx 32768 --slots 2`` on a free port (prefix
 pages in ``.agents/prefixes``, so a second run is warm), or with ``--llama-server`` llama.cpp's
 server on the same GGUF. Each agent gets a fresh folder holding ``secret.txt`` with a random word
-(``.agents/work/AGENT/work``, the same path every run: Claude Code and Codex write it into their
-system prompt, so another path would miss the prefix cache), a fresh home beside it (its own
+(``/tmp/mashbox-agents/AGENT/work``, the same path every run and outside any git repository:
+Claude Code writes the folder, its git status and recent commits into its system prompt, before
+the tools, so a change there would miss the prefix cache), a fresh home beside it (its own
 config, nothing from ``~``), and one prompt: read the file, say the word.
 Claude Code speaks Anthropic Messages, Codex Responses, Pi each of the three protocols.
 
@@ -207,9 +208,10 @@ def main() -> int:
     parser.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
     parser.add_argument("--ctx", type=int, default=32768)
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".agents/prefixes")
-    parser.add_argument("--work", type=Path, default=ROOT / ".agents/work",
-                        help="each agent's folder and home go here; the same folder every run, since the agents put "
-                             "its path in their system prompt, and another path would miss the prefix cache")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mashbox-agents",
+                        help="each agent's folder and home go here: the same folder every run and outside any git "
+                             "repository, since Claude Code puts the folder, its git status and recent commits in its "
+                             "system prompt, and a change there misses the prefix cache")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each agent may take")
     parser.add_argument("--log-dir", type=Path, help="default: a new folder under /tmp")
     parser.add_argument("--json", type=Path, help="also write the rows here")
