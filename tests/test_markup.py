@@ -35,8 +35,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 TABLE = [
     ("plain text only", {}, [("text", "plain text only")]),
     ("Sure. " + CALL, {}, [("text", "Sure."), ("call", 0, "get_weather", {"city": "Paris"})]),
-    (CALL + "\n" + CALL + "\n", {}, [("call", 0, "get_weather", {"city": "Paris"}),
-                                     ("call", 1, "get_weather", {"city": "Paris"})]),
+    (CALL + "\n" + CALL + "\n", {}, [("call", 0, "get_weather", {"city": "Paris"})]),
+    (CALL + " and " + CALL + " more text", {}, [("call", 0, "get_weather", {"city": "Paris"}), ("text", " and")]),
     ("ends with blanks \n ", {}, [("text", "ends with blanks \n ")]),
     (CALL + CALL.replace("Paris", "Rome"), {},
      [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Rome"})]),
@@ -71,10 +71,11 @@ def test_partial_tag_is_never_emitted_as_text():
 
 
 def test_calls_have_distinct_ids():
-    events = parse([CALL + CALL])
+    two = CALL + CALL.replace("Paris", "Rome")
+    events = parse([two])
     assert len(events) == 2
     m = Markup()
-    starts = [e for e in m.push(CALL + CALL) if isinstance(e, ToolCallStart)]
+    starts = [e for e in m.push(two) if isinstance(e, ToolCallStart)]
     assert len({s.id for s in starts}) == 2 and m.num_calls == 2
 
 
@@ -106,8 +107,8 @@ def test_text_after_a_bare_call_at_the_end_is_kept():
 
 
 def test_tagged_calls_with_tool_names_known_drop_the_blank_between_them():
-    text = CALL + "\n" + CALL + "\n"
-    expected = [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Paris"})]
+    text = CALL + "\n" + CALL.replace("Paris", "Rome") + "\n"
+    expected = [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Rome"})]
     for cut in range(len(text) + 1):
         assert parse([text[:cut], text[cut:]], names=NAMES) == expected
 
@@ -117,3 +118,66 @@ def test_tagged_calls_with_tool_names_known_drop_the_blank_between_them():
 def test_where_only_calls_are_written_a_cut_off_call_is_dropped(text, kept):
     assert parse([text], cut_calls_are_text=False) == [("text", kept)]
     assert parse([text]) == [("text", text)]  # elsewhere it stays text
+
+
+ARGS = '{"city": "Paris", "days": 2}'
+WRITTEN = {"tagged": f'<tool_call>{{"name": "get_weather", "arguments": {ARGS}}}</tool_call>',
+           "fenced": f'```json\n{{"name": "get_weather", "arguments": {ARGS}}}\n```',
+           "reordered": '<tool_call>{"arguments": {"days": 2, "city": "Paris"}, "name": "get_weather"}</tool_call>'}
+
+
+@pytest.mark.parametrize("first", ["tagged", "fenced"])
+@pytest.mark.parametrize("again", list(WRITTEN))
+def test_an_answer_that_repeats_a_call_is_cut_after_the_first(first, again):
+    """What a small model does when it loops: the same call again and again (Pi on mashbox got
+    one 1,024-token answer of it). The repeat and all after it are dropped, and ``repeated`` tells
+    the engine to stop the request."""
+    text = WRITTEN[first] + "\n" + WRITTEN[again] + "\nI will read it again.\n" + WRITTEN[first]
+    for cut in range(len(text) + 1):
+        m = Markup(names=NAMES)
+        events = m.push(text[:cut]) + m.push(text[cut:]) + m.flush()
+        assert coalesce(events) == [("call", 0, "get_weather", {"city": "Paris", "days": 2})]
+        assert m.repeated and m.num_calls == 1
+    other = parse([WRITTEN[first] + "\n" + WRITTEN[again].replace("Paris", "Rome")], names=NAMES)
+    assert [e[3]["city"] for e in other] == ["Paris", "Rome"]  # the same tool, other arguments: a new call
+
+
+def test_a_line_that_repeats_a_call_to_an_unknown_tool_is_cut_at_the_second():
+    """Pi on mashbox, turn 2: after a good call the model wrote the word it read as a tool name,
+    the same line 4,096 tokens long. Such a call stays text, but its repeat ends the answer."""
+    loop = '{"name": "walrus362", "arguments": {"path": "secret.txt"}}'
+    read = '{"name": "read", "arguments": {"path": "secret.txt"}}'
+    text = read + ("\n" + loop) * 6 + "\n"
+    expected = [("call", 0, "read", {"path": "secret.txt"}), ("text", ("\n" + loop) * 2)]
+    for cut in range(len(text) + 1):
+        m = Markup(names=frozenset({"read"}))
+        assert coalesce(m.push(text[:cut]) + m.push(text[cut:]) + m.flush()) == expected and m.repeated
+    prose = "I read it.\n" + loop + "\nThen " + loop.replace("walrus", "other") + "\ndone\n"
+    assert parse([prose], names=frozenset({"read"})) == [("text", prose)]  # no repeat: all kept
+
+
+def test_a_repeated_call_line_followed_only_by_blanks_still_ends_the_answer():
+    """Pi on mashbox (Anthropic Messages): a call, then that call again as a line of text, then
+    newlines until max_tokens. The line's own newline completes it: the answer ends there."""
+    bash = '{"name": "bash", "arguments": {"command": "cat secret.txt"}}'
+    text = bash + "\nI will check.\n" + bash + "\n" + "\n" * 50
+    for cut in range(len(text) + 1):
+        m = Markup(names=frozenset({"bash"}))
+        events = m.push(text[:cut]) + m.push(text[cut:])
+        assert m.repeated, cut
+        assert coalesce(events + m.flush()) == [("call", 0, "bash", {"command": "cat secret.txt"}),
+                                                ("text", "\nI will check.\n" + bash)]
+
+
+def test_broken_call_lines_that_repeat_and_runs_of_blank_lines_end_the_answer():
+    """Pi on mashbox (Messages), turn 2: a call, then two lines of calls with broken JSON written
+    twice, then newlines to max_tokens (4,096 tokens, 262 s)."""
+    edit = '{"name": "edit", "arguments": {"path": "secret.txt", "edits": [{"oldText": "a", "newText": "a"}]}]}'
+    write = '{"name": "write", "arguments": {"path": "secret.txt", "content": "a"}}}'
+    text = f"{edit}\n{write}\n{edit}\n{write}\nmore"
+    assert parse([text], names=frozenset({"edit"})) == [("text", f"{edit}\n{write}\n{edit}")]
+    for blank in ("\n" * 33, " \n" * 33):
+        m = Markup()
+        events = m.push("The word is x." + blank + "y")
+        assert coalesce(events + m.flush()) == [("text", "The word is x.")] and m.repeated
+    assert parse(["x" + "\n" * 32 + "y"]) == [("text", "x" + "\n" * 32 + "y")]

@@ -81,7 +81,7 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 
 def test_required_without_parallel_calls_gives_one_call_and_ends(oai, claude):
     """tool_choice required with parallel calls off: exactly one call, finished as a tool call, on
-    all three protocols (the embedded model, left free, repeats the call until max_tokens)."""
+    all three protocols (the embedded model, left free, writes the same call again)."""
     messages = [{"role": "user", "content": ASK}]
     chat = oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=CHAT_TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=150)
@@ -103,7 +103,8 @@ def test_required_without_parallel_calls_gives_one_call_and_ends(oai, claude):
 
 
 def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_the_text(oai):
-    for max_tokens in (20, 30, 45, 60):  # cut inside a call's JSON, inside its opening tag, ...
+    for max_tokens in (20, 30, 45, 50):  # cut inside a call's JSON, inside its opening tag, ... (by 55 the
+        # embedded model has written the same call twice, and a repeat ends the answer: tool_calls)
         chat = oai.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": ASK}],
                                            tools=CHAT_TOOLS, tool_choice="required", parallel_tool_calls=True,
                                            max_tokens=max_tokens)

@@ -3,12 +3,18 @@ constrained decoding makes even random weights produce valid calls."""
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
+from mashbox.engine.core import EngineCore
+from mashbox.engine.events import Finish, ToolCallStart
+from mashbox.engine.markup import Markup
+from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.sequence import Sequence
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -139,3 +145,37 @@ def test_required_lets_the_model_end_after_any_call_and_one_call_only_without_pa
         row = torch.zeros(len(tok))
         constraint.mask(row)
         assert set((row == 0).nonzero().flatten().tolist()) == expected
+
+
+class ScriptedRunner:
+    """Stands in for the model: each sampled token is the next of ``script``."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = iter(script)
+        self.kv = SimpleNamespace(nbytes=0)
+        self.sampled = 0
+
+    def run(self, plan) -> list[int]:
+        tokens = [next(self.script) for w in plan.work if w.sample]
+        self.sampled += len(tokens)
+        return tokens
+
+
+def test_a_model_that_writes_the_same_call_again_is_stopped_after_the_first(smol_tokenizer):
+    """A looping small model writes one call until max_tokens (Pi on mashbox: a 1,024-token answer
+    of the same call). The engine ends the answer as the repeat closes: one call, tool_calls."""
+    call = '<tool_call>\n{"name": "read", "arguments": {"path": "secret.txt"}}\n</tool_call>\n'
+    script = smol_tokenizer.encode(call * 20, add_special_tokens=False)
+    runner = ScriptedRunner(script)
+    core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, smol_tokenizer)
+    try:
+        seq = Sequence("r", [1, 2, 3], SamplingParams(), len(script), frozenset({smol_tokenizer.eos_token_id}))
+        channel = core.submit(seq, Markup(names=frozenset({"read"})))
+        events = [channel.get(timeout=30)]
+        while not isinstance(events[-1], Finish):
+            events.append(channel.get(timeout=30))
+    finally:
+        core.close()
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["read"]
+    assert events[-1].reason == "tool_calls"
+    assert runner.sampled <= 2 * len(smol_tokenizer.encode(call, add_special_tokens=False))

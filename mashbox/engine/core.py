@@ -188,7 +188,7 @@ class EngineCore:
         if token in stream.seq.eos_ids:
             return
         stream.push(token)
-        if stream.stop.matched is not None:
+        if stream.stop.matched is not None or stream.markup.repeated:
             self.scheduler.finish(stream.seq, Status.FINISHED_STOP)
 
     def _end(self, stream: Stream, status: Status, error: str | None = None) -> None:

@@ -5,12 +5,18 @@ Text goes in as the model writes it; engine events come out: ``TextDelta``,
 call ``ToolCallStart`` / ``ToolCallDelta`` / ``ToolCallEnd``. A partial tag at
 the end of the text is held back until it is complete or proven not to be a
 tag, so markup never leaks into text. A call whose body is not a valid call
-ends as plain text, never as a broken call.
+ends as plain text, never as a broken call. A call the answer already made (same name,
+same arguments) ends the answer: ``repeated`` turns True, nothing more comes out, and the engine
+stops the request (a small model otherwise writes the same call until its token budget runs out).
+So does a line of text that is a call the answer already wrote (a call to a tool that does not
+exist, or one whose JSON is broken, stays text; written again, it is the same loop), and a run of
+more than ``BLANK_LINES`` blank lines.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +49,9 @@ class CallFormat:
 
 
 HERMES = CallFormat()
+CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
+BLANK_LINES = 32  # more blank lines in a row than this is a loop too
+BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -59,6 +68,9 @@ class Markup:
         self.body = ""
         self.blank = ""
         self.num_calls = 0
+        self.made: set[tuple[str, str]] = set()
+        self.repeated = False
+        self.line = ""
         self.bare = BareCall(names) if calls and names else None
         self.after = ""
 
@@ -66,7 +78,7 @@ class Markup:
         events: list[Event] = []
         buf = self.held + text
         self.held = ""
-        while buf:
+        while buf and not self.repeated:
             buf = self._step(buf, events)
         return events
 
@@ -74,6 +86,8 @@ class Markup:
         """End of the stream: what is held back, and an unclosed call if it parses."""
         events: list[Event] = []
         held, self.held = self.held, ""
+        if self.repeated:
+            return events
         if self.state == "call":
             self._end_call(self.body + held, events, closed=False)
         elif held and not self._cut_open_tag(held):
@@ -138,7 +152,9 @@ class Markup:
                     self._bare(self.bare.decide(final=False), events)
                     return
                 text = offered
-            full = self.blank + text
+            full = self.blank + self._watched(text)
+            if run := BLANK_RUN.search(full):  # a model that only writes newlines now says nothing more
+                full, self.repeated = full[: run.start()], True
             body = full.rstrip()
             self.blank = full[len(body):]
             events += [TextDelta(body)] if body else []
@@ -151,7 +167,8 @@ class Markup:
             return
         released, call, rest = decision
         if call is None:
-            events.append(TextDelta(released))
+            released = self._watched(released)
+            events += [TextDelta(released)] if released else []
             return
         events += self._call_events(*call)
         self.after = rest
@@ -180,11 +197,35 @@ class Markup:
         events += self._call_events(*parsed)
 
     def _call_events(self, name: str, arguments: str) -> list[Event]:
+        if self.repeated or self._made_before(_key(name, arguments)):
+            self.repeated, self.held, self.after = True, "", ""
+            return []
         index, self.num_calls = self.num_calls, self.num_calls + 1
         if self.bare:
             self.bare.open = True
         return [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
                 ToolCallEnd(index)]
+
+
+    def _made_before(self, key: tuple[str, str]) -> bool:
+        """Whether the answer already made this call; else it is noted as made."""
+        seen = key in self.made
+        self.made.add(key)
+        return seen
+
+    def _watched(self, text: str) -> str:
+        """``text`` up to the end of a line that is a call the answer already wrote (to a tool that
+        does not exist, or it would be a call: a loop), then ``repeated``; else all of it."""
+        start = 0
+        while (end := text.find("\n", start)) >= 0:
+            line, self.line, start = (self.line + text[start:end]).strip(), "", end + 1
+            call = HERMES.parse(line) if line.startswith("{") else None
+            key = _key(*call) if call else ("", line) if line.startswith(CALL_LIKE) else None  # broken: as written
+            if key is not None and self._made_before(key):
+                self.repeated, self.held = True, ""
+                return text[:end]
+        self.line += text[start:]
+        return text
 
 
 class BareCall:
@@ -236,6 +277,11 @@ class BareCall:
         except json.JSONDecodeError:
             return None, ""
         return text[:end], text[end:]
+
+
+def _key(name: str, arguments: str) -> tuple[str, str]:
+    """What makes two calls the same: the name and the arguments, whatever their keys' order."""
+    return name, json.dumps(_loads(arguments), sort_keys=True)
 
 
 def _loads(text: str) -> Any:

@@ -1,0 +1,244 @@
+"""The real coding agents against a model server: can each read a file and say what it holds?
+
+    python bench/agents.py [--url URL | --llama-server PATH] [--bin .agents/node_modules/.bin]
+
+``make agents`` installs the pinned Claude Code, Codex and Pi into ``.agents/`` and runs this. Without
+``--url`` it starts ``mashbox run qwen2.5-coder-0.5b --ctx 32768 --slots 2`` on a free port (prefix
+pages in ``.agents/prefixes``, so a second run is warm), or with ``--llama-server`` llama.cpp's
+server on the same GGUF. Each agent gets a fresh folder holding ``secret.txt`` with a random word
+(``/tmp/mashbox-agents/AGENT/work``, the same path every run and outside any git repository:
+Claude Code writes the folder, its git status and recent commits into its system prompt, before
+the tools, so a change there would miss the prefix cache), a fresh home beside it (its own
+config, nothing from ``~``), and one prompt: read the file, say the word.
+Claude Code speaks Anthropic Messages, Codex Responses, Pi each of the three protocols.
+
+Every request goes through a logging proxy (bench/agent_proxy.py), which times the first turn's
+first model output as the agent sees it and reads the tool calls out of the answers. Prints one
+table, and writes every exchange to ``--log-dir`` (request body, raw answer, timings) to explain
+an agent that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from agent_proxy import Proxy, summary
+from compare import ROOT, amx_without_support, free_port, wait_ready
+
+MODEL = "qwen2.5-coder-0.5b"
+PROMPT = "Read the file secret.txt in the current folder and tell me the secret word written in it."
+WORDS = ("marmalade", "quokka", "tangerine", "zeppelin", "walrus", "obsidian", "pelican", "saffron",
+         "gondola", "juniper", "kumquat", "narwhal", "paprika", "lantern", "meringue", "falcon")
+AGENTS = ("pi-openai-completions", "pi-openai-responses", "pi-anthropic-messages", "codex", "claude-code")
+WATCHDOG_MS = "1800000"  # Claude Code's stream watchdog and request timeout: a cold prefill may pass 5 min
+
+
+@dataclass
+class Run:
+    """One agent's run: what it was asked, how it ended, what it answered."""
+
+    agent: str
+    word: str
+    folder: Path
+    rc: int | None = None
+    seconds: float = 0.0
+    answer: str = ""
+    log: str = ""
+
+
+def secret_word(rng: random.Random) -> str:
+    return f"{rng.choice(WORDS)}{rng.randrange(100, 1000)}"
+
+
+def command(agent: str, binaries: Path, proxy_url: str, home: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and the environment that run ``agent`` once, non-interactively."""
+    env = {"HOME": str(home), "NO_COLOR": "1"}
+    if agent == "claude-code":
+        env |= {"ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_AUTH_TOKEN": "mashbox", "ANTHROPIC_MODEL": MODEL,
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                "CLAUDE_STREAM_IDLE_TIMEOUT_MS": WATCHDOG_MS, "API_TIMEOUT_MS": WATCHDOG_MS,
+                "DISABLE_AUTOUPDATER": "1"}
+        # As root Claude Code refuses --dangerously-skip-permissions; allowing Read is all this needs.
+        return [str(binaries / "claude"), "-p", PROMPT, "--allowedTools", "Read", "--model", MODEL], env
+    if agent == "codex":
+        codex_home = home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(codex_config(proxy_url))
+        env["CODEX_HOME"] = str(codex_home)
+        return [str(binaries / "codex"), "exec", "--skip-git-repo-check", "--color", "never",
+                "-s", "read-only", "-o", str(home / "answer.txt"), PROMPT], env
+    api = agent.removeprefix("pi-")
+    pi_dir = home / ".pi" / "agent"
+    pi_dir.mkdir(parents=True, exist_ok=True)
+    (pi_dir / "models.json").write_text(json.dumps(pi_models(proxy_url, api), indent=2))
+    env |= {"PI_CODING_AGENT_DIR": str(pi_dir), "PI_OFFLINE": "1", "PI_TELEMETRY": "0"}
+    return [str(binaries / "pi"), "-p", "--provider", "mashbox", "--model", MODEL, "--no-session",
+            "--no-extensions", "--no-skills", "--no-context-files", PROMPT], env
+
+
+def codex_config(proxy_url: str) -> str:
+    return f"""model = "{MODEL}"
+model_provider = "mashbox"
+model_context_window = 32768
+
+[model_providers.mashbox]
+name = "mashbox"
+base_url = "{proxy_url}/v1"
+wire_api = "responses"
+stream_idle_timeout_ms = {WATCHDOG_MS}
+request_max_retries = 1
+stream_max_retries = 1
+"""
+
+
+def pi_models(proxy_url: str, api: str) -> dict:
+    base = proxy_url if api == "anthropic-messages" else f"{proxy_url}/v1"
+    model = {"id": MODEL, "contextWindow": 32768, "maxTokens": 4096}
+    return {"providers": {"mashbox": {"baseUrl": base, "api": api, "apiKey": "mashbox", "models": [model]}}}
+
+
+def run_agent(agent: str, binaries: Path, proxy: Proxy, scratch: Path, word: str, timeout: float) -> Run:
+    folder = scratch / agent
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "work").mkdir(parents=True)
+    (folder / "work" / "secret.txt").write_text(f"{word}\n")
+    argv, env = command(agent, binaries, proxy.url, folder / "home")
+    run, proxy.label, started = Run(agent, word, folder), agent, time.monotonic()
+    print(f"[{time.strftime('%H:%M:%S')}] {agent}: {' '.join(argv[:2])} ... (word {word})", flush=True)
+    try:
+        done = subprocess.run(argv, check=False, cwd=folder / "work", env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout)
+        run.rc, run.answer, run.log = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as expired:
+        run.answer, run.log = _text(expired.stdout), _text(expired.stderr) + f"\n[timed out after {timeout:.0f} s]"
+    run.seconds = time.monotonic() - started
+    if (folder / "home" / "answer.txt").exists():
+        run.answer = (folder / "home" / "answer.txt").read_text()
+    return run
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
+
+
+def row(run: Run, proxy: Proxy) -> dict:
+    exchanges = proxy.of(run.agent)
+    turns = [x for x in exchanges if x.is_turn]
+    summaries = [summary(x) for x in turns]
+    first = turns[0].ttft() if turns else None
+    errors = [e for s in summaries for e in s.errors] + [f"{x.method} {x.path}: HTTP {x.status}"
+                                                           for x in exchanges if not x.is_turn and x.status >= 400]
+    return {"agent": run.agent, "rc": "timeout" if run.rc is None else run.rc, "seconds": round(run.seconds),
+            "ttft_s": None if first is None else round(first, 1), "turns": len(turns),
+            "tool_calls": sum(len(s.calls) for s in summaries), "calls": [c for s in summaries for c in s.calls],
+            "solved": run.word.lower() in run.answer.lower(), "word": run.word,
+            "answer": run.answer.strip()[:400], "protocol_errors": errors}
+
+
+def table(rows: list[dict]) -> str:
+    head = "| agent / protocol | exit | first token, turn 1 | model turns | tool calls | answer holds the word |"
+    lines = [head + " the answer begins |", "|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        ttft = "-" if r["ttft_s"] is None else f"{r['ttft_s']:.1f} s"
+        begins = " ".join(r["answer"].split())[:50].replace("|", "\\|").replace("`", "'")
+        lines.append(f"| {r['agent']} | {r['rc']} | {ttft} | {r['turns']} | {r['tool_calls']} | "
+                     f"{'yes' if r['solved'] else 'no'} | `{begins}` |")
+    return "\n".join(lines)
+
+
+def write_log(log_dir: Path, run: Run, proxy: Proxy) -> None:
+    folder = log_dir / run.agent
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "agent.log").write_text(f"exit {run.rc} after {run.seconds:.0f} s\n--- stdout\n{run.answer}\n"
+                                      f"--- stderr\n{run.log}")
+    for n, x in enumerate(proxy.of(run.agent), 1):
+        s = summary(x)
+        meta = {"method": x.method, "path": x.path, "status": x.status, "error": x.error,
+                "headers_s": x.headers_at and round(x.headers_at - x.started, 2), "first_output_s": x.ttft(),
+                "total_s": x.ended_at and round(x.ended_at - x.started, 2), "calls": s.calls, "text": s.text,
+                "stop": s.stop, "usage": s.usage, "errors": s.errors}
+        (folder / f"{n:02d}.json").write_text(json.dumps({"summary": meta, "request": x.body}, indent=1))
+        (folder / f"{n:02d}.answer.txt").write_bytes(bytes(x.raw))
+
+
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    if args.llama_server:
+        from mashbox.engine.catalog import resolve
+
+        command = [args.llama_server, "-m", str(resolve(MODEL).path), "--host", "127.0.0.1", "--port", str(port),
+                   "-c", str(args.ctx), "-np", "1", "--jinja", "--no-webui"]
+        return command + (["--no-repack"] if amx_without_support() else [])
+    return [sys.executable, "-m", "mashbox", "run", MODEL, "--port", str(port), "--ctx", str(args.ctx),
+            "--slots", "2", "--cache-dir", str(args.cache_dir)]
+
+
+def serve(args: argparse.Namespace, log_path: Path) -> tuple[str, subprocess.Popen | None]:
+    if args.url:
+        return args.url.rstrip("/"), None
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    argv = server_command(args, port)
+    print(f"starting {' '.join(argv)}; its log: {log_path}", flush=True)
+    proc = subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    if wait_ready(url, proc, 900) is None:
+        proc.terminate()
+        raise SystemExit(f"the server did not become ready; see {log_path}")
+    return url, proc
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="an already running server (default: start mashbox run)")
+    parser.add_argument("--llama-server", help="start this llama-server binary on the same GGUF instead")
+    parser.add_argument("--bin", type=Path, default=ROOT / ".agents/node_modules/.bin", help="the agents' binaries")
+    parser.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--cache-dir", type=Path, default=ROOT / ".agents/prefixes")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mashbox-agents",
+                        help="each agent's folder and home go here: the same folder every run and outside any git "
+                             "repository, since Claude Code puts the folder, its git status and recent commits in its "
+                             "system prompt, and a change there misses the prefix cache")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds each agent may take")
+    parser.add_argument("--log-dir", type=Path, help="default: a new folder under /tmp")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--seed", type=int, help="for the secret words (default: random)")
+    args = parser.parse_args()
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mashbox-agents-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    url, proc = serve(args, log_dir / "server.log")
+    rows = []
+    try:
+        with Proxy(url) as proxy:
+            for agent in args.agents:
+                run = run_agent(agent, args.bin.resolve(), proxy, args.work.resolve(), secret_word(rng), args.timeout)
+                write_log(log_dir, run, proxy)
+                rows.append(row(run, proxy))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    server = args.url or ("llama-server " + args.llama_server if args.llama_server else f"mashbox run {MODEL}")
+    print(f"\n{server}, {date.today()}; logs: {log_dir}\n\n{table(rows)}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["rc"] == 0 and not r["protocol_errors"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
