@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
-    loaded = load(args.model, quiet=True)
+    loaded = load(args.model)
     ids = loaded.tokenizer.encode(text())[:2048]
     print(f"model {loaded.id}; text: docstrings of {len(MODULES)} stdlib modules, {len(ids)} tokens")
     print(f"transformers fp32 perplexity: {perplexity_hf(hf_model(args.model), ids):.3f}")
