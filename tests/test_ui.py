@@ -214,7 +214,7 @@ def test_a_question_gets_a_streamed_answer_that_a_reload_keeps(smol, tab):
     page = tab.open(smol)
     assert tab.errors() == [], tab.console
     expect(page.locator("#model-facts")).to_have_text("ctx 2048 · 2 slots")
-    ask(page, "Name three planets of the solar system.")
+    ask(page, "Describe the eight planets of the solar system, one paragraph each.")  # long enough to watch
     expect(page.locator("#prompt")).to_be_focused()
     reply = page.locator(".msg.assistant .content")
     page.wait_for_function("() => document.querySelector('.msg.assistant .content')?.textContent.length > 0"
@@ -225,7 +225,7 @@ def test_a_question_gets_a_streamed_answer_that_a_reload_keeps(smol, tab):
     expect(answer.locator(".facts")).to_contain_text("prompt")
     text = reply.inner_text()
     page.reload()
-    expect(page.locator(".msg.user")).to_contain_text("Name three planets")
+    expect(page.locator(".msg.user")).to_contain_text("Describe the eight planets")
     expect(page.locator(".msg.assistant .content")).to_have_text(text, use_inner_text=True)
     expect(page.locator("#chats li")).to_have_count(1)
     assert tab.errors() == [], tab.console
