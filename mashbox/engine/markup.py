@@ -206,7 +206,6 @@ class Markup:
         return [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
                 ToolCallEnd(index)]
 
-
     def _made_before(self, key: tuple[str, str]) -> bool:
         """Whether the answer already made this call; else it is noted as made."""
         seen = key in self.made
