@@ -23,6 +23,16 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_AVX2 1
+/* sum[i] += four u8 x s8 products of lane i, exact in int32: one instruction with VNNI. */
+#if defined(__AVXVNNI__)
+#define MB_VNNI 1
+#define dot4(sum, u, s) _mm256_dpbusd_avx_epi32(sum, u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MB_VNNI 1
+#define dot4(sum, u, s) _mm256_dpbusd_epi32(sum, u, s)
+#else
+#define dot4(sum, u, s) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
 #endif
 
 #define QK 32
@@ -97,7 +107,6 @@ void mb_q8_repack(const int8_t *q, const float *s, int8_t *wq, float *ws, int64_
 static inline __attribute__((always_inline)) void tile(
         const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, const int rows,
         float *y, int64_t ldy) {
-    const __m256i ones = _mm256_set1_epi16(1);
     int64_t nb = K / QK;
     __m256 acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -110,8 +119,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int r = 0; r < rows; r++) {
                 int32_t x4;
                 memcpy(&x4, xq + r * K + b * QK + 4 * j, 4);
-                __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
-                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
+                sum[r] = dot4(sum[r], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
             }
         }
         __m256 scale = _mm256_loadu_ps(ws + b * G8);
@@ -227,7 +235,7 @@ static void block_sums(const int8_t *q, const float *s, float *out, int64_t K) {
 static inline __attribute__((always_inline)) void tile41(
         const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, const int rows,
         float *y, int64_t ldy) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     int64_t nb = K / QK;
     __m256 acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -243,14 +251,22 @@ static inline __attribute__((always_inline)) void tile41(
                 int32_t x0, x1;
                 memcpy(&x0, x, 4);
                 memcpy(&x1, x + 4, 4);
+#ifdef MB_VNNI
+                sum[r] = dot4(dot4(sum[r], lo, _mm256_set1_epi32(x0)), hi, _mm256_set1_epi32(x1));
+#else
                 sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
                 sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+#endif
             }
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int r = 0; r < rows; r++) {
-            __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+#ifdef MB_VNNI
+            __m256 dot = _mm256_cvtepi32_ps(sum[r]);
+#else
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], _mm256_set1_epi16(1)));
+#endif
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xm[r * nb + b]), acc[r]);
         }
