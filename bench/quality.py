@@ -50,7 +50,7 @@ def perplexity_engine(runner: ModelRunner, ids: list[int], chunk: int = 256) -> 
         while seq.in_prefill or seq.num_computed == 0:
             plan = scheduler.schedule()
             batch = runner._batch(plan)
-            hidden = runner.forward(plan.work, batch)
+            hidden = runner.forward(batch)
             w = runner.weights
             logits = w.lm_head(runner.ops.rms_norm(hidden, w.norm, w.spec.eps)).float()
             start = plan.work[0].position

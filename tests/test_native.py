@@ -130,6 +130,46 @@ def test_decode_attention_matches_sdpa(lib):
         assert torch.allclose(out[r], ref.reshape(-1), atol=1e-5)
 
 
+def _chunk_reference(q, keys, values, chunks, heads, dim):
+    """Each chunk's rows over their slot's cache, causally, by SDPA in fp32."""
+    out = torch.empty(q.shape[0], heads * dim)
+    for row, n, slot, start in chunks:
+        end = start + n
+        k, v = (t[slot, :end].transpose(0, 1)[None].float() for t in (keys, values))
+        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        query = q[row : row + n].view(n, heads, dim).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
+        out[row : row + n] = o[0].transpose(0, 1).reshape(n, -1)
+    return out
+
+
+def _chunk_attention(lib, q, keys, values, chunks, heads, kv_heads, dim):
+    out = torch.full((q.shape[0], heads * dim), float("nan"))
+    rows, ns, slots, starts = torch.tensor(chunks).T.contiguous()
+    lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
+                           ns.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(), len(chunks), heads,
+                           kv_heads, dim, keys.shape[1], dim**-0.5)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (14, 2, 64)])
+def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(2)
+    slots, ctx = 3, 900
+    keys = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
+    values = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
+    q = torch.randn(450, heads * dim, generator=g)
+    chunks = [(0, 37, 0, 0), (37, 300, 1, 129), (337, 5, 2, 800), (342, 108, 0, 37)]
+    out = _chunk_attention(lib, q, keys, values, chunks, heads, kv_heads, dim)
+    assert torch.allclose(out, _chunk_reference(q, keys, values, chunks, heads, dim), atol=1e-5)
+    # slot 1's 300 rows again, as three chunks of other sizes in one call with slot 2's
+    again = [(0, 64, 1, 129), (64, 5, 2, 800), (69, 100, 1, 193), (169, 136, 1, 293)]
+    rows = torch.cat([q[37:101], q[337:342], q[101:337]])
+    split = _chunk_attention(lib, rows, keys, values, again, heads, kv_heads, dim)
+    assert torch.equal(torch.cat([split[:64], split[69:]]), out[37:337])
+    assert torch.equal(split[64:69], out[337:342])
+
+
 def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
     scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=256, busy_tokens=64)
     seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
@@ -190,7 +230,7 @@ def test_q8_forward_stays_close_to_fp32(lib):
     scheduler.add(seq)
     plan = scheduler.schedule()
     with torch.inference_mode():
-        hidden = runner.forward(plan.work, runner._batch(plan))[-1:]
+        hidden = runner.forward(runner._batch(plan))[-1:]
         logits = runner.weights.lm_head(runner.ops.rms_norm(hidden, runner.weights.norm, runner.weights.spec.eps))[0]
     assert F.cosine_similarity(logits, expected, dim=0) > 0.99
 

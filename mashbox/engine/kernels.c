@@ -1,5 +1,5 @@
-/* mashbox's CPU kernels: int8-weight matmul, decode attention over an fp16 KV cache, the
- * per-row norm, rotary and gate ops, and a whole decode layer built from them.
+/* mashbox's CPU kernels: int8-weight matmul, decode and prompt-chunk attention over an fp16 KV
+ * cache, the per-row norm, rotary and gate ops, and a whole decode layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
  * (-O3 -march=native -fopenmp, linked against the OpenMP runtime torch already loaded)
@@ -16,6 +16,7 @@
  * them in fp32.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -436,6 +437,282 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const u
             for (int64_t t = 0; t < len; t++) axpy_h(o, p[t] / sum, vb + t * KVH * D, D);
         }
         free(p);
+    }
+}
+
+/* ---- Prompt-chunk attention ----
+ * Each prompt chunk attends causally over its own slot's cache (which already holds the chunk's
+ * own keys): row i of a chunk starting at position p0 sees positions 0..p0+i. Work is split into
+ * tasks of (chunk, KV head, block of positions); a task packs the queries of the block's
+ * positions for every query head of the KV head (GQA folded into rows), then walks the keys in
+ * blocks of KB positions counted from 0: widen the block to fp32 once, scores by a register tile,
+ * an online softmax per row, and the weighted values added. A row's operations depend only on its
+ * position and its cache, never on the chunk, the task or the thread around it. */
+#define KB 64
+#ifndef ROWS
+#define ROWS 192 /* query rows a task packs: positions x query heads of one KV head */
+#endif
+
+#if defined(__AVX512F__) && defined(MB_F16C)
+#define VW 16
+typedef __m512 vecf;
+#define vzero() _mm512_setzero_ps()
+#define vset(x) _mm512_set1_ps(x)
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, x) _mm512_storeu_ps(p, x)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vfnma(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vfloor(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define vexp2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define vhsum(x) _mm512_reduce_add_ps(x)
+#define vhmax(x) _mm512_reduce_max_ps(x)
+#elif defined(MB_F16C)
+#define VW 8
+typedef __m256 vecf;
+#define vzero() _mm256_setzero_ps()
+#define vset(x) _mm256_set1_ps(x)
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, x) _mm256_storeu_ps(p, x)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vfnma(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vfloor(x) _mm256_floor_ps(x)
+#define vexp2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define vhsum(x) hsum8(x)
+static inline float vhmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+#endif
+
+#ifdef VW
+/* exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp); below -87 it gives ~0. */
+static inline vecf vexp(vecf x) {
+    x = vmax(x, vset(-87.0f));
+    vecf n = vfloor(vfma(x, vset(1.44269504088896341f), vset(0.5f)));
+    x = vfnma(n, vset(0.693359375f), x);
+    x = vfnma(n, vset(-2.12194440e-4f), x);
+    vecf y = vset(1.9875691500e-4f);
+    y = vfma(y, x, vset(1.3981999507e-3f));
+    y = vfma(y, x, vset(8.3334519073e-3f));
+    y = vfma(y, x, vset(4.1665795894e-2f));
+    y = vfma(y, x, vset(1.6666665459e-1f));
+    y = vfma(y, x, vset(5.0000001201e-1f));
+    y = vfma(y, vmul(x, x), vadd(x, vset(1.0f)));
+    return vmul(y, vexp2i(n));
+}
+
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#endif
+
+/* A block's keys as fp32 kt[D][KB] (positions past n zero) and values as fp32 vb[KB][D].
+ * k, v point at the block's first position of one KV head; positions are `stride` apart. */
+static void widen_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D,
+                        float *kt, float *vb) {
+#ifdef VW
+    for (int64_t t = 0; t < KB; t += 8)
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = t + i < n ? load_h8(k + (t + i) * stride + d) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (d + i) * KB + t, r[i]);
+        }
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + t * D + d, load_h8(v + t * stride + d));
+#else
+    for (int64_t t = 0; t < KB; t++)
+        for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? h2f(k[t * stride + d]) : 0.0f;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t d = 0; d < D; d++) vb[t * D + d] = h2f(v[t * stride + d]);
+#endif
+}
+
+/* s[M][KB] = q[M][D] . kt: each score one fused multiply-add per dimension, in order. M % 4 == 0. */
+static void block_scores(const float *q, const float *kt, float *s, int64_t M, int64_t D) {
+    for (int64_t m = 0; m < M; m += 4)
+#ifdef VW
+        for (int64_t j = 0; j < KB; j += 2 * VW) {
+            vecf acc[4][2];
+            for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = vzero();
+            for (int64_t d = 0; d < D; d++) {
+                vecf b0 = vload(kt + d * KB + j), b1 = vload(kt + d * KB + j + VW);
+                for (int r = 0; r < 4; r++) {
+                    vecf a = vset(q[(m + r) * D + d]);
+                    acc[r][0] = vfma(a, b0, acc[r][0]);
+                    acc[r][1] = vfma(a, b1, acc[r][1]);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                vstore(s + (m + r) * KB + j, acc[r][0]);
+                vstore(s + (m + r) * KB + j + VW, acc[r][1]);
+            }
+        }
+#else
+        for (int r = 0; r < 4; r++)
+            for (int64_t j = 0; j < KB; j++) {
+                float acc = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc = fmaf(q[(m + r) * D + d], kt[d * KB + j], acc);
+                s[(m + r) * KB + j] = acc;
+            }
+#endif
+}
+
+/* One row's online softmax over a block of which it sees the first n scores: s becomes the
+ * weights (zero past n), and the row's running max, sum and output are rescaled. */
+static void block_softmax(float *s, int64_t n, float *max, float *sum, float *o, int64_t D) {
+    float top = *max, total = 0.0f;
+    int64_t j = 0;
+#ifdef VW
+    if (n >= VW) {
+        vecf m = vload(s);
+        for (j = VW; j + VW <= n; j += VW) m = vmax(m, vload(s + j));
+        float t = vhmax(m);
+        top = t > top ? t : top;
+    }
+#endif
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+#ifdef VW
+    for (j = 0; j < KB; j += VW) vstore(s + j, vexp(vsub(vload(s + j), vset(top))));
+    for (j = n; j < KB; j++) s[j] = 0.0f;
+    vecf acc = vzero();
+    for (j = 0; j < KB; j += VW) acc = vadd(acc, vload(s + j));
+    total = vhsum(acc);
+#else
+    for (j = 0; j < KB; j++) total += (s[j] = j < n ? expf(s[j] - top) : 0.0f);
+#endif
+    if (top == *max) {
+        *sum += total;
+        return;
+    }
+    float alpha = expf(*max - top);
+    *sum = *sum * alpha + total;
+    *max = top;
+    for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+}
+
+/* o[m] += p[m] . vb over the first n positions, for rows m and m + 1 (D % 16 == 0). */
+static void block_values(const float *p, const float *vb, float *o, int64_t n, int64_t D) {
+#ifdef VW
+    int64_t d = 0;
+    for (; d + 4 * VW <= D; d += 4 * VW) {
+        vecf acc[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = vload(o + r * D + d + VW * i);
+        for (int64_t j = 0; j < n; j++) {
+            vecf a0 = vset(p[j]), a1 = vset(p[KB + j]);
+            for (int i = 0; i < 4; i++) {
+                vecf b = vload(vb + j * D + d + VW * i);
+                acc[0][i] = vfma(a0, b, acc[0][i]);
+                acc[1][i] = vfma(a1, b, acc[1][i]);
+            }
+        }
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 4; i++) vstore(o + r * D + d + VW * i, acc[r][i]);
+    }
+    for (; d < D; d += VW) {
+        vecf acc0 = vload(o + d), acc1 = vload(o + D + d);
+        for (int64_t j = 0; j < n; j++) {
+            vecf b = vload(vb + j * D + d);
+            acc0 = vfma(vset(p[j]), b, acc0);
+            acc1 = vfma(vset(p[KB + j]), b, acc1);
+        }
+        vstore(o + d, acc0);
+        vstore(o + D + d, acc1);
+    }
+#else
+    for (int r = 0; r < 2; r++)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = fmaf(p[r * KB + j], vb[j * D + d], o[r * D + d]);
+#endif
+}
+
+/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g. */
+static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t row0,
+                       int64_t p0, int64_t np, int64_t g, int64_t G, int64_t KVH, int64_t D, float scale,
+                       float *out, int64_t ldo, float *buf) {
+    int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, stride = KVH * D;
+    float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
+    float *max = o + Mp * D, *sum = max + Mp;
+    memset(qs, 0, sizeof(float) * Mp * D);
+    memset(o, 0, sizeof(float) * Mp * D);
+    for (int64_t m = 0; m < Mp; m++) {
+        max[m] = -INFINITY;
+        sum[m] = 0.0f;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = q + (row0 + m / G) * ldq + (g * G + m % G) * D;
+        for (int64_t d = 0; d < D; d++) qs[m * D + d] = src[d] * scale;
+    }
+    for (int64_t t0 = 0; t0 <= last; t0 += KB) {
+        int64_t n = last - t0 + 1 < KB ? last - t0 + 1 : KB;
+        widen_block(k + t0 * stride + g * D, v + t0 * stride + g * D, stride, n, D, kt, vb);
+        block_scores(qs, kt, s, Mp, D);
+        for (int64_t m = 0; m < Mp; m += 2) {
+            int64_t seen[2];
+            for (int r = 0; r < 2; r++) {
+                int64_t pos = m + r < M ? p0 + (m + r) / G : last, c = pos - t0 + 1;
+                seen[r] = c < 0 ? 0 : c > KB ? KB : c;
+                if (seen[r] > 0) block_softmax(s + (m + r) * KB, seen[r], max + m + r, sum + m + r, o + (m + r) * D, D);
+                else memset(s + (m + r) * KB, 0, sizeof(float) * KB);
+            }
+            block_values(s + m * KB, vb, o + m * D, seen[0] > seen[1] ? seen[0] : seen[1], D);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        float *dst = out + (row0 + m / G) * ldo + (g * G + m % G) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[m * D + d] / sum[m];
+    }
+}
+
+/* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
+ * (H heads of D, row stride ldq), at positions starts[c].. of slot slots[c]; out: [rows, H * D].
+ * k, v: one layer's fp16 cache [slots, ctx, KVH, D]. D % 16 == 0. */
+void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
+                        const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale) {
+    int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads();
+    for (int64_t c = 0; c < R; c++) longest = ns[c] > longest ? ns[c] : longest;
+    int64_t span = ROWS / G > 1 ? ROWS / G : 1, wanted = (4 * threads + R * KVH - 1) / (R * KVH);
+    if ((longest + span - 1) / span < wanted) span = (longest + wanted - 1) / wanted;
+    int64_t blocks = (longest + span - 1) / span, tasks = R * KVH * blocks, Mp = (span * G + 3) / 4 * 4;
+    size_t floats = Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2;
+#pragma omp parallel if (tasks > 1)
+    {
+        float *buf = malloc(sizeof(float) * floats);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t c = t / (KVH * blocks), g = t / blocks % KVH, b = t % blocks, first = b * span;
+            if (first >= ns[c]) continue;
+            int64_t np = ns[c] - first < span ? ns[c] - first : span, base = slots[c] * ctx * KVH * D;
+            chunk_task(q, ldq, k + base, v + base, rows[c] + first, starts[c] + first, np, g, G, KVH, D, scale,
+                       out, H * D, buf);
+        }
+        free(buf);
     }
 }
 

@@ -4,9 +4,11 @@ The runner reads the weights of a Llama-family transformers model (Llama,
 Mistral, Qwen2, Qwen3) and runs its own forward over fixed KV slots
 allocated once. Prompt chunks and decode rows of all running requests go
 through every layer together; attention runs per request over exactly its
-own keys. On the CPU with int8 weights, a step of decode rows only runs each
-layer as one native call (``DecodeLayers``), the same kernels in the same
-order as the general path. It makes no policy decisions.
+own keys: with mashbox's CPU kernels, one native call per layer for all
+one-token rows and one for all prompt chunks. On the CPU with int8 weights, a
+step of decode rows only runs each layer as one native call
+(``DecodeLayers``), the same kernels in the same order as the general path.
+It makes no policy decisions.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ class Batch:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    offsets: list[int]
-    masks: list[torch.Tensor | None]
     sample_rows: torch.Tensor
-    single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token work item
+    single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token item (native)
+    chunks: torch.Tensor  # [4, n]: first row, length, slot and first position of each chunk (native)
+    rest: list[tuple[Work, int, torch.Tensor | None]]  # item, first row, mask: attended by SDPA
 
 
 def kv_dtype(device: torch.device, mode: str, weights_dtype: torch.dtype) -> torch.dtype:
@@ -55,9 +57,11 @@ class ModelRunner:
         self.weights = Weights.from_checkpoint(ckpt, ctx, mode, lib)
         self.device = self.weights.embed.device
         self.ops = ops.pick(self.device, lib, mode)
-        kv_dtype = torch.float16 if isinstance(self.ops, ops.NativeOps) else self.weights.embed.dtype
+        native_ops = isinstance(self.ops, ops.NativeOps)
+        kv_dtype = torch.float16 if native_ops else self.weights.embed.dtype
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, kv_dtype, self.device)
         self._fused = DecodeLayers(self.weights, self.kv, lib) if DecodeLayers.fits(self.weights) else None
+        self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -66,7 +70,7 @@ class ModelRunner:
         for op in plan.cache_ops:
             self._move(op)
         batch = self._batch(plan)
-        hidden = self.forward(plan.work, batch)[batch.sample_rows]
+        hidden = self.forward(batch)[batch.sample_rows]
         logits = self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
         sampling = [w.seq for w in plan.work if w.sample]
         for row, seq in zip(logits, sampling):
@@ -107,7 +111,7 @@ class ModelRunner:
             seq.constraint.accept(token)
         return token
 
-    def forward(self, work: list[Work], batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch) -> torch.Tensor:
         w, eps = self.weights, self.weights.spec.eps
         x = w.embed[batch.ids]
         if self._fused is not None and batch.single.shape[1] == x.shape[0]:
@@ -116,59 +120,61 @@ class ModelRunner:
             h = self.ops.rms_norm(x, layer.ln_attn, eps)
             q, k, v = layer.qkv(h, batch.positions, w.cos, w.sin, self.ops)
             self.kv.write(i, batch.slots, batch.positions, k, v)
-            x += layer.o(self._attention(i, work, batch, q))
+            x += layer.o(self._attention(i, batch, q))
             x += layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops)
         return x
 
-    def _attention(self, layer: int, work: list[Work], batch: Batch, q: torch.Tensor) -> torch.Tensor:
-        """Each work item attends over exactly its own keys: one-token items in one native call;
-        a slot's cache is read (and widened to ``q``'s dtype) once for all its chunks."""
-        native_rows = isinstance(self.ops, ops.NativeOps)
+    def _attention(self, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
+        """Each work item attends over exactly its own keys: natively, all one-token items in one
+        call and all prompt chunks in another; by SDPA otherwise, each slot's cache read (and
+        widened to ``q``'s dtype) once for all its items."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        if native_rows and batch.single.shape[1]:
-            self._decode_attention(layer, batch.single, q, out)
-        chunks = [(item, start, mask) for item, start, mask in zip(work, batch.offsets, batch.masks)
-                  if not (native_rows and len(item.token_ids) == 1)]
+        spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[1], spec.scale)
+        if batch.single.shape[1]:
+            rows, slots, lens = batch.single
+            self.ops.lib.mb_decode_attention(
+                q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), slots.data_ptr(),
+                lens.data_ptr(), out.data_ptr(), batch.single.shape[1], *shape)
+        if batch.chunks.shape[1]:
+            rows, lens, slots, starts = batch.chunks
+            self.ops.lib.mb_chunk_attention(
+                q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), lens.data_ptr(),
+                slots.data_ptr(), starts.data_ptr(), out.data_ptr(), batch.chunks.shape[1], *shape)
         ends: dict[int, int] = {}
-        for item, _, _ in chunks:
+        for item, _, _ in batch.rest:
             ends[item.slot] = max(ends.get(item.slot, 0), item.position + len(item.token_ids))
         cache = {slot: [t.to(q.dtype) for t in self.kv.read(layer, slot, end)] for slot, end in ends.items()}
-        for item, start, mask in chunks:
-            n, keys, values = len(item.token_ids), *cache[item.slot]
+        for item, start, mask in batch.rest:
+            n, (keys, values) = len(item.token_ids), cache[item.slot]
             end = item.position + n
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 query, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0), attn_mask=mask, enable_gqa=True,
-                scale=self.weights.spec.scale,
+                scale=spec.scale,
             )
             out[start : start + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
         return out
 
-    def _decode_attention(self, layer: int, single: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
-        spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
-        rows, slots, lens = single
-        self.ops.lib.mb_decode_attention(
-            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), slots.data_ptr(),
-            lens.data_ptr(), out.data_ptr(), single.shape[1], spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            keys.shape[1], spec.scale)
-
     def _batch(self, plan: Plan) -> Batch:
-        ids, positions, slots, offsets, rows, single = [], [], [], [], [], []
+        ids, positions, slots, rows, single, chunks, rest = [], [], [], [], [], [], []
         for item in plan.work:
             n = len(item.token_ids)
-            if n == 1:
+            if n == 1 and self._native_rows:
                 single.append((len(ids), item.slot, item.position + 1))
-            offsets.append(len(ids))
+            elif n > 1 and self._native_chunks:
+                chunks.append((len(ids), n, item.slot, item.position))
+            else:
+                rest.append((item, len(ids), self._causal_mask(item)))
             ids.extend(item.token_ids)
             positions.extend(range(item.position, item.position + n))
             slots.extend([item.slot] * n)
             if item.sample:
                 rows.append(len(ids) - 1)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        masks = [self._causal_mask(w) for w in plan.work]
-        single_rows = as_tensor(single).reshape(-1, 3).T.contiguous()
-        return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), offsets, masks, as_tensor(rows),
-                     single_rows)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        columns = lambda xs, k: as_tensor(xs).reshape(-1, k).T.contiguous()
+        return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), as_tensor(rows), columns(single, 3),
+                     columns(chunks, 4), rest)
 
     def _causal_mask(self, item: Work) -> torch.Tensor | None:
         """Prompt chunk rows see the cache before them and the chunk up to themselves."""
@@ -211,7 +217,7 @@ class DecodeLayers:
                    and layer.q_norm is None and layer.act is None for layer in weights.layers)
 
     def _args(self, layer, i: int) -> tuple:
-        p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        p = lambda t: None if t is None else t.data_ptr()
         return (*layer.down.shape, p(layer.ln_attn),
                 p(layer.qkv_proj.weight), p(layer.qkv_proj.scales), p(layer.qkv_bias),
                 p(layer.o.weight), p(layer.o.scales), p(layer.ln_mlp), p(layer.gate_up.weight),
