@@ -37,7 +37,7 @@ def q8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torc
     return (sums * (xs[:, None, :] * scales[None]).double()).sum(-1).float()
 
 
-@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574)])
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574), (576, 4096)])  # the last: 9 rows on all threads
 def test_q8_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
     g = torch.Generator().manual_seed(k + n)
     weight = torch.randn(n, k, generator=g)
@@ -66,7 +66,7 @@ def q41_blocks(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(raw, dim=-1).view(n, -1)
 
 
-@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574)])
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574), (576, 4096)])  # the last: 9 rows on all threads
 def test_q41_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
     g = torch.Generator().manual_seed(k + n)
     rows = q41_blocks(torch.randn(n, k, generator=g))

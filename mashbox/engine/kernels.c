@@ -36,6 +36,11 @@
 #endif
 #endif
 
+/* The least work (multiply-adds) a call must have to run on more than one thread. Waking a sleeping
+ * OpenMP thread costs 10-100 us (on a VM ~60 us: bench/step_profile.py, docs/performance.md), so a
+ * one-row matmul (~0.1 ms on one core) is faster alone, and a decode step of ~150 such calls was
+ * twice as slow with two threads as with one. */
+#define PAR_WORK (1LL << 24)
 #define QK 32
 
 #ifdef MB_AVX2
@@ -178,9 +183,9 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
     int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * nb);
-#pragma omp parallel for schedule(static) if (M * K > 65536)
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
-#pragma omp parallel for schedule(static) if (M * N * K > 65536)
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, w, s, M, N, K, m, g, y);
     free(xq);
@@ -327,12 +332,12 @@ void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * nb * 2), *xm = xs + M * nb;
-#pragma omp parallel for schedule(static) if (M * K > 65536)
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
     for (int64_t m = 0; m < M; m++) {
         quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
         block_sums(xq + m * K, xs + m * nb, xm + m * nb, K);
     }
-#pragma omp parallel for schedule(static) if (M * N * K > 65536)
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t m = 0; m < M; m += TR) tile41_at(xq, xs, xm, w, M, N, K, m, g, y);
     free(xq);
@@ -418,7 +423,7 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const u
                          int64_t KVH, int64_t D, int64_t ctx, float scale) {
     int64_t group = H / KVH, max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
-#pragma omp parallel if (R * H * max_len > 4096)
+#pragma omp parallel if (2 * R * H * max_len * D >= PAR_WORK)
     {
         float *p = malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
 #pragma omp for schedule(static)
