@@ -418,9 +418,25 @@ static inline void axpy_h(float *y, float a, const uint16_t *x, int64_t n) {
  * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
  * [slots, ctx, KVH, D]; for each of R requests,
  * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to. */
+void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
+                        const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale);
+
+/* Where D % 16 == 0, a one-token row is a chunk of one (mb_chunk_attention below): its query heads
+ * of each KV head share every key, widened once, instead of each head reading the cache again. */
 void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
                          int64_t KVH, int64_t D, int64_t ctx, float scale) {
+    if (D % 16 == 0) {
+        int64_t *ns = malloc(sizeof(int64_t) * R * 2), *starts = ns + R;
+        for (int64_t r = 0; r < R; r++) {
+            ns[r] = 1;
+            starts[r] = lens[r] - 1;
+        }
+        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale);
+        free(ns);
+        return;
+    }
     int64_t group = H / KVH, max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
 #pragma omp parallel if (2 * R * H * max_len * D >= PAR_WORK)
@@ -700,13 +716,16 @@ static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uin
 void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
                         int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale) {
-    int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads();
-    for (int64_t c = 0; c < R; c++) longest = ns[c] > longest ? ns[c] : longest;
+    int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads(), work = 0;
+    for (int64_t c = 0; c < R; c++) {
+        longest = ns[c] > longest ? ns[c] : longest;
+        work += 2 * ns[c] * (starts[c] + ns[c]) * H * D;
+    }
     int64_t span = ROWS / G > 1 ? ROWS / G : 1, wanted = (4 * threads + R * KVH - 1) / (R * KVH);
     if ((longest + span - 1) / span < wanted) span = (longest + wanted - 1) / wanted;
     int64_t blocks = (longest + span - 1) / span, tasks = R * KVH * blocks, Mp = (span * G + 3) / 4 * 4;
     size_t floats = Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2;
-#pragma omp parallel if (tasks > 1)
+#pragma omp parallel if (tasks > 1 && work >= PAR_WORK)
     {
         float *buf = malloc(sizeof(float) * floats);
 #pragma omp for schedule(dynamic, 1)
