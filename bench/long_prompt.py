@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare import DEFAULT_LLAMA, ROOT, amx_without_support, free_port, wait_ready  # noqa: E402
+from compare import DEFAULT_LLAMA, ROOT, amx_without_support, free_port, wait_ready
 
 CLAUDE_CODE = ROOT.parent / "shared" / "clients" / "claude-code_POST_v1_messages.json"
 ASK = "\n\nBefore anything else, describe in detail, in at least 300 words, what you are and what tools you have."
