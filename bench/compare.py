@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,10 @@ def amx_without_support() -> bool:
         return False
 
 
-def mashbox_server(port: int, threads: int) -> Server:
-    command = [str(ROOT / ".venv/bin/mashbox"), "run", "--port", str(port), "--ctx", str(CTX), "--slots", str(SLOTS)]
+def mashbox_server(port: int, threads: int, pages: str) -> Server:
+    """mashbox with its prompt pages in ``pages``, an empty folder: the cold prompt is cold."""
+    command = [str(ROOT / ".venv/bin/mashbox"), "run", "--port", str(port), "--ctx", str(CTX), "--slots", str(SLOTS),
+               "--cache-dir", pages]
     return Server("mashbox", command, "smollm2-135m", {"OMP_NUM_THREADS": str(threads)})
 
 
@@ -233,7 +236,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
-    servers = [mashbox_server(free_port(), args.threads)]
+    pages = tempfile.TemporaryDirectory(prefix="mashbox-compare-")  # removed at exit
+    servers = [mashbox_server(free_port(), args.threads, pages.name)]
     binary = args.llama_server or shutil.which("llama-server") or (str(DEFAULT_LLAMA) if DEFAULT_LLAMA.exists() else None)
     if binary:
         servers.append(llama_server(binary, free_port(), args.threads))
