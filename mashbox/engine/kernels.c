@@ -414,16 +414,16 @@ static inline void axpy_h(float *y, float a, const uint16_t *x, int64_t n) {
     for (; i < n; i++) y[i] += a * h2f(x[i]);
 }
 
-/* One query row per request over its own slot's keys and values.
- * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
- * [slots, ctx, KVH, D]; for each of R requests,
- * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to. */
 void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
                         int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale);
 
-/* Where D % 16 == 0, a one-token row is a chunk of one (mb_chunk_attention below): its query heads
- * of each KV head share every key, widened once, instead of each head reading the cache again. */
+/* One query row per request over its own slot's keys and values.
+ * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
+ * [slots, ctx, KVH, D]; for each of R requests,
+ * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to.
+ * Where D % 16 == 0, a row is a chunk of one (mb_chunk_attention below): the query heads of a KV
+ * head share each key, widened once, instead of each head reading the cache again. */
 void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
                          int64_t KVH, int64_t D, int64_t ctx, float scale) {
