@@ -10,9 +10,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams
-from mashbox.engine import checkpoint
+from mashbox.engine import checkpoint, native
 from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.loader import load
+from mashbox.engine.weights import Weights
 
 SHAPE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
@@ -42,6 +43,19 @@ def test_read_equals_the_model_transformers_builds(family: str, tmp_path: Path) 
     assert got.tensors.keys() == expected.tensors.keys()
     for name, tensor in expected.tensors.items():
         assert torch.equal(got.tensors[name], tensor), name
+
+
+@pytest.mark.parametrize("mode", ["tiled", "q8"])
+def test_a_tied_lm_head_is_counted_once_unless_it_is_a_copy(mode: str) -> None:
+    sizes = {}
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tied)).eval()
+        weights = Weights.from_checkpoint(Checkpoint.from_model(model), 64, mode, native.load())
+        sizes[tied] = weights.nbytes
+    head = SHAPE["vocab_size"] * SHAPE["hidden_size"]
+    # tiled keeps the embedding itself as the tied lm_head; q8 keeps an int8 copy either way
+    assert sizes[False] - sizes[True] == (head * 4 if mode == "tiled" else 0)
 
 
 def test_rotary_tables_match_the_models_own(tmp_path: Path) -> None:

@@ -216,8 +216,10 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weights hold in memory (the embedding stays in full precision for lookups)."""
-        return self.embed.nbytes + sum(lin.nbytes for lin in self.linears)
+        """Bytes the weights hold in memory (the embedding stays in full precision for lookups; a
+        tied lm_head kept as the embedding itself is counted once)."""
+        own = [lin for lin in self.linears if lin.weight is None or lin.weight.data_ptr() != self.embed.data_ptr()]
+        return self.embed.nbytes + sum(lin.nbytes for lin in own)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, ctx: int, mode: str, lib: ctypes.CDLL | None = None) -> Weights:
