@@ -7,8 +7,9 @@ its health, then drives it with bench/loadgen.py at each stream count (~107-toke
 tokens, greedy, streaming), times one 2k-token prompt to its first token (prefill speed), and a
 second 2k-token prompt sharing the first's prefix (the prefix cache). Peers: llama.cpp's
 ``llama-server`` (``--llama-server``, else on PATH, else where bench/build_llama_server.sh
-puts it) with 16 slots on the same GGUF; ``transformers serve`` with ``--transformers``. Prints
-one table with each figure and mashbox's ratio to the best peer, and writes it as JSON with --json.
+puts it) with 16 slots on the same GGUF; ``transformers serve`` with ``--transformers`` (its
+dependencies: ``pip install -e '.[bench]'``). Prints one table with each figure and mashbox's
+ratio to the best peer, and writes it as JSON with --json.
 """
 
 from __future__ import annotations
@@ -88,8 +89,7 @@ def transformers_server(port: int, threads: int) -> Server:
 
     converted = sorted((cache_dir() / "converted").glob("SmolLM2*float32"))
     model = str(converted[0]) if converted else "smollm2-135m"
-    command = [str(ROOT / ".venv/bin/transformers"), "serve", "--port", str(port), "--continuous-batching",
-               "--force-model", model]
+    command = [str(ROOT / ".venv/bin/transformers"), "serve", model, "--port", str(port), "--continuous-batching"]
     return Server("transformers serve", command, model, {"OMP_NUM_THREADS": str(threads)})
 
 
@@ -163,11 +163,18 @@ def measure(server: Server, args) -> None:
                               prefix_warm_share=warm / cold)
         print(f"  {server.name}: {tokens}-token prompt: cold TTFT {cold:.2f} s, shared prefix {warm:.2f} s", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a server's process group (one that exited on its own is left as it is)."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(proc: subprocess.Popen) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -62,7 +63,9 @@ def test_embedded_chat_template_is_chatml(smol: LoadedModel) -> None:
 
 
 def test_second_load_reads_converted_copy_with_the_same_model(smol: LoadedModel) -> None:
-    assert (converted_dir(resolve("smollm2-135m"), torch.float32) / "complete").is_file()
+    converted = converted_dir(resolve("smollm2-135m"), torch.float32)
+    assert (converted / "complete").is_file()
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     again = load("smollm2-135m")
     first, second = smol.checkpoint, again.checkpoint
     assert first.tensors.keys() == second.tensors.keys()

@@ -259,6 +259,7 @@ def _save_converted(net: transformers.PreTrainedModel,
 
     config = copy.deepcopy(net.config)
     config.__dict__.pop("quantization_config", None)  # the weights are dequantized now
+    config.architectures = [type(net).__name__]  # as save_pretrained writes it: other tools load the copy
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + "."))
