@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare import DEFAULT_LLAMA, ROOT, amx_without_support, free_port, wait_ready
+from compare import DEFAULT_LLAMA, ROOT, amx_without_support, free_port, stop, wait_ready
 
 CLAUDE_CODE = ROOT.parent / "shared" / "clients" / "claude-code_POST_v1_messages.json"
 ASK = "\n\nBefore anything else, describe in detail, in at least 300 words, what you are and what tools you have."
@@ -41,8 +40,9 @@ def flatten(request: dict) -> list[dict]:
     if isinstance(system, list):
         system = "\n\n".join(part.get("text", "") for part in system)
     tools = json.dumps(body.get("tools") or [], indent=1)
+    messages = body.get("messages") or body.get("input") or []
     texts = []
-    for message in body.get("messages") or body.get("input") or []:
+    for message in [{"content": messages}] if isinstance(messages, str) else messages:
         content = message.get("content")
         parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or []]
         texts += [p for p in parts if p]
@@ -81,8 +81,7 @@ def serving(command: list[str], url: str, env: dict[str, str], log: str) -> Iter
             raise SystemExit(f"{command[0]} did not become ready; see {log}")
         yield
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        stop(proc)
 
 
 def main() -> int:
