@@ -1,5 +1,6 @@
 /* mashbox's CPU kernels: int8-weight matmul, decode and prompt-chunk attention over an fp16 KV
- * cache, the per-row norm, rotary and gate ops, and a whole decode layer built from them.
+ * cache (bf16 dot products with fp32 sums where the CPU has AVX512-BF16), the per-row norm,
+ * rotary and gate ops, and a whole decode layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
  * (-O3 -march=native -fopenmp, linked against the OpenMP runtime torch already loaded)
@@ -466,8 +467,9 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const u
  * own keys): row i of a chunk starting at position p0 sees positions 0..p0+i. Work is split into
  * tasks of (chunk, KV head, block of positions); a task packs the queries of the block's
  * positions for every query head of the KV head (GQA folded into rows), then walks the keys in
- * blocks of KB positions counted from 0: widen the block to fp32 once, scores by a register tile,
- * an online softmax per row, and the weighted values added. A row's operations depend only on its
+ * blocks of KB positions counted from 0: convert the block once (to fp32, or to bf16 pairs where
+ * the CPU has AVX512-BF16: MB_BF16 below), scores by a register tile, an online softmax per row in
+ * fp32, and the weighted values added. A row's operations depend only on its
  * position and its cache, never on the chunk, the task or the thread around it. */
 #define KB 64
 #ifndef ROWS
@@ -476,6 +478,9 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const u
 
 #if defined(__AVX512F__) && defined(MB_F16C)
 #define VW 16
+#ifdef __AVX512BF16__
+#define MB_BF16 1
+#endif
 typedef __m512 vecf;
 #define vzero() _mm512_setzero_ps()
 #define vset(x) _mm512_set1_ps(x)
@@ -550,6 +555,134 @@ static inline void transpose8(__m256 r[8]) {
 }
 #endif
 
+/* One row's online softmax over a block of which it sees the first n scores: s becomes the
+ * weights (zero past n), and the row's running max, sum and output are rescaled. */
+static void block_softmax(float *s, int64_t n, float *max, float *sum, float *o, int64_t D) {
+    float top = *max, total = 0.0f;
+    int64_t j = 0;
+#ifdef VW
+    if (n >= VW) {
+        vecf m = vload(s);
+        for (j = VW; j + VW <= n; j += VW) m = vmax(m, vload(s + j));
+        float t = vhmax(m);
+        top = t > top ? t : top;
+    }
+#endif
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+#ifdef VW
+    for (j = 0; j < KB; j += VW) vstore(s + j, vexp(vsub(vload(s + j), vset(top))));
+    for (j = n; j < KB; j++) s[j] = 0.0f;
+    vecf acc = vzero();
+    for (j = 0; j < KB; j += VW) acc = vadd(acc, vload(s + j));
+    total = vhsum(acc);
+#else
+    for (j = 0; j < KB; j++) total += (s[j] = j < n ? expf(s[j] - top) : 0.0f);
+#endif
+    if (top == *max) {
+        *sum += total;
+        return;
+    }
+    float alpha = expf(*max - top);
+    *sum = *sum * alpha + total;
+    *max = top;
+    for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+}
+
+#ifdef MB_BF16
+/* With AVX512-BF16, scores and weighted values are dot products of bf16 pairs summed in fp32
+ * (vdpbf16ps: two multiply-adds a lane per instruction, twice fp32 FMA's rate), as GPU flash
+ * attention does; the softmax stays fp32. A word holds two bf16 (the even index in the low half):
+ * queries as qb[M][D/2], a block's keys as kp[D/2][KB] (pairs along D, positions across lanes),
+ * its values as vp[KB/2][D] (pairs of positions, D across lanes). */
+typedef uint32_t blockw;
+#define QWORDS(D) ((D) / 2)
+
+static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+    __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+    __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* 16 consecutive floats as 8 words of bf16 pairs. */
+static inline __m256i bf16_row(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+static void pack_queries(const float *src, float scale, blockw *dst, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i *)(dst + d / 2), bf16_row(vmul(vload(src + d), vset(scale))));
+}
+
+/* tmp: KB * D / 2 words of scratch. */
+static void pack_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D, blockw *kp,
+                       blockw *vp, blockw *tmp) {
+    int64_t D2 = D / 2;
+    for (int64_t t = 0; t < KB; t++)
+        for (int64_t d = 0; d < D; d += 16) {
+            __m256i w = _mm256_setzero_si256();
+            if (t < n) w = bf16_row(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k + t * stride + d))));
+            _mm256_storeu_si256((__m256i *)(tmp + t * D2 + d / 2), w);
+        }
+    for (int64_t t = 0; t < KB; t += 8)
+        for (int64_t d = 0; d < D2; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(tmp + (t + i) * D2 + d));
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(kp + (d + i) * KB + t), r[i]);
+        }
+    for (int64_t t = 0; t < n; t += 2)
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 even = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + t * stride + d))), odd = vzero();
+            if (t + 1 < n) odd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (t + 1) * stride + d)));
+            _mm512_storeu_si512(vp + t / 2 * D + d, bf16_pairs(even, odd));
+        }
+}
+
+/* s[M][KB] = qb[M] . kp, four rows by a block's 64 positions at a time. M % 4 == 0. */
+static void block_scores(const blockw *qb, const blockw *kp, float *s, int64_t M, int64_t D) {
+    for (int64_t m = 0; m < M; m += 4) {
+        __m512 acc[4][KB / 16];
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < KB / 16; i++) acc[r][i] = vzero();
+        for (int64_t d = 0; d < D / 2; d++) {
+            __m512bh b[KB / 16];
+            for (int i = 0; i < KB / 16; i++) b[i] = (__m512bh)_mm512_loadu_si512(kp + d * KB + 16 * i);
+            for (int r = 0; r < 4; r++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)qb[(m + r) * (D / 2) + d]);
+                for (int i = 0; i < KB / 16; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], a, b[i]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < KB / 16; i++) vstore(s + (m + r) * KB + 16 * i, acc[r][i]);
+    }
+}
+
+/* o[m + r] += p[m + r] . vp over the first n positions, for four rows (weights past a row's own
+ * count are zero). */
+static void block_values4(const float *p, const blockw *vp, float *o, int64_t n, int64_t D) {
+    uint32_t pw[4][KB / 2];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < KB; j += 32) {
+            __m512bh pair = _mm512_cvtne2ps_pbh(vload(p + r * KB + j + 16), vload(p + r * KB + j));
+            _mm512_storeu_si512(pw[r] + j / 2, (__m512i)pair);
+        }
+    int64_t pairs = (n + 1) / 2;
+    for (int64_t d = 0; d < D; d += 64) {
+        int w = D - d >= 64 ? 4 : (int)(D - d) / 16;
+        __m512 acc[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < w; i++) acc[r][i] = vload(o + r * D + d + 16 * i);
+        for (int64_t j = 0; j < pairs; j++) {
+            __m512bh b[4];
+            for (int i = 0; i < w; i++) b[i] = (__m512bh)_mm512_loadu_si512(vp + j * D + d + 16 * i);
+            for (int r = 0; r < 4; r++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)pw[r][j]);
+                for (int i = 0; i < w; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], a, b[i]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < w; i++) vstore(o + r * D + d + 16 * i, acc[r][i]);
+    }
+}
+#else
 /* A block's keys as fp32 kt[D][KB] (positions past n zero) and values as fp32 vb[KB][D].
  * k, v point at the block's first position of one KV head; positions are `stride` apart. */
 static void widen_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D,
@@ -603,39 +736,6 @@ static void block_scores(const float *q, const float *kt, float *s, int64_t M, i
 #endif
 }
 
-/* One row's online softmax over a block of which it sees the first n scores: s becomes the
- * weights (zero past n), and the row's running max, sum and output are rescaled. */
-static void block_softmax(float *s, int64_t n, float *max, float *sum, float *o, int64_t D) {
-    float top = *max, total = 0.0f;
-    int64_t j = 0;
-#ifdef VW
-    if (n >= VW) {
-        vecf m = vload(s);
-        for (j = VW; j + VW <= n; j += VW) m = vmax(m, vload(s + j));
-        float t = vhmax(m);
-        top = t > top ? t : top;
-    }
-#endif
-    for (; j < n; j++) top = s[j] > top ? s[j] : top;
-#ifdef VW
-    for (j = 0; j < KB; j += VW) vstore(s + j, vexp(vsub(vload(s + j), vset(top))));
-    for (j = n; j < KB; j++) s[j] = 0.0f;
-    vecf acc = vzero();
-    for (j = 0; j < KB; j += VW) acc = vadd(acc, vload(s + j));
-    total = vhsum(acc);
-#else
-    for (j = 0; j < KB; j++) total += (s[j] = j < n ? expf(s[j] - top) : 0.0f);
-#endif
-    if (top == *max) {
-        *sum += total;
-        return;
-    }
-    float alpha = expf(*max - top);
-    *sum = *sum * alpha + total;
-    *max = top;
-    for (int64_t d = 0; d < D; d++) o[d] *= alpha;
-}
-
 /* o[m] += p[m] . vb over the first n positions, for rows m and m + 1 (D % 16 == 0). */
 static void block_values(const float *p, const float *vb, float *o, int64_t n, int64_t D) {
 #ifdef VW
@@ -672,36 +772,54 @@ static void block_values(const float *p, const float *vb, float *o, int64_t n, i
 #endif
 }
 
+typedef float blockw;
+#define QWORDS(D) (D)
+
+static void pack_queries(const float *src, float scale, blockw *dst, int64_t D) {
+    for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+}
+
+static void pack_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D, blockw *kt,
+                       blockw *vb, blockw *tmp) {
+    (void)tmp;
+    widen_block(k, v, stride, n, D, kt, vb);
+}
+
+static void block_values4(const float *p, const blockw *vb, float *o, int64_t n, int64_t D) {
+    block_values(p, vb, o, n, D);
+    block_values(p + 2 * KB, vb, o + 2 * D, n, D);
+}
+#endif
+
 /* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g. */
 static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t row0,
                        int64_t p0, int64_t np, int64_t g, int64_t G, int64_t KVH, int64_t D, float scale,
                        float *out, int64_t ldo, float *buf) {
     int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, stride = KVH * D;
-    float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
-    float *max = o + Mp * D, *sum = max + Mp;
-    memset(qs, 0, sizeof(float) * Mp * D);
+    blockw *qs = (blockw *)buf, *kt = (blockw *)(buf + Mp * D), *vb = (blockw *)(buf + Mp * D + D * KB);
+    float *s = buf + Mp * D + 2 * D * KB, *o = s + Mp * KB, *max = o + Mp * D, *sum = max + Mp;
+    memset(qs, 0, sizeof(blockw) * Mp * QWORDS(D));
     memset(o, 0, sizeof(float) * Mp * D);
     for (int64_t m = 0; m < Mp; m++) {
         max[m] = -INFINITY;
         sum[m] = 0.0f;
     }
-    for (int64_t m = 0; m < M; m++) {
-        const float *src = q + (row0 + m / G) * ldq + (g * G + m % G) * D;
-        for (int64_t d = 0; d < D; d++) qs[m * D + d] = src[d] * scale;
-    }
+    for (int64_t m = 0; m < M; m++)
+        pack_queries(q + (row0 + m / G) * ldq + (g * G + m % G) * D, scale, qs + m * QWORDS(D), D);
     for (int64_t t0 = 0; t0 <= last; t0 += KB) {
         int64_t n = last - t0 + 1 < KB ? last - t0 + 1 : KB;
-        widen_block(k + t0 * stride + g * D, v + t0 * stride + g * D, stride, n, D, kt, vb);
+        pack_block(k + t0 * stride + g * D, v + t0 * stride + g * D, stride, n, D, kt, vb, kt + D * KB / 2);
         block_scores(qs, kt, s, Mp, D);
-        for (int64_t m = 0; m < Mp; m += 2) {
-            int64_t seen[2];
-            for (int r = 0; r < 2; r++) {
+        for (int64_t m = 0; m < Mp; m += 4) {
+            int64_t seen[4], most = 0;
+            for (int r = 0; r < 4; r++) {
                 int64_t pos = m + r < M ? p0 + (m + r) / G : last, c = pos - t0 + 1;
                 seen[r] = c < 0 ? 0 : c > KB ? KB : c;
+                most = seen[r] > most ? seen[r] : most;
                 if (seen[r] > 0) block_softmax(s + (m + r) * KB, seen[r], max + m + r, sum + m + r, o + (m + r) * D, D);
                 else memset(s + (m + r) * KB, 0, sizeof(float) * KB);
             }
-            block_values(s + m * KB, vb, o + m * D, seen[0] > seen[1] ? seen[0] : seen[1], D);
+            block_values4(s + m * KB, vb, o + m * D, most, D);
         }
     }
     for (int64_t m = 0; m < M; m++) {
@@ -821,4 +939,13 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
     free(attn);
     free(gu);
     free(rows);
+}
+
+/* 1 where attention multiplies in bf16 pairs (AVX512-BF16), 0 where in fp32. */
+int mb_attention_bf16(void) {
+#ifdef MB_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -63,6 +63,7 @@ def load() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.mb_attention_bf16.argtypes, lib.mb_attention_bf16.restype = (), ctypes.c_int
     return lib
 
 
