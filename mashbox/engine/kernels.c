@@ -92,53 +92,85 @@ static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
 #define G8 8
 
 /* Int8 weights are kept (mb_q8_repack) in groups of 8 rows, block by block: for group g and block
- * b, 256 bytes where byte 32j + 4c + t holds w[c][4j + t], and their scales [g, b, 8]. One
- * byte-multiply serves 4 positions of 8 rows, and a block's 8 dot products land in the 8 lanes of
- * one register: each lane is one output, which adds its blocks in order, so its value is the same
- * in any tile and with any number of threads. */
+ * b, 256 bytes where byte 32j + 4c + t holds w[c][4j + t] + 128 (as unsigned: VNNI multiplies
+ * unsigned by signed bytes, so the activations stay signed and the exact dot is
+ * sum((w + 128) x) - 128 sum(x)), and their scales [g, b, 8]. One byte-multiply serves 4
+ * positions of 8 rows, and a block's 8 dot products land in the 8 lanes of one register: each lane
+ * is one output, which adds its blocks in order, so its value is the same in any tile and with any
+ * number of threads. */
 void mb_q8_repack(const int8_t *q, const float *s, int8_t *wq, float *ws, int64_t N, int64_t K) {
     int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
-    memset(wq, 0, groups * nb * G8 * QK);
+    memset(wq, 0x80, groups * nb * G8 * QK);
     memset(ws, 0, sizeof(float) * groups * nb * G8);
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++) {
             int64_t at = (n / G8) * nb + b, c = n % G8;
             ws[at * G8 + c] = s[n * nb + b];
-            for (int64_t j = 0; j < QK / 4; j++) memcpy(wq + at * G8 * QK + 32 * j + 4 * c, q + n * K + b * QK + 4 * j, 4);
+            for (int64_t j = 0; j < QK; j++)
+                wq[at * G8 * QK + 32 * (j / 4) + 4 * c + j % 4] = (int8_t)(q[n * K + b * QK + j] ^ 0x80);
         }
 }
 
+/* Per block of an activation row: the sum of its int8 values. */
+static void block_isums(const int8_t *q, int32_t *out, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        int32_t sum = 0;
+        for (int l = 0; l < QK; l++) sum += q[b * QK + l];
+        out[b] = sum;
+    }
+}
+
 #ifdef MB_AVX2
-/* y[r, 0..8) for rows r < rows against one group: per block, exact int32 dots (|w| times x with
- * w's sign, as pairs of int16 products that cannot overflow), then acc += dot * (ws * xs). */
+/* y[r, 0..8) for rows r < rows against one group: per block, exact int32 dots, then
+ * acc += dot * (ws * xs). With VNNI the stored w + 128 multiplies x directly and 128 sum(x) is
+ * taken off; without, w's magnitude multiplies x with w's sign, as pairs of int16 products that
+ * cannot overflow. A row's dot runs as two chains (even and odd j, exact in int32 and added) so
+ * that the multiply-adds of a tile do not wait on each other. */
 static inline __attribute__((always_inline)) void tile(
-        const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, const int rows,
-        float *y, int64_t ldy) {
+        const int8_t *xq, const float *xs, const int32_t *xt, const int8_t *w, const float *ws, int64_t K,
+        const int rows, float *y, int64_t ldy) {
     int64_t nb = K / QK;
+#ifndef MB_VNNI
+    (void)xt;
+#endif
     __m256 acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *blk = w + b * G8 * QK;
-        __m256i sum[TR];
-        for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
+        __m256i sum[TR][2];
+        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < QK / 4; j++) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 32 * j)), wa = _mm256_sign_epi8(wv, wv);
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
+#ifndef MB_VNNI
+            wv = _mm256_xor_si256(wv, _mm256_set1_epi8((char)0x80));
+            __m256i wa = _mm256_sign_epi8(wv, wv);
+#endif
             for (int r = 0; r < rows; r++) {
                 int32_t x4;
                 memcpy(&x4, xq + r * K + b * QK + 4 * j, 4);
-                sum[r] = dot4(sum[r], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
+#ifdef MB_VNNI
+                sum[r][j & 1] = dot4(sum[r][j & 1], wv, _mm256_set1_epi32(x4));
+#else
+                sum[r][j & 1] = dot4(sum[r][j & 1], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
+#endif
             }
         }
         __m256 scale = _mm256_loadu_ps(ws + b * G8);
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * nb + b])),
+        for (int r = 0; r < rows; r++) {
+            __m256i dot = _mm256_add_epi32(sum[r][0], sum[r][1]);
+#ifdef MB_VNNI
+            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * xt[r * nb + b]));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * nb + b])),
                                      acc[r]);
+        }
     }
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
-static void tile(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, int64_t K, int rows,
-                 float *y, int64_t ldy) {
+static void tile(const int8_t *xq, const float *xs, const int32_t *xt, const int8_t *w, const float *ws, int64_t K,
+                 int rows, float *y, int64_t ldy) {
+    (void)xt;
     int64_t nb = K / QK;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < G8; c++) {
@@ -147,7 +179,7 @@ static void tile(const int8_t *xq, const float *xs, const int8_t *w, const float
                 const int8_t *blk = w + b * G8 * QK, *x = xq + r * K + b * QK;
                 int32_t sum = 0;
                 for (int j = 0; j < QK / 4; j++)
-                    for (int t = 0; t < 4; t++) sum += (int32_t)blk[32 * j + 4 * c + t] * x[4 * j + t];
+                    for (int t = 0; t < 4; t++) sum += (int8_t)(blk[32 * j + 4 * c + t] ^ 0x80) * x[4 * j + t];
                 acc = fmaf((float)sum, ws[b * G8 + c] * xs[r * nb + b], acc);
             }
             y[r * ldy + c] = acc;
@@ -156,24 +188,25 @@ static void tile(const int8_t *xq, const float *xs, const int8_t *w, const float
 #endif
 
 /* Rows m.. (at most TR) against group g; a last group past N goes through a scratch row. */
-static void tile_at(const int8_t *xq, const float *xs, const int8_t *w, const float *s, int64_t M, int64_t N,
-                    int64_t K, int64_t m, int64_t g, float *y) {
+static void tile_at(const int8_t *xq, const float *xs, const int32_t *xt, const int8_t *w, const float *s,
+                    int64_t M, int64_t N, int64_t K, int64_t m, int64_t g, float *y) {
     int64_t nb = K / QK, n = g * G8;
     int rows = M - m < TR ? (int)(M - m) : TR;
     const int8_t *xr = xq + m * K, *wg = w + g * nb * G8 * QK;
     const float *sr = xs + m * nb, *sg = s + g * nb * G8;
+    const int32_t *tr = xt + m * nb;
     if (N - n < G8) {
         float part[TR * G8];
-        tile(xr, sr, wg, sg, K, rows, part, G8);
+        tile(xr, sr, tr, wg, sg, K, rows, part, G8);
         for (int r = 0; r < rows; r++) memcpy(y + (m + r) * N + n, part + r * G8, sizeof(float) * (N - n));
         return;
     }
     float *yr = y + m * N + n;
     switch (rows) {
-    case 1: tile(xr, sr, wg, sg, K, 1, yr, N); break;
-    case 2: tile(xr, sr, wg, sg, K, 2, yr, N); break;
-    case 3: tile(xr, sr, wg, sg, K, 3, yr, N); break;
-    default: tile(xr, sr, wg, sg, K, 4, yr, N); break;
+    case 1: tile(xr, sr, tr, wg, sg, K, 1, yr, N); break;
+    case 2: tile(xr, sr, tr, wg, sg, K, 2, yr, N); break;
+    case 3: tile(xr, sr, tr, wg, sg, K, 3, yr, N); break;
+    default: tile(xr, sr, tr, wg, sg, K, 4, yr, N); break;
     }
 }
 
@@ -184,13 +217,18 @@ void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
     int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * nb);
+    int32_t *xt = malloc(sizeof(int32_t) * M * nb);
 #pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
+        block_isums(xq + m * K, xt + m * nb, K);
+    }
 #pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, w, s, M, N, K, m, g, y);
+        for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, xt, w, s, M, N, K, m, g, y);
     free(xq);
     free(xs);
+    free(xt);
 }
 
 /* A GGUF Q4_1 block: fp16 d and m, then 16 bytes holding q[i] in the low nibble of byte i and
@@ -237,7 +275,8 @@ static void block_sums(const int8_t *q, const float *s, float *out, int64_t K) {
 
 /* y[r, 0..8) for rows r < rows (at most TR) against one group of 8 weight rows. Per block and
  * output: acc += (exact int dot) * (d * xs), then acc += m * xsum; the same whatever `rows` is.
- * Int16 sums cannot overflow: each of 8 products pairs is at most 2 * 15 * 127. */
+ * With VNNI a row's dot runs as two chains (low and high nibbles, exact in int32 and added).
+ * Without, int16 sums cannot overflow: each of 8 products pairs is at most 2 * 15 * 127. */
 #ifdef MB_AVX2
 static inline __attribute__((always_inline)) void tile41(
         const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, const int rows,
@@ -248,8 +287,8 @@ static inline __attribute__((always_inline)) void tile41(
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * G8_BYTES;
-        __m256i sum[TR];
-        for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
+        __m256i sum[TR], sum2[TR];
+        for (int r = 0; r < rows; r++) sum[r] = sum2[r] = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             __m256i p = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i));
             __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
@@ -259,7 +298,8 @@ static inline __attribute__((always_inline)) void tile41(
                 memcpy(&x0, x, 4);
                 memcpy(&x1, x + 4, 4);
 #ifdef MB_VNNI
-                sum[r] = dot4(dot4(sum[r], lo, _mm256_set1_epi32(x0)), hi, _mm256_set1_epi32(x1));
+                sum[r] = dot4(sum[r], lo, _mm256_set1_epi32(x0));
+                sum2[r] = dot4(sum2[r], hi, _mm256_set1_epi32(x1));
 #else
                 sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
                 sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
@@ -270,7 +310,7 @@ static inline __attribute__((always_inline)) void tile41(
         __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int r = 0; r < rows; r++) {
 #ifdef MB_VNNI
-            __m256 dot = _mm256_cvtepi32_ps(sum[r]);
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(sum[r], sum2[r]));
 #else
             __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], _mm256_set1_epi16(1)));
 #endif
