@@ -4,6 +4,9 @@ p0 sees p0 + i + 1 positions).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/attention_speed.py                  # qwen2.5-0.5b's heads
     OMP_NUM_THREADS=2 .venv/bin/python bench/attention_speed.py --heads 9 --kv-heads 3   # SmolLM2's
+
+Both ways of multiplying where the kernels were built with AVX512-BF16 (bf16 pairs and fp32), else
+fp32 alone.
 """
 
 import argparse
@@ -14,13 +17,13 @@ import torch
 from mashbox.engine import native
 
 
-def call(lib, q, keys, values, rows: int, depth: int, heads: int, kv_heads: int, dim: int) -> float:
+def call(lib, q, keys, values, rows: int, depth: int, heads: int, kv_heads: int, dim: int, bf16: int) -> float:
     """Seconds for one call: `rows` prompt rows at positions depth-rows .. depth-1 of slot 0."""
     out = torch.empty(rows, heads * dim)
     chunk = torch.tensor([[0], [rows], [0], [depth - rows]])
     start = time.perf_counter()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), *(c.data_ptr() for c in chunk),
-                           out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[1], dim**-0.5)
+                           out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[1], dim**-0.5, bf16)
     return time.perf_counter() - start
 
 
@@ -41,16 +44,18 @@ def main() -> None:
     keys = torch.randn(1, ctx, args.kv_heads, args.dim, generator=g).half()
     values = torch.randn(1, ctx, args.kv_heads, args.dim, generator=g).half()
     print(f"heads {args.heads}/{args.kv_heads} x {args.dim}, {torch.get_num_threads()} threads")
-    print("| rows | depth | ms per call (best of %d) | GF/s |" % args.repeat)
-    print("|---|---|---|---|")
-    for rows in args.rows:
-        q = torch.randn(rows, args.heads * args.dim, generator=g)
-        for depth in args.depths:
-            best = min(call(lib, q, keys, values, rows, depth, args.heads, args.kv_heads, args.dim)
-                       for _ in range(args.repeat))
-            seen = rows * (depth - rows) + rows * (rows + 1) / 2
-            flops = 4 * seen * args.heads * args.dim
-            print(f"| {rows} | {depth} | {best * 1e3:.2f} | {flops / best / 1e9:.1f} |")
+    print(f"| multiply | rows | depth | ms per call (best of {args.repeat}) | GF/s |")
+    print("|---|---|---|---|---|")
+    for bf16 in [1, 0] if lib.mb_attention_bf16() else [0]:
+        for rows in args.rows:
+            q = torch.randn(rows, args.heads * args.dim, generator=g)
+            for depth in args.depths:
+                best = min(call(lib, q, keys, values, rows, depth, args.heads, args.kv_heads, args.dim, bf16)
+                           for _ in range(args.repeat))
+                seen = rows * (depth - rows) + rows * (rows + 1) / 2
+                flops = 4 * seen * args.heads * args.dim
+                form = "bf16 pairs" if bf16 else "fp32"
+                print(f"| {form} | {rows} | {depth} | {best * 1e3:.2f} | {flops / best / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

@@ -112,18 +112,20 @@ def test_elementwise_ops_match_torch(lib):
     assert torch.allclose(native_ops.rope(qkv.clone(), 4, 16, positions, cos, sin), expected, atol=1e-5)
 
 
-def _as_read(lib, q, keys, values, scale):
-    """What the attention kernel multiplies, and how close it must come to fp32 math on those: with
-    bf16 dot products (AVX512-BF16) the scaled queries, keys and values rounded to bf16, and as its
-    softmax weights are rounded to bf16 too (relative error <= 2^-9), an output may be off by
-    2^-9 of the largest value (twice that allowed); else the inputs as they are, to fp32 rounding."""
-    if lib.mb_attention_bf16():
-        bf16 = lambda t: t.to(torch.bfloat16).float()
-        return bf16(q * scale), bf16(keys.float()), bf16(values.float()), 2**-8 * values.float().abs().max().item()
+def _as_read(lib, bf16, q, keys, values, scale):
+    """What the attention kernel multiplies, and how close it must come to fp32 math on those: in
+    bf16 pairs (asked for, and built with AVX512-BF16) the scaled queries, keys and values rounded to
+    bf16, and as its softmax weights are rounded to bf16 too (relative error <= 2^-9), an output may
+    be off by 2^-9 of the largest value (twice that allowed); else the inputs as they are, to fp32
+    rounding."""
+    if bf16 and lib.mb_attention_bf16():
+        round_ = lambda t: t.to(torch.bfloat16).float()
+        return round_(q * scale), round_(keys.float()), round_(values.float()), 2**-8 * values.float().abs().max().item()
     return q * scale, keys.float(), values.float(), 1e-5
 
 
-def test_decode_attention_matches_sdpa(lib):
+@pytest.mark.parametrize("bf16", [0, 1])
+def test_decode_attention_matches_sdpa(lib, bf16):
     g = torch.Generator().manual_seed(1)
     slots, ctx, kv_heads, heads, dim = 3, 40, 2, 4, 16
     keys = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()  # the cache holds fp16
@@ -133,8 +135,8 @@ def test_decode_attention_matches_sdpa(lib):
     out = torch.empty(2, heads * dim)
     lib.mb_decode_attention(q.data_ptr(), heads * dim, keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                             which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
-                            dim**-0.5)
-    q, keys, values, atol = _as_read(lib, q, keys, values, dim**-0.5)
+                            dim**-0.5, bf16)
+    q, keys, values, atol = _as_read(lib, bf16, q, keys, values, dim**-0.5)
     for r in range(2):
         k = keys[which[r], : lens[r]].transpose(0, 1)[None]
         v = values[which[r], : lens[r]].transpose(0, 1)[None]
@@ -155,31 +157,31 @@ def _chunk_reference(q, keys, values, chunks, heads, dim):
     return out
 
 
-def _chunk_attention(lib, q, keys, values, chunks, heads, kv_heads, dim):
+def _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim):
     out = torch.full((q.shape[0], heads * dim), float("nan"))
     rows, ns, slots, starts = torch.tensor(chunks).T.contiguous()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                            ns.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(), len(chunks), heads,
-                           kv_heads, dim, keys.shape[1], dim**-0.5)
+                           kv_heads, dim, keys.shape[1], dim**-0.5, bf16)
     return out
 
 
+@pytest.mark.parametrize("bf16", [0, 1])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (14, 2, 64)])
-def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, heads, kv_heads, dim):
+def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, heads, kv_heads, dim, bf16):
     g = torch.Generator().manual_seed(2)
     slots, ctx = 3, 900
     keys = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
     values = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
     q = torch.randn(450, heads * dim, generator=g)
     chunks = [(0, 37, 0, 0), (37, 300, 1, 129), (337, 5, 2, 800), (342, 108, 0, 37)]
-    out = _chunk_attention(lib, q, keys, values, chunks, heads, kv_heads, dim)
-    *read, atol = _as_read(lib, q, keys, values, dim**-0.5)
-    ref = _chunk_reference(*read, chunks, heads, dim); print("MAXDIFF", (out - ref).abs().max().item(), ((out-ref).abs() / (ref.abs() + 1e-3)).max().item())
-    assert torch.allclose(out, ref, atol=atol)
+    out = _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim)
+    *read, atol = _as_read(lib, bf16, q, keys, values, dim**-0.5)
+    assert torch.allclose(out, _chunk_reference(*read, chunks, heads, dim), atol=atol)
     # slot 1's 300 rows again, as three chunks of other sizes in one call with slot 2's
     again = [(0, 64, 1, 129), (64, 5, 2, 800), (69, 100, 1, 193), (169, 136, 1, 293)]
     rows = torch.cat([q[37:101], q[337:342], q[101:337]])
-    split = _chunk_attention(lib, rows, keys, values, again, heads, kv_heads, dim)
+    split = _chunk_attention(lib, bf16, rows, keys, values, again, heads, kv_heads, dim)
     assert torch.equal(torch.cat([split[:64], split[69:]]), out[37:337])
     assert torch.equal(split[64:69], out[337:342])
 

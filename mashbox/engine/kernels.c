@@ -16,11 +16,18 @@
  * to int8 blocks, sums int8 x int8 (or x uint4) products exactly in int32 per block and scales
  * them in fp32.
  */
+#include <linux/futex.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -37,11 +44,115 @@
 #endif
 #endif
 
-/* The least work (multiply-adds) a call must have to run on more than one thread. Waking a sleeping
- * OpenMP thread costs 10-100 us (on a VM ~60 us: bench/step_profile.py, docs/performance.md), so a
- * one-row matmul (~0.1 ms on one core) is faster alone, and a decode step of ~150 such calls was
- * twice as slow with two threads as with one. */
-#define PAR_WORK (1LL << 24)
+/* ---- Threads ----
+ * A decode step is ~150 calls of 5-300 us each. Waking a sleeping OpenMP thread costs 10-100 us
+ * (on a VM ~60 us: docs/performance.md), more than half of most of those calls, and a spinning
+ * one takes a core from whatever else runs. So the calls share their work through a pool of their
+ * own: its helper threads spin for SPIN_NS after their last job (a step's calls come microseconds
+ * apart), then sleep on a futex. A job is n tasks handed out one at a time by a ticket that holds
+ * the job's generation, its n and the next task, taken by compare-and-swap; the caller takes tasks
+ * too, so a helper slow to wake or preempted only leaves more of them to the caller. A task writes
+ * its own outputs, so no result depends on which thread ran it or on how many did. One job runs at
+ * a time; a second caller (another thread) runs its job alone. */
+#define POOL_WORK (1LL << 19) /* the least work (multiply-adds) a call shares */
+#define SPIN_NS 200000
+#define MAX_THREADS 64
+
+typedef void (*task_fn)(void *arg, int64_t task, int who);
+
+static struct {
+    pthread_mutex_t busy;
+    pid_t pid;                 /* helpers run in this process (a forked child starts its own) */
+    int helpers;               /* helpers started */
+    _Atomic int width;         /* threads the running job may use */
+    _Atomic uint32_t gen;      /* bumped for each job: the futex the helpers sleep on */
+    _Atomic int sleepers;
+    _Atomic uint64_t ticket;   /* generation (24 bits), n (20), next task (20) */
+    _Atomic int64_t done;
+    task_fn fn;
+    void *arg;
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Run tasks of job `gen` until none is left to take. */
+static void take_tasks(uint32_t gen, int who) {
+    uint64_t t = atomic_load(&pool.ticket);
+    for (;;) {
+        uint64_t next = t & 0xFFFFF, n = t >> 20 & 0xFFFFF;
+        if ((t >> 40) != (gen & 0xFFFFFF) || next >= n) return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue;
+        pool.fn(pool.arg, (int64_t)next, who);
+        atomic_fetch_add(&pool.done, 1);
+        t = atomic_load(&pool.ticket);
+    }
+}
+
+static void *helper(void *arg) {
+    int who = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool.gen);
+    for (;;) {
+        uint64_t since = now_ns();
+        uint32_t gen;
+        for (int spins = 0; (gen = atomic_load(&pool.gen)) == seen; spins++) {
+            relax();
+            if (spins % 64 || now_ns() - since < SPIN_NS) continue;
+            atomic_fetch_add(&pool.sleepers, 1);
+            syscall(SYS_futex, &pool.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            since = now_ns();
+        }
+        seen = gen;
+        if (who < pool.width) take_tasks(gen, who);
+    }
+    return NULL;
+}
+
+/* fn(arg, i, who) for i < n, on up to omp_get_max_threads() threads (the caller alone when `work`,
+ * the job's multiply-adds, is under POOL_WORK); who < MAX_THREADS names the thread, for its
+ * scratch. Returns when every task has finished. */
+static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
+    int width = omp_get_max_threads();
+    width = width < MAX_THREADS ? width : MAX_THREADS;
+    if (n <= 1 || width <= 1 || work < POOL_WORK || n > 0xFFFFF || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int64_t i = 0; i < n; i++) fn(arg, i, 0);
+        return;
+    }
+    if (pool.pid != getpid()) {
+        pool.pid = getpid();
+        pool.helpers = 0;
+    }
+    for (; pool.helpers < width - 1; pool.helpers++) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper, (void *)(intptr_t)(pool.helpers + 1)) != 0) break;
+        pthread_detach(thread);
+    }
+    uint32_t gen = atomic_load(&pool.gen) + 1;
+    pool.fn = fn;
+    pool.arg = arg;
+    pool.width = width;
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.ticket, (uint64_t)(gen & 0xFFFFFF) << 40 | (uint64_t)n << 20);
+    atomic_store(&pool.gen, gen);
+    if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+    take_tasks(gen, 0);
+    for (int spins = 0; atomic_load(&pool.done) < n; spins++) {
+        relax();
+        if (spins > 4096) sched_yield();
+    }
+    pthread_mutex_unlock(&pool.busy);
+}
+
 #define QK 32
 
 #ifdef MB_AVX2
@@ -210,26 +321,6 @@ static void tile_at(const int8_t *xq, const float *xs, const int32_t *xt, const 
     }
 }
 
-/* y[M, N] = x[M, K] @ dequant(w, s).T for int8 weights repacked by mb_q8_repack, with x's rows
- * quantized to int8 blocks. */
-void mb_q8_linear(const float *x, const int8_t *w, const float *s, float *y,
-                  int64_t M, int64_t N, int64_t K) {
-    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
-    int8_t *xq = malloc(M * K);
-    float *xs = malloc(sizeof(float) * M * nb);
-    int32_t *xt = malloc(sizeof(int32_t) * M * nb);
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
-    for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
-        block_isums(xq + m * K, xt + m * nb, K);
-    }
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t m = 0; m < M; m += TR) tile_at(xq, xs, xt, w, s, M, N, K, m, g, y);
-    free(xq);
-    free(xs);
-    free(xt);
-}
 
 /* A GGUF Q4_1 block: fp16 d and m, then 16 bytes holding q[i] in the low nibble of byte i and
  * q[16 + i] in the high one. */
@@ -368,29 +459,61 @@ static void tile41_at(const int8_t *xq, const float *xs, const float *xm, const 
     }
 }
 
-/* y[M, N] = x[M, K] @ dequant(w).T for Q4_1 blocks repacked by mb_q41_repack. */
-void mb_q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
-    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
-    int8_t *xq = malloc(M * K);
-    float *xs = malloc(sizeof(float) * M * nb * 2), *xm = xs + M * nb;
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
-    for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * K, xq + m * K, xs + m * nb, K);
-        block_sums(xq + m * K, xs + m * nb, xm + m * nb, K);
+/* One matmul as tasks: first x's rows quantized (with the per-block sums each form needs), then
+ * the output in spans of weight groups. */
+struct matmul {
+    const float *x, *s;
+    const void *w;
+    float *y, *xs, *xm;
+    int8_t *xq;
+    int32_t *xt;
+    int64_t M, N, K, rows_per_task, groups_per_task;
+};
+
+static void quantize_task(void *arg, int64_t task, int who) {
+    (void)who;
+    struct matmul *mm = arg;
+    int64_t K = mm->K, nb = K / QK, end = (task + 1) * mm->rows_per_task;
+    for (int64_t m = task * mm->rows_per_task; m < end && m < mm->M; m++) {
+        quantize_row(mm->x + m * K, mm->xq + m * K, mm->xs + m * nb, K);
+        if (mm->s)
+            block_isums(mm->xq + m * K, mm->xt + m * nb, K);
+        else
+            block_sums(mm->xq + m * K, mm->xs + m * nb, mm->xm + m * nb, K);
     }
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_WORK)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t m = 0; m < M; m += TR) tile41_at(xq, xs, xm, w, M, N, K, m, g, y);
-    free(xq);
-    free(xs);
 }
 
-/* Either form: Q8 when s (its scales) is given, else Q4_1 blocks. */
+static void tile_task(void *arg, int64_t task, int who) {
+    (void)who;
+    struct matmul *mm = arg;
+    int64_t end = (task + 1) * mm->groups_per_task, groups = (mm->N + G8 - 1) / G8;
+    for (int64_t g = task * mm->groups_per_task; g < end && g < groups; g++)
+        for (int64_t m = 0; m < mm->M; m += TR) {
+            if (mm->s)
+                tile_at(mm->xq, mm->xs, mm->xt, mm->w, mm->s, mm->M, mm->N, mm->K, m, g, mm->y);
+            else
+                tile41_at(mm->xq, mm->xs, mm->xm, mm->w, mm->M, mm->N, mm->K, m, g, mm->y);
+        }
+}
+
+/* y[M, N] = x[M, K] @ dequant(w).T, x's rows quantized to int8 blocks. w: int8 weights repacked by
+ * mb_q8_repack with their scales s, or (s NULL) Q4_1 blocks repacked by mb_q41_repack. */
 void mb_linear(const float *x, const void *w, const float *s, float *y, int64_t M, int64_t N, int64_t K) {
-    if (s)
-        mb_q8_linear(x, w, s, y, M, N, K);
-    else
-        mb_q41_linear(x, w, y, M, N, K);
+    int64_t nb = K / QK, groups = (N + G8 - 1) / G8, parts = 4 * omp_get_max_threads();
+    if (M == 0 || N == 0) return;
+    struct matmul mm = {.x = x, .s = s, .w = w, .y = y, .M = M, .N = N, .K = K};
+    mm.xq = malloc(M * K);
+    mm.xs = malloc(sizeof(float) * M * nb * 2);
+    mm.xm = mm.xs + M * nb;
+    mm.xt = malloc(sizeof(int32_t) * M * nb);
+    mm.rows_per_task = (M + parts - 1) / parts;
+    mm.groups_per_task = (groups + parts - 1) / parts;
+    /* quantizing an element costs about what 8 multiply-adds do */
+    pool_run(quantize_task, &mm, (M + mm.rows_per_task - 1) / mm.rows_per_task, 8 * M * K);
+    pool_run(tile_task, &mm, (groups + mm.groups_per_task - 1) / mm.groups_per_task, M * N * K);
+    free(mm.xq);
+    free(mm.xs);
+    free(mm.xt);
 }
 
 /* w[N, K] (fp32) -> int8 blocks of 32 with one scale each, the same way as activation rows. */
@@ -457,49 +580,61 @@ static inline void axpy_h(float *y, float a, const uint16_t *x, int64_t n) {
 
 void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
-                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale);
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16);
+
+/* Decode attention for one (row, query head), a task of mb_decode_attention where D % 16 != 0. */
+struct heads {
+    const float *q;
+    int64_t ldq;
+    const uint16_t *k, *v;
+    const int64_t *rows, *slots, *lens;
+    float *out;
+    int64_t H, KVH, D, ctx;
+    float scale;
+    int64_t max_len;
+    float *scores[MAX_THREADS];
+};
+
+static void head_task(void *arg, int64_t i, int who) {
+    struct heads *a = arg;
+    int64_t H = a->H, KVH = a->KVH, D = a->D, r = i / H, h = i % H, len = a->lens[r], g = h / (H / KVH);
+    if (!a->scores[who]) a->scores[who] = malloc(sizeof(float) * a->max_len);
+    float *p = a->scores[who], *o = a->out + (a->rows[r] * H + h) * D, top = -INFINITY, sum = 0.0f;
+    const float *qi = a->q + a->rows[r] * a->ldq + h * D;
+    const uint16_t *kb = a->k + (a->slots[r] * a->ctx * KVH + g) * D, *vb = a->v + (a->slots[r] * a->ctx * KVH + g) * D;
+    for (int64_t t = 0; t < len; t++) {
+        p[t] = dot_h(qi, kb + t * KVH * D, D) * a->scale;
+        top = fmaxf(top, p[t]);
+    }
+    for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - top));
+    memset(o, 0, sizeof(float) * D);
+    for (int64_t t = 0; t < len; t++) axpy_h(o, p[t] / sum, vb + t * KVH * D, D);
+}
 
 /* One query row per request over its own slot's keys and values.
  * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
  * [slots, ctx, KVH, D]; for each of R requests,
  * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to.
- * Where D % 16 == 0, a row is a chunk of one (mb_chunk_attention below): the query heads of a KV
- * head share each key, widened once, instead of each head reading the cache again. */
+ * Where D % 16 == 0, a row is a chunk of one (mb_chunk_attention below, bf16 as there): the query
+ * heads of a KV head share each key, converted once, instead of each head reading the cache
+ * again; otherwise each head multiplies in fp32. */
 void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
-                         int64_t KVH, int64_t D, int64_t ctx, float scale) {
+                         int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16) {
     if (D % 16 == 0) {
         int64_t *ns = malloc(sizeof(int64_t) * R * 2), *starts = ns + R;
         for (int64_t r = 0; r < R; r++) {
             ns[r] = 1;
             starts[r] = lens[r] - 1;
         }
-        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale);
+        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16);
         free(ns);
         return;
     }
-    int64_t group = H / KVH, max_len = 0;
-    for (int64_t r = 0; r < R; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
-#pragma omp parallel if (2 * R * H * max_len * D >= PAR_WORK)
-    {
-        float *p = malloc(sizeof(float) * (max_len > 0 ? max_len : 1));
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < R * H; i++) {
-            int64_t r = i / H, h = i % H, len = lens[r];
-            const float *qi = q + rows[r] * ldq + h * D;
-            const uint16_t *kb = k + (slots[r] * ctx * KVH + h / group) * D;
-            const uint16_t *vb = v + (slots[r] * ctx * KVH + h / group) * D;
-            float *o = out + (rows[r] * H + h) * D, top = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < len; t++) {
-                p[t] = dot_h(qi, kb + t * KVH * D, D) * scale;
-                top = fmaxf(top, p[t]);
-            }
-            for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - top));
-            memset(o, 0, sizeof(float) * D);
-            for (int64_t t = 0; t < len; t++) axpy_h(o, p[t] / sum, vb + t * KVH * D, D);
-        }
-        free(p);
-    }
+    struct heads a = {q, ldq, k, v, rows, slots, lens, out, H, KVH, D, ctx, scale, 1, {0}};
+    for (int64_t r = 0; r < R; r++) a.max_len = lens[r] > a.max_len ? lens[r] : a.max_len;
+    pool_run(head_task, &a, R * H, 2 * R * H * a.max_len * D);
+    for (int i = 0; i < MAX_THREADS; i++) free(a.scores[i]);
 }
 
 /* ---- Prompt-chunk attention ----
@@ -634,9 +769,6 @@ static void block_softmax(float *s, int64_t n, float *max, float *sum, float *o,
  * attention does; the softmax stays fp32. A word holds two bf16 (the even index in the low half):
  * queries as qb[M][D/2], a block's keys as kp[D/2][KB] (pairs along D, positions across lanes),
  * its values as vp[KB/2][D] (pairs of positions, D across lanes). */
-typedef uint32_t blockw;
-#define QWORDS(D) ((D) / 2)
-
 static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
     __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
     __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
@@ -646,14 +778,14 @@ static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
 /* 16 consecutive floats as 8 words of bf16 pairs. */
 static inline __m256i bf16_row(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
-static void pack_queries(const float *src, float scale, blockw *dst, int64_t D) {
+static void pack_queries_bf16(const float *src, float scale, uint32_t *dst, int64_t D) {
     for (int64_t d = 0; d < D; d += 16)
         _mm256_storeu_si256((__m256i *)(dst + d / 2), bf16_row(vmul(vload(src + d), vset(scale))));
 }
 
 /* tmp: KB * D / 2 words of scratch. */
-static void pack_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D, blockw *kp,
-                       blockw *vp, blockw *tmp) {
+static void pack_block_bf16(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D,
+                            uint32_t *kp, uint32_t *vp, uint32_t *tmp) {
     int64_t D2 = D / 2;
     for (int64_t t = 0; t < KB; t++)
         for (int64_t d = 0; d < D; d += 16) {
@@ -677,7 +809,7 @@ static void pack_block(const uint16_t *k, const uint16_t *v, int64_t stride, int
 }
 
 /* s[M][KB] = qb[M] . kp, four rows by a block's 64 positions at a time. M % 4 == 0. */
-static void block_scores(const blockw *qb, const blockw *kp, float *s, int64_t M, int64_t D) {
+static void block_scores_bf16(const uint32_t *qb, const uint32_t *kp, float *s, int64_t M, int64_t D) {
     for (int64_t m = 0; m < M; m += 4) {
         __m512 acc[4][KB / 16];
         for (int r = 0; r < 4; r++)
@@ -697,7 +829,7 @@ static void block_scores(const blockw *qb, const blockw *kp, float *s, int64_t M
 
 /* o[m + r] += p[m + r] . vp over the first n positions, for four rows (weights past a row's own
  * count are zero). */
-static void block_values4(const float *p, const blockw *vp, float *o, int64_t n, int64_t D) {
+static void block_values4_bf16(const float *p, const uint32_t *vp, float *o, int64_t n, int64_t D) {
     uint32_t pw[4][KB / 2];
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < KB; j += 32) {
@@ -722,7 +854,8 @@ static void block_values4(const float *p, const blockw *vp, float *o, int64_t n,
             for (int i = 0; i < w; i++) vstore(o + r * D + d + 16 * i, acc[r][i]);
     }
 }
-#else
+#endif
+
 /* A block's keys as fp32 kt[D][KB] (positions past n zero) and values as fp32 vb[KB][D].
  * k, v point at the block's first position of one KV head; positions are `stride` apart. */
 static void widen_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D,
@@ -812,44 +945,49 @@ static void block_values(const float *p, const float *vb, float *o, int64_t n, i
 #endif
 }
 
-typedef float blockw;
-#define QWORDS(D) (D)
-
-static void pack_queries(const float *src, float scale, blockw *dst, int64_t D) {
-    for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
-}
-
-static void pack_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D, blockw *kt,
-                       blockw *vb, blockw *tmp) {
-    (void)tmp;
-    widen_block(k, v, stride, n, D, kt, vb);
-}
-
-static void block_values4(const float *p, const blockw *vb, float *o, int64_t n, int64_t D) {
+static void block_values4(const float *p, const float *vb, float *o, int64_t n, int64_t D) {
     block_values(p, vb, o, n, D);
     block_values(p + 2 * KB, vb, o + 2 * D, n, D);
 }
-#endif
 
-/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g. */
+/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g;
+ * bf16: multiply in bf16 pairs (only where MB_BF16 is built; fp32 otherwise). */
 static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t row0,
                        int64_t p0, int64_t np, int64_t g, int64_t G, int64_t KVH, int64_t D, float scale,
-                       float *out, int64_t ldo, float *buf) {
+                       float *out, int64_t ldo, float *buf, int bf16) {
+    (void)bf16;
     int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, stride = KVH * D;
-    blockw *qs = (blockw *)buf, *kt = (blockw *)(buf + Mp * D), *vb = (blockw *)(buf + Mp * D + D * KB);
-    float *s = buf + Mp * D + 2 * D * KB, *o = s + Mp * KB, *max = o + Mp * D, *sum = max + Mp;
-    memset(qs, 0, sizeof(blockw) * Mp * QWORDS(D));
+    float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
+    float *max = o + Mp * D, *sum = max + Mp;
+    memset(qs, 0, sizeof(float) * Mp * D);
     memset(o, 0, sizeof(float) * Mp * D);
     for (int64_t m = 0; m < Mp; m++) {
         max[m] = -INFINITY;
         sum[m] = 0.0f;
     }
-    for (int64_t m = 0; m < M; m++)
-        pack_queries(q + (row0 + m / G) * ldq + (g * G + m % G) * D, scale, qs + m * QWORDS(D), D);
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = q + (row0 + m / G) * ldq + (g * G + m % G) * D;
+#ifdef MB_BF16
+        if (bf16) {
+            pack_queries_bf16(src, scale, (uint32_t *)qs + m * D / 2, D);
+            continue;
+        }
+#endif
+        for (int64_t d = 0; d < D; d++) qs[m * D + d] = src[d] * scale;
+    }
     for (int64_t t0 = 0; t0 <= last; t0 += KB) {
         int64_t n = last - t0 + 1 < KB ? last - t0 + 1 : KB;
-        pack_block(k + t0 * stride + g * D, v + t0 * stride + g * D, stride, n, D, kt, vb, kt + D * KB / 2);
-        block_scores(qs, kt, s, Mp, D);
+        const uint16_t *kb = k + t0 * stride + g * D, *vbk = v + t0 * stride + g * D;
+#ifdef MB_BF16
+        if (bf16) {
+            pack_block_bf16(kb, vbk, stride, n, D, (uint32_t *)kt, (uint32_t *)vb, (uint32_t *)kt + D * KB / 2);
+            block_scores_bf16((uint32_t *)qs, (uint32_t *)kt, s, Mp, D);
+        } else
+#endif
+        {
+            widen_block(kb, vbk, stride, n, D, kt, vb);
+            block_scores(qs, kt, s, Mp, D);
+        }
         for (int64_t m = 0; m < Mp; m += 4) {
             int64_t seen[4], most = 0;
             for (int r = 0; r < 4; r++) {
@@ -859,6 +997,12 @@ static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uin
                 if (seen[r] > 0) block_softmax(s + (m + r) * KB, seen[r], max + m + r, sum + m + r, o + (m + r) * D, D);
                 else memset(s + (m + r) * KB, 0, sizeof(float) * KB);
             }
+#ifdef MB_BF16
+            if (bf16) {
+                block_values4_bf16(s + m * KB, (uint32_t *)vb, o + m * D, most, D);
+                continue;
+            }
+#endif
             block_values4(s + m * KB, vb, o + m * D, most, D);
         }
     }
@@ -868,12 +1012,37 @@ static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uin
     }
 }
 
+/* One task of mb_chunk_attention: a block of `span` positions of one chunk, for one KV head. */
+struct chunks {
+    const float *q;
+    int64_t ldq;
+    const uint16_t *k, *v;
+    const int64_t *rows, *ns, *slots, *starts;
+    float *out;
+    int64_t H, KVH, D, ctx;
+    float scale;
+    int64_t span, blocks, floats;
+    int bf16;
+    float *bufs[MAX_THREADS];
+};
+
+static void chunk_attention_task(void *arg, int64_t t, int who) {
+    struct chunks *a = arg;
+    int64_t KVH = a->KVH, D = a->D, c = t / (KVH * a->blocks), g = t / a->blocks % KVH, first = t % a->blocks * a->span;
+    if (first >= a->ns[c]) return;
+    if (!a->bufs[who]) a->bufs[who] = malloc(sizeof(float) * a->floats);
+    int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span, base = a->slots[c] * a->ctx * KVH * D;
+    chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH,
+               KVH, D, a->scale, a->out, a->H * D, a->bufs[who], a->bf16);
+}
+
 /* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
  * (H heads of D, row stride ldq), at positions starts[c].. of slot slots[c]; out: [rows, H * D].
- * k, v: one layer's fp16 cache [slots, ctx, KVH, D]. D % 16 == 0. */
+ * k, v: one layer's fp16 cache [slots, ctx, KVH, D]. D % 16 == 0. bf16: multiply in bf16 pairs
+ * where this build can (mb_attention_bf16), else in fp32. */
 void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
-                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale) {
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16) {
     int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads(), work = 0;
     for (int64_t c = 0; c < R; c++) {
         longest = ns[c] > longest ? ns[c] : longest;
@@ -881,21 +1050,11 @@ void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const ui
     }
     int64_t span = ROWS / G > 1 ? ROWS / G : 1, wanted = (4 * threads + R * KVH - 1) / (R * KVH);
     if ((longest + span - 1) / span < wanted) span = (longest + wanted - 1) / wanted;
-    int64_t blocks = (longest + span - 1) / span, tasks = R * KVH * blocks, Mp = (span * G + 3) / 4 * 4;
-    size_t floats = Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2;
-#pragma omp parallel if (tasks > 1 && work >= PAR_WORK)
-    {
-        float *buf = malloc(sizeof(float) * floats);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t c = t / (KVH * blocks), g = t / blocks % KVH, b = t % blocks, first = b * span;
-            if (first >= ns[c]) continue;
-            int64_t np = ns[c] - first < span ? ns[c] - first : span, base = slots[c] * ctx * KVH * D;
-            chunk_task(q, ldq, k + base, v + base, rows[c] + first, starts[c] + first, np, g, G, KVH, D, scale,
-                       out, H * D, buf);
-        }
-        free(buf);
-    }
+    int64_t blocks = (longest + span - 1) / span, Mp = (span * G + 3) / 4 * 4;
+    struct chunks a = {q, ldq, k, v, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
+                       Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2, bf16 != 0, {0}};
+    pool_run(chunk_attention_task, &a, R * KVH * blocks, work);
+    for (int i = 0; i < MAX_THREADS; i++) free(a.bufs[i]);
 }
 
 /* out[m] = x[m] / rms(x[m]) * w, one row at a time. */
@@ -941,13 +1100,14 @@ static void add_rows(float *x, const float *y, int64_t n) {
 /* One decoder layer for M one-token rows, x [M, D] updated in place: the same kernels, in the
  * same order, as the runner's general path, so a row's result is the same either way. Each
  * weight is Q8 with its scales, or Q4_1 blocks with NULL scales (mb_linear). Keys and
- * values of each row are stored at its slot and position; it attends over positions 0..pos. */
+ * values of each row are stored at its slot and position; it attends over positions 0..pos
+ * (bf16 as in mb_decode_attention). */
 void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH, int64_t HD,
                      float eps, float scale, const float *ln_attn, const void *qkv_w, const float *qkv_s,
                      const float *qkv_bias, const void *o_w, const float *o_s, const float *ln_mlp,
                      const void *gu_w, const float *gu_s, const void *down_w, const float *down_s,
                      const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
-                     uint16_t *kcache, uint16_t *vcache, int64_t ctx) {
+                     uint16_t *kcache, uint16_t *vcache, int64_t ctx, int64_t bf16) {
     int64_t ld = (H + 2 * KVH) * HD, kv = KVH * HD, wide = D > I ? D : I;
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -966,7 +1126,7 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
         rows[m] = m;
         lens[m] = positions[m] + 1;
     }
-    mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, lens, attn, M, H, KVH, HD, ctx, scale);
+    mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, lens, attn, M, H, KVH, HD, ctx, scale, bf16);
     mb_linear(attn, o_w, o_s, h, M, D, H * HD);
     add_rows(x, h, M * D);
     mb_rms_norm(x, ln_mlp, h, M, D, eps);
@@ -981,7 +1141,8 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
     free(rows);
 }
 
-/* 1 where attention multiplies in bf16 pairs (AVX512-BF16), 0 where in fp32. */
+/* 1 where this build can attend in bf16 pairs (AVX512-BF16), so that the attention calls' `bf16`
+ * argument takes effect; 0 where they always multiply in fp32. */
 int mb_attention_bf16(void) {
 #ifdef MB_BF16
     return 1;

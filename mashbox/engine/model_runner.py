@@ -60,7 +60,11 @@ class ModelRunner:
         native_ops = isinstance(self.ops, ops.NativeOps)
         kv_dtype = torch.float16 if native_ops else self.weights.embed.dtype
         self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, kv_dtype, self.device)
-        self._fused = DecodeLayers(self.weights, self.kv, lib) if DecodeLayers.fits(self.weights) else None
+        # The quantized forms attend with bf16 dot products where the kernels have them (their weights
+        # round far more); the float16 form keeps fp32 attention, like its reference (fp16 weights).
+        self._bf16 = int(mode in ("gguf", "q8"))
+        fused = DecodeLayers.fits(self.weights)
+        self._fused = DecodeLayers(self.weights, self.kv, lib, self._bf16) if fused else None
         self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -130,7 +134,7 @@ class ModelRunner:
         widened to ``q``'s dtype) once for all its items."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[1], spec.scale)
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[1], spec.scale, self._bf16)
         if batch.single.shape[1]:
             rows, slots, lens = batch.single
             self.ops.lib.mb_decode_attention(
@@ -203,13 +207,14 @@ class DecodeLayers:
     native ops, so a row's result does not depend on which path ran it.
     """
 
-    def __init__(self, weights: Weights, kv: KVCache, lib) -> None:
+    def __init__(self, weights: Weights, kv: KVCache, lib, bf16: int) -> None:
         s = weights.spec
         self.fn = lib.mb_decode_layer
         self.kv = kv
         self.cos, self.sin = weights.cos, weights.sin
         self.layers = [self._args(layer, i) for i, layer in enumerate(weights.layers)]
         self.shape = (s.num_heads, s.num_kv_heads, s.head_dim, s.eps, s.scale)
+        self.bf16 = bf16
 
     @staticmethod
     def fits(weights: Weights) -> bool:
@@ -231,5 +236,5 @@ class DecodeLayers:
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
         for dim, inter, ln_attn, qkv_w, qkv_s, bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, k, v in self.layers:
             self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv_w, qkv_s,
-                    bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, slots, positions, cos, sin, k, v, ctx)
+                    bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, slots, positions, cos, sin, k, v, ctx, self.bf16)
         return x

@@ -31,15 +31,13 @@ BLOCK = 32  # weights are int8 in blocks of BLOCK along K, one fp32 scale per bl
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "mb_q8_linear": (_P, _P, _P, _P, _I, _I, _I),
-    "mb_q41_linear": (_P, _P, _P, _I, _I, _I),
     "mb_q41_repack": (_P, _P, _I, _I),
     "mb_linear": (_P, _P, _P, _P, _I, _I, _I),
     "mb_q8_quantize": (_P, _P, _P, _I, _I),
     "mb_q8_repack": (_P, _P, _P, _P, _I, _I),
-    "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
-    "mb_chunk_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
-    "mb_decode_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 17, _I),
+    "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I),
+    "mb_chunk_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I),
+    "mb_decode_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 17, _I, _I),
     "mb_rms_norm": (_P, _P, _P, _I, _I, _F),
     "mb_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
     "mb_silu_mul": (_P, _P, _I, _I),
@@ -76,7 +74,7 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
-    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-pthread", "-ffp-contract=off"]
     try:
         subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True,
                        capture_output=True, timeout=120)
