@@ -49,13 +49,16 @@
  * (on a VM ~60 us: docs/performance.md), more than half of most of those calls, and a spinning
  * one takes a core from whatever else runs. So the calls share their work through a pool of their
  * own: its helper threads spin for SPIN_NS after their last job (a step's calls come microseconds
- * apart), then sleep on a futex. A job is n tasks handed out one at a time by a ticket that holds
+ * apart), yielding their core to any other thread that wants it after YIELD_NS, then sleep on a
+ * futex. A job is n tasks handed out one at a time by a ticket that holds
  * the job's generation, its n and the next task, taken by compare-and-swap; the caller takes tasks
- * too, so a helper slow to wake or preempted only leaves more of them to the caller. A task writes
+ * too, so a helper slow to wake only leaves more of them to the caller; one preempted in a task
+ * makes the caller wait, so after that the caller runs jobs alone for a while. A task writes
  * its own outputs, so no result depends on which thread ran it or on how many did. One job runs at
  * a time; a second caller (another thread) runs its job alone. */
 #define POOL_WORK (1LL << 19) /* the least work (multiply-adds) a call shares */
 #define SPIN_NS 200000
+#define YIELD_NS 20000
 #define MAX_THREADS 64
 
 typedef void (*task_fn)(void *arg, int64_t task, int who);
@@ -64,6 +67,7 @@ static struct {
     pthread_mutex_t busy;
     pid_t pid;                 /* helpers run in this process (a forked child starts its own) */
     int helpers;               /* helpers started */
+    int64_t backoff, alone;    /* jobs to run alone after a late helper; how many are left */
     _Atomic int width;         /* threads the running job may use */
     _Atomic uint32_t gen;      /* bumped for each job: the futex the helpers sleep on */
     _Atomic int sleepers;
@@ -85,13 +89,16 @@ static inline void relax(void) {
 #endif
 }
 
-/* Run tasks of job `gen` until none is left to take. */
-static void take_tasks(uint32_t gen, int who) {
+/* Run tasks of job `gen` until none is left to take; how many it ran. */
+static int64_t take_tasks(uint32_t gen, int who) {
     uint64_t t = atomic_load(&pool.ticket);
-    for (;;) {
+    for (int64_t ran = 0;; ran++) {
         uint64_t next = t & 0xFFFFF, n = t >> 20 & 0xFFFFF;
-        if ((t >> 40) != (gen & 0xFFFFFF) || next >= n) return;
-        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue;
+        if ((t >> 40) != (gen & 0xFFFFFF) || next >= n) return ran;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) {
+            ran--;
+            continue;
+        }
         pool.fn(pool.arg, (int64_t)next, who);
         atomic_fetch_add(&pool.done, 1);
         t = atomic_load(&pool.ticket);
@@ -106,7 +113,10 @@ static void *helper(void *arg) {
         uint32_t gen;
         for (int spins = 0; (gen = atomic_load(&pool.gen)) == seen; spins++) {
             relax();
-            if (spins % 64 || now_ns() - since < SPIN_NS) continue;
+            if (spins % 64) continue;
+            uint64_t idle = now_ns() - since;
+            if (idle > YIELD_NS) sched_yield(); /* a core other threads want is theirs first */
+            if (idle < SPIN_NS) continue;
             atomic_fetch_add(&pool.sleepers, 1);
             syscall(SYS_futex, &pool.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
             atomic_fetch_sub(&pool.sleepers, 1);
@@ -128,6 +138,12 @@ static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
         for (int64_t i = 0; i < n; i++) fn(arg, i, 0);
         return;
     }
+    if (pool.alone > 0) {
+        pool.alone--;
+        pthread_mutex_unlock(&pool.busy);
+        for (int64_t i = 0; i < n; i++) fn(arg, i, 0);
+        return;
+    }
     if (pool.pid != getpid()) {
         pool.pid = getpid();
         pool.helpers = 0;
@@ -145,10 +161,22 @@ static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
     atomic_store(&pool.ticket, (uint64_t)(gen & 0xFFFFFF) << 40 | (uint64_t)n << 20);
     atomic_store(&pool.gen, gen);
     if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-    take_tasks(gen, 0);
+    uint64_t start = now_ns();
+    int64_t mine = take_tasks(gen, 0);
+    uint64_t own = now_ns() - start;
     for (int spins = 0; atomic_load(&pool.done) < n; spins++) {
         relax();
         if (spins > 4096) sched_yield();
+    }
+    /* A helper that held its last task much longer than one of the caller's took was preempted:
+     * another process wants its core. Waiting on it costs more than the caller's share, so the next
+     * jobs run alone, twice as many each time it happens again; punctual jobs halve that. */
+    uint64_t late = now_ns() - start - own;
+    if (mine > 0 && late > 2 * own / (uint64_t)mine + 20000) {
+        pool.backoff = pool.backoff < 4096 ? 2 * pool.backoff + 32 : 8192;
+        pool.alone = pool.backoff;
+    } else {
+        pool.backoff /= 2;
     }
     pthread_mutex_unlock(&pool.busy);
 }
