@@ -22,8 +22,9 @@ def call(lib, q, keys, values, rows: int, depth: int, heads: int, kv_heads: int,
     out = torch.empty(rows, heads * dim)
     chunk = torch.tensor([[0], [rows], [0], [depth - rows]])
     start = time.perf_counter()
-    lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), *(c.data_ptr() for c in chunk),
-                           out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[1], dim**-0.5, bf16)
+    lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
+                           *(c.data_ptr() for c in chunk), out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[1],
+                           dim**-0.5, bf16)
     return time.perf_counter() - start
 
 

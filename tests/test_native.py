@@ -120,7 +120,8 @@ def _as_read(lib, bf16, q, keys, values, scale):
     rounding."""
     if bf16 and lib.mb_attention_bf16():
         round_ = lambda t: t.to(torch.bfloat16).float()
-        return round_(q * scale), round_(keys.float()), round_(values.float()), 2**-8 * values.float().abs().max().item()
+        atol = 2**-8 * values.float().abs().max().item()
+        return round_(q * scale), round_(keys.float()), round_(values.float()), atol
     return q * scale, keys.float(), values.float(), 1e-5
 
 
