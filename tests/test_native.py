@@ -53,6 +53,18 @@ def test_q8_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
     assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
     for rows in range(1, 9):
         assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"
+    _same_on_other_threads(linear, x, out)
+
+
+def _same_on_other_threads(linear: Linear, x: torch.Tensor, out: torch.Tensor) -> None:
+    """The work split into other tasks and shared by other threads gives the same bits."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(linear(x), out), f"the output changed on {n} threads"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def q41_blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -88,6 +100,7 @@ def test_q41_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
     assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
     for r in range(1, 9):
         assert torch.equal(linear(x[:r])[r - 1], out[r - 1]), f"row {r - 1} changed with {r} rows"
+    _same_on_other_threads(linear, x, out)
 
 
 def test_gguf_mode_without_blocks_is_int8(lib):
