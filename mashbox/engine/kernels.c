@@ -50,12 +50,12 @@
  * one takes a core from whatever else runs. So the calls share their work through a pool of their
  * own: its helper threads spin for SPIN_NS after their last job (a step's calls come microseconds
  * apart), yielding their core to any other thread that wants it after YIELD_NS, then sleep on a
- * futex. A job is n tasks handed out one at a time by a ticket that holds
- * the job's generation, its n and the next task, taken by compare-and-swap; the caller takes tasks
- * too, so a helper slow to wake only leaves more of them to the caller; one preempted in a task
- * makes the caller wait, so after that the caller runs jobs alone for a while. A task writes
- * its own outputs, so no result depends on which thread ran it or on how many did. One job runs at
- * a time; a second caller (another thread) runs its job alone. */
+ * futex. A job is n tasks handed out one at a time by a ticket that holds the job's generation,
+ * its n and the next task, taken by compare-and-swap. The caller takes tasks too, so a helper slow
+ * to wake only leaves more of them to the caller; one preempted in the middle of a task makes the
+ * caller wait, so after that the caller runs its jobs alone for a while. A task writes its own
+ * outputs, so no result depends on which thread ran it or on how many did. One job runs at a
+ * time; a second caller (another thread) runs its job alone. */
 #define POOL_WORK (1LL << 19) /* the least work (multiply-adds) a call shares */
 #define SPIN_NS 200000
 #define YIELD_NS 20000
