@@ -3,7 +3,7 @@
  * rotary and gate ops, and a whole decode layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
- * (-O3 -march=native -fopenmp, linked against the OpenMP runtime torch already loaded)
+ * (-O3 -march=native -fopenmp -pthread, linked against the OpenMP runtime torch already loaded)
  * and called through ctypes on torch tensors' memory.
  *
  * Batch invariance by construction: every output row is computed by the same
@@ -91,16 +91,15 @@ static inline void relax(void) {
 
 /* Run tasks of job `gen` until none is left to take; how many it ran. */
 static int64_t take_tasks(uint32_t gen, int who) {
+    int64_t ran = 0;
     uint64_t t = atomic_load(&pool.ticket);
-    for (int64_t ran = 0;; ran++) {
+    for (;;) {
         uint64_t next = t & 0xFFFFF, n = t >> 20 & 0xFFFFF;
         if ((t >> 40) != (gen & 0xFFFFFF) || next >= n) return ran;
-        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) {
-            ran--;
-            continue;
-        }
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue; /* t now holds the ticket */
         pool.fn(pool.arg, (int64_t)next, who);
         atomic_fetch_add(&pool.done, 1);
+        ran++;
         t = atomic_load(&pool.ticket);
     }
 }
@@ -250,13 +249,16 @@ void mb_q8_repack(const int8_t *q, const float *s, int8_t *wq, float *ws, int64_
         }
 }
 
-/* Per block of an activation row: the sum of its int8 values. */
+/* The sum of one block's int8 values. */
+static inline int32_t block_sum(const int8_t *q) {
+    int32_t sum = 0;
+    for (int l = 0; l < QK; l++) sum += q[l];
+    return sum;
+}
+
+/* Per block of an activation row: the sum of its int8 values (the int8 form's offset). */
 static void block_isums(const int8_t *q, int32_t *out, int64_t K) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        int32_t sum = 0;
-        for (int l = 0; l < QK; l++) sum += q[b * QK + l];
-        out[b] = sum;
-    }
+    for (int64_t b = 0; b < K / QK; b++) out[b] = block_sum(q + b * QK);
 }
 
 #ifdef MB_AVX2
@@ -349,7 +351,6 @@ static void tile_at(const int8_t *xq, const float *xs, const int32_t *xt, const 
     }
 }
 
-
 /* A GGUF Q4_1 block: fp16 d and m, then 16 bytes holding q[i] in the low nibble of byte i and
  * q[16 + i] in the high one. */
 #define Q41_BYTES 20
@@ -385,11 +386,7 @@ void mb_q41_repack(const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
 
 /* Per block of an activation row: xs * (the sum of its int8 values), the weight of m. */
 static void block_sums(const int8_t *q, const float *s, float *out, int64_t K) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        int32_t sum = 0;
-        for (int l = 0; l < QK; l++) sum += q[b * QK + l];
-        out[b] = s[b] * (float)sum;
-    }
+    for (int64_t b = 0; b < K / QK; b++) out[b] = s[b] * (float)block_sum(q + b * QK);
 }
 
 /* y[r, 0..8) for rows r < rows (at most TR) against one group of 8 weight rows. Per block and
@@ -531,9 +528,9 @@ void mb_linear(const float *x, const void *w, const float *s, float *y, int64_t 
     if (M == 0 || N == 0) return;
     struct matmul mm = {.x = x, .s = s, .w = w, .y = y, .M = M, .N = N, .K = K};
     mm.xq = malloc(M * K);
-    mm.xs = malloc(sizeof(float) * M * nb * 2);
-    mm.xm = mm.xs + M * nb;
-    mm.xt = malloc(sizeof(int32_t) * M * nb);
+    mm.xs = malloc(sizeof(float) * M * nb * (s ? 1 : 2));
+    mm.xm = s ? NULL : mm.xs + M * nb;                    /* Q4_1: xs * the block sums */
+    mm.xt = s ? malloc(sizeof(int32_t) * M * nb) : NULL;  /* int8: the block sums */
     mm.rows_per_task = (M + parts - 1) / parts;
     mm.groups_per_task = (groups + parts - 1) / parts;
     /* quantizing an element costs about what 8 multiply-adds do */
