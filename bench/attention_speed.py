@@ -23,7 +23,7 @@ def call(lib, q, keys, values, rows: int, depth: int, heads: int, kv_heads: int,
     chunk = torch.tensor([[0], [rows], [0], [depth - rows]])
     start = time.perf_counter()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
-                           *(c.data_ptr() for c in chunk), out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[1],
+                           *(c.data_ptr() for c in chunk), out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[2],
                            dim**-0.5, bf16)
     return time.perf_counter() - start
 
@@ -42,8 +42,8 @@ def main() -> None:
         raise SystemExit("no C compiler: the native kernels are not built")
     g = torch.Generator().manual_seed(0)
     ctx = max(args.depths)
-    keys = torch.randn(1, ctx, args.kv_heads, args.dim, generator=g).half()
-    values = torch.randn(1, ctx, args.kv_heads, args.dim, generator=g).half()
+    keys = torch.randn(1, args.kv_heads, ctx, args.dim, generator=g).half()
+    values = torch.randn(1, args.kv_heads, ctx, args.dim, generator=g).half()
     print(f"heads {args.heads}/{args.kv_heads} x {args.dim}, {torch.get_num_threads()} threads")
     print(f"| multiply | rows | depth | ms per call (best of {args.repeat}) | GF/s |")
     print("|---|---|---|---|---|")

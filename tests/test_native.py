@@ -142,8 +142,8 @@ def _as_read(lib, bf16, q, keys, values, scale):
 def test_decode_attention_matches_sdpa(lib, bf16):
     g = torch.Generator().manual_seed(1)
     slots, ctx, kv_heads, heads, dim = 3, 40, 2, 4, 16
-    keys = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()  # the cache holds fp16
-    values = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
+    keys = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()  # the cache holds fp16
+    values = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()
     q = torch.randn(2, heads, dim, generator=g)
     rows, which, lens = torch.tensor([0, 1]), torch.tensor([2, 0]), torch.tensor([17, 40])
     out = torch.empty(2, heads * dim)
@@ -152,8 +152,8 @@ def test_decode_attention_matches_sdpa(lib, bf16):
                             dim**-0.5, bf16)
     q, keys, values, atol = _as_read(lib, bf16, q, keys, values, dim**-0.5)
     for r in range(2):
-        k = keys[which[r], : lens[r]].transpose(0, 1)[None]
-        v = values[which[r], : lens[r]].transpose(0, 1)[None]
+        k = keys[which[r], :, : lens[r]][None]
+        v = values[which[r], :, : lens[r]][None]
         ref = F.scaled_dot_product_attention(q[r][None, :, None], k, v, enable_gqa=True, scale=1.0)
         assert torch.allclose(out[r], ref.reshape(-1), atol=atol)
 
@@ -163,7 +163,7 @@ def _chunk_reference(q, keys, values, chunks, heads, dim):
     out = torch.empty(q.shape[0], heads * dim)
     for row, n, slot, start in chunks:
         end = start + n
-        k, v = (t[slot, :end].transpose(0, 1)[None] for t in (keys, values))
+        k, v = (t[slot, :, :end][None] for t in (keys, values))
         mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
         query = q[row : row + n].view(n, heads, dim).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=1.0)
@@ -176,7 +176,7 @@ def _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim):
     rows, ns, slots, starts = torch.tensor(chunks).T.contiguous()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                            ns.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(), len(chunks), heads,
-                           kv_heads, dim, keys.shape[1], dim**-0.5, bf16)
+                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16)
     return out
 
 
@@ -185,8 +185,8 @@ def _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim):
 def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, heads, kv_heads, dim, bf16):
     g = torch.Generator().manual_seed(2)
     slots, ctx = 3, 900
-    keys = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
-    values = torch.randn(slots, ctx, kv_heads, dim, generator=g).half()
+    keys = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()
+    values = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()
     q = torch.randn(450, heads * dim, generator=g)
     chunks = [(0, 37, 0, 0), (37, 300, 1, 129), (337, 5, 2, 800), (342, 108, 0, 37)]
     out = _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim)

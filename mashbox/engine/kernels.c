@@ -626,19 +626,19 @@ static void head_task(void *arg, int64_t i, int who) {
     if (!a->scores[who]) a->scores[who] = malloc(sizeof(float) * a->max_len);
     float *p = a->scores[who], *o = a->out + (a->rows[r] * H + h) * D, top = -INFINITY, sum = 0.0f;
     const float *qi = a->q + a->rows[r] * a->ldq + h * D;
-    const uint16_t *kb = a->k + (a->slots[r] * a->ctx * KVH + g) * D, *vb = a->v + (a->slots[r] * a->ctx * KVH + g) * D;
+    const uint16_t *kb = a->k + (a->slots[r] * KVH + g) * a->ctx * D, *vb = a->v + (a->slots[r] * KVH + g) * a->ctx * D;
     for (int64_t t = 0; t < len; t++) {
-        p[t] = dot_h(qi, kb + t * KVH * D, D) * a->scale;
+        p[t] = dot_h(qi, kb + t * D, D) * a->scale;
         top = fmaxf(top, p[t]);
     }
     for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - top));
     memset(o, 0, sizeof(float) * D);
-    for (int64_t t = 0; t < len; t++) axpy_h(o, p[t] / sum, vb + t * KVH * D, D);
+    for (int64_t t = 0; t < len; t++) axpy_h(o, p[t] / sum, vb + t * D, D);
 }
 
 /* One query row per request over its own slot's keys and values.
  * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
- * [slots, ctx, KVH, D]; for each of R requests,
+ * [slots, KVH, ctx, D] (each head's positions contiguous); for each of R requests,
  * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to.
  * Where D % 16 == 0, a row is a chunk of one (mb_chunk_attention below, bf16 as there): the query
  * heads of a KV head share each key, converted once, instead of each head reading the cache
@@ -809,13 +809,13 @@ static void pack_queries_bf16(const float *src, float scale, uint32_t *dst, int6
 }
 
 /* tmp: KB * D / 2 words of scratch. */
-static void pack_block_bf16(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D,
+static void pack_block_bf16(const uint16_t *k, const uint16_t *v, int64_t n, int64_t D,
                             uint32_t *kp, uint32_t *vp, uint32_t *tmp) {
     int64_t D2 = D / 2;
     for (int64_t t = 0; t < KB; t++)
         for (int64_t d = 0; d < D; d += 16) {
             __m256i w = _mm256_setzero_si256();
-            if (t < n) w = bf16_row(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k + t * stride + d))));
+            if (t < n) w = bf16_row(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k + t * D + d))));
             _mm256_storeu_si256((__m256i *)(tmp + t * D2 + d / 2), w);
         }
     for (int64_t t = 0; t < KB; t += 8)
@@ -827,8 +827,8 @@ static void pack_block_bf16(const uint16_t *k, const uint16_t *v, int64_t stride
         }
     for (int64_t t = 0; t < n; t += 2)
         for (int64_t d = 0; d < D; d += 16) {
-            __m512 even = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + t * stride + d))), odd = vzero();
-            if (t + 1 < n) odd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (t + 1) * stride + d)));
+            __m512 even = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + t * D + d))), odd = vzero();
+            if (t + 1 < n) odd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (t + 1) * D + d)));
             _mm512_storeu_si512(vp + t / 2 * D + d, bf16_pairs(even, odd));
         }
 }
@@ -882,25 +882,25 @@ static void block_values4_bf16(const float *p, const uint32_t *vp, float *o, int
 #endif
 
 /* A block's keys as fp32 kt[D][KB] (positions past n zero) and values as fp32 vb[KB][D].
- * k, v point at the block's first position of one KV head; positions are `stride` apart. */
-static void widen_block(const uint16_t *k, const uint16_t *v, int64_t stride, int64_t n, int64_t D,
+ * k, v point at the block's first position of one KV head (positions D apart). */
+static void widen_block(const uint16_t *k, const uint16_t *v, int64_t n, int64_t D,
                         float *kt, float *vb) {
 #ifdef VW
     for (int64_t t = 0; t < KB; t += 8)
         for (int64_t d = 0; d < D; d += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++)
-                r[i] = t + i < n ? load_h8(k + (t + i) * stride + d) : _mm256_setzero_ps();
+                r[i] = t + i < n ? load_h8(k + (t + i) * D + d) : _mm256_setzero_ps();
             transpose8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (d + i) * KB + t, r[i]);
         }
     for (int64_t t = 0; t < n; t++)
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + t * D + d, load_h8(v + t * stride + d));
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + t * D + d, load_h8(v + t * D + d));
 #else
     for (int64_t t = 0; t < KB; t++)
-        for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? h2f(k[t * stride + d]) : 0.0f;
+        for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? h2f(k[t * D + d]) : 0.0f;
     for (int64_t t = 0; t < n; t++)
-        for (int64_t d = 0; d < D; d++) vb[t * D + d] = h2f(v[t * stride + d]);
+        for (int64_t d = 0; d < D; d++) vb[t * D + d] = h2f(v[t * D + d]);
 #endif
 }
 
@@ -975,13 +975,14 @@ static void block_values4(const float *p, const float *vb, float *o, int64_t n, 
     block_values(p + 2 * KB, vb, o + 2 * D, n, D);
 }
 
-/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g;
- * bf16: multiply in bf16 pairs (only where MB_BF16 is built; fp32 otherwise). */
+/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g,
+ * whose keys and values k, v hold from position 0; bf16: multiply in bf16 pairs (only where MB_BF16
+ * is built; fp32 otherwise). */
 static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t row0,
-                       int64_t p0, int64_t np, int64_t g, int64_t G, int64_t KVH, int64_t D, float scale,
+                       int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale,
                        float *out, int64_t ldo, float *buf, int bf16) {
     (void)bf16;
-    int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, stride = KVH * D;
+    int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1;
     float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
     float *max = o + Mp * D, *sum = max + Mp;
     memset(qs, 0, sizeof(float) * Mp * D);
@@ -1002,15 +1003,15 @@ static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uin
     }
     for (int64_t t0 = 0; t0 <= last; t0 += KB) {
         int64_t n = last - t0 + 1 < KB ? last - t0 + 1 : KB;
-        const uint16_t *kb = k + t0 * stride + g * D, *vbk = v + t0 * stride + g * D;
+        const uint16_t *kb = k + t0 * D, *vbk = v + t0 * D;
 #ifdef MB_BF16
         if (bf16) {
-            pack_block_bf16(kb, vbk, stride, n, D, (uint32_t *)kt, (uint32_t *)vb, (uint32_t *)kt + D * KB / 2);
+            pack_block_bf16(kb, vbk, n, D, (uint32_t *)kt, (uint32_t *)vb, (uint32_t *)kt + D * KB / 2);
             block_scores_bf16((uint32_t *)qs, (uint32_t *)kt, s, Mp, D);
         } else
 #endif
         {
-            widen_block(kb, vbk, stride, n, D, kt, vb);
+            widen_block(kb, vbk, n, D, kt, vb);
             block_scores(qs, kt, s, Mp, D);
         }
         for (int64_t m = 0; m < Mp; m += 4) {
@@ -1056,14 +1057,14 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
     int64_t KVH = a->KVH, D = a->D, c = t / (KVH * a->blocks), g = t / a->blocks % KVH, first = t % a->blocks * a->span;
     if (first >= a->ns[c]) return;
     if (!a->bufs[who]) a->bufs[who] = malloc(sizeof(float) * a->floats);
-    int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span, base = a->slots[c] * a->ctx * KVH * D;
-    chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH,
-               KVH, D, a->scale, a->out, a->H * D, a->bufs[who], a->bf16);
+    int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span, base = (a->slots[c] * KVH + g) * a->ctx * D;
+    chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
+               a->scale, a->out, a->H * D, a->bufs[who], a->bf16);
 }
 
 /* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
  * (H heads of D, row stride ldq), at positions starts[c].. of slot slots[c]; out: [rows, H * D].
- * k, v: one layer's fp16 cache [slots, ctx, KVH, D]. D % 16 == 0. bf16: multiply in bf16 pairs
+ * k, v: one layer's fp16 cache [slots, KVH, ctx, D]. D % 16 == 0. bf16: multiply in bf16 pairs
  * where this build can (mb_attention_bf16), else in fp32. */
 void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
@@ -1133,7 +1134,7 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
                      const void *gu_w, const float *gu_s, const void *down_w, const float *down_s,
                      const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
                      uint16_t *kcache, uint16_t *vcache, int64_t ctx, int64_t bf16) {
-    int64_t ld = (H + 2 * KVH) * HD, kv = KVH * HD, wide = D > I ? D : I;
+    int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I;
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
     int64_t *rows = malloc(sizeof(int64_t) * M * 2), *lens = rows + M;
@@ -1143,10 +1144,12 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
         for (int64_t m = 0; m < M; m++) add_rows(qkv + m * ld + 0, qkv_bias, ld);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
     for (int64_t m = 0; m < M; m++) {
-        int64_t at = (slots[m] * ctx + positions[m]) * kv;
-        for (int64_t i = 0; i < kv; i++) {
-            kcache[at + i] = f2h(qkv[m * ld + H * HD + i]);
-            vcache[at + i] = f2h(qkv[m * ld + H * HD + kv + i]);
+        for (int64_t h = 0; h < KVH; h++) {
+            int64_t at = ((slots[m] * KVH + h) * ctx + positions[m]) * HD;
+            for (int64_t i = 0; i < HD; i++) {
+                kcache[at + i] = f2h(qkv[m * ld + (H + h) * HD + i]);
+                vcache[at + i] = f2h(qkv[m * ld + (H + KVH + h) * HD + i]);
+            }
         }
         rows[m] = m;
         lens[m] = positions[m] + 1;

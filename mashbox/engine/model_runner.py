@@ -134,7 +134,7 @@ class ModelRunner:
         widened to ``q``'s dtype) once for all its items."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[1], spec.scale, self._bf16)
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16)
         if batch.single.shape[1]:
             rows, slots, lens = batch.single
             self.ops.lib.mb_decode_attention(
@@ -231,7 +231,7 @@ class DecodeLayers:
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale = self.shape
-        rows, ctx = x.shape[0], self.kv.keys.shape[2]
+        rows, ctx = x.shape[0], self.kv.keys.shape[3]
         slots, positions = batch.slots.data_ptr(), batch.positions.data_ptr()
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
         for dim, inter, ln_attn, qkv_w, qkv_s, bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, k, v in self.layers:
