@@ -692,6 +692,8 @@ typedef __m512 vecf;
 #define vsub(a, b) _mm512_sub_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
 #define vmax(a, b) _mm512_max_ps(a, b)
+#define vmin(a, b) _mm512_min_ps(a, b)
+#define vdiv(a, b) _mm512_div_ps(a, b)
 #define vfloor(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 #define vexp2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define vhsum(x) _mm512_reduce_add_ps(x)
@@ -709,6 +711,8 @@ typedef __m256 vecf;
 #define vsub(a, b) _mm256_sub_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
 #define vmax(a, b) _mm256_max_ps(a, b)
+#define vmin(a, b) _mm256_min_ps(a, b)
+#define vdiv(a, b) _mm256_div_ps(a, b)
 #define vfloor(x) _mm256_floor_ps(x)
 #define vexp2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #define vhsum(x) hsum8(x)
@@ -1110,13 +1114,20 @@ void mb_rope(float *x, int64_t ld, const int64_t *positions, const float *cos, c
     }
 }
 
-/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gated MLP's activation. */
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gated MLP's activation, with the sigmoid taken as
+ * exp(min(g, 0)) / (1 + exp(-|g|)) so that exp never overflows. */
 void mb_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < I; i++) {
-            float g = gu[m * 2 * I + i];
-            out[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
+    for (int64_t m = 0; m < M; m++) {
+        const float *gate = gu + m * 2 * I, *up = gate + I;
+        int64_t i = 0;
+#ifdef VW
+        for (; i + VW <= I; i += VW) {
+            vecf g = vload(gate + i), sig = vdiv(vexp(vmin(g, vzero())), vadd(vset(1.0f), vexp(vmin(g, vsub(vzero(), g)))));
+            vstore(out + m * I + i, vmul(vmul(g, sig), vload(up + i)));
         }
+#endif
+        for (; i < I; i++) out[m * I + i] = gate[i] * (expf(fminf(gate[i], 0.0f)) / (1.0f + expf(-fabsf(gate[i])))) * up[i];
+    }
 }
 
 static void add_rows(float *x, const float *y, int64_t n) {
