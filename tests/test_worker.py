@@ -14,6 +14,7 @@ import torch
 
 from mashbox import ContextLengthError, EngineRequest, Finish, Message, SamplingParams
 from mashbox.server.worker import WorkerBackend
+from mashbox.server.worker_messages import Events
 
 
 def chat(text, **sampling):
@@ -81,6 +82,23 @@ def test_abort_frees_the_slot(worker):
         await until(lambda: (s := worker.stats()) is not None and s.running == 0 and s.finished.get("abort", 0) >= 1, 5)
 
     asyncio.run(scenario())
+
+
+def test_the_events_of_one_step_for_every_stream_come_back_in_one_message(worker, monkeypatch):
+    replies, dispatch = [], worker._dispatch  # the reader thread's handler of each message from the worker
+    monkeypatch.setattr(worker, "_dispatch", lambda incarnation, reply: (replies.append(reply), dispatch(incarnation, reply)))
+
+    async def scenario():
+        await collect(worker.astream(chat("Hi.", max_tokens=1)))  # the reader now calls the handler above
+        replies.clear()
+        requests = [chat(f"Count to {n}.", max_tokens=24) for n in range(4)]
+        return await asyncio.gather(*(collect(worker.astream(r)) for r in requests))
+
+    streams = asyncio.run(scenario())
+    batches = [[m.request_id for m in reply.messages] for reply in replies if isinstance(reply, Events)]
+    assert sum(map(len, batches)) == sum(map(len, streams))  # every event, once
+    assert max(len(set(ids)) for ids in batches) == 4  # a decode step's tokens for all four streams at once
+    assert sum(map(len, batches)) > 2 * len(batches)
 
 
 def drained(changes):

@@ -19,7 +19,7 @@ from mashbox.engine.detokenizer import Detokenizer
 from mashbox.engine.events import Event, Finish, Started, Timings, Usage
 from mashbox.engine.markup import Markup
 from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.scheduler import Plan, Scheduler
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.stats import Counters, EngineStats
 from mashbox.engine.stop import StopMatcher
@@ -43,7 +43,8 @@ class Stream:
     """One request's way out: its text state machines and its channel.
 
     Tokens pass the detokenizer, then stop strings, then the markup machine
-    (reasoning and tool calls), and leave as events.
+    (reasoning and tool calls), and leave as events, held in the channel until
+    the engine wakes the readers of all of a step's streams at once.
     """
 
     seq: Sequence
@@ -72,11 +73,11 @@ class Stream:
         if reason == "stop" and self.markup.num_calls:
             reason = "tool_calls"
         usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, self.reasoning_tokens)
-        self.channel.put(Finish(reason, usage, _timings(seq), self.stop.matched, error))
+        self.channel.hold(Finish(reason, usage, _timings(seq), self.stop.matched, error))
 
     def _put(self, events: list[Event]) -> None:
         for event in events:
-            self.channel.put(event)
+            self.channel.hold(event)
 
 
 class EngineCore:
@@ -140,6 +141,13 @@ class EngineCore:
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
+        stepped = {item.seq.id: self.streams.get(item.seq.id) for item in plan.work}
+        try:
+            self._step(plan)
+        finally:
+            Channel.wake_all(stream.channel for stream in stepped.values() if stream is not None)
+
+    def _step(self, plan: Plan) -> None:
         for item in plan.work:
             stream = self.streams.get(item.seq.id)
             if stream is not None and not stream.started:  # its first step with a slot: say so at once
@@ -195,6 +203,7 @@ class EngineCore:
         self.scheduler.finish(stream.seq, status)
         self.streams.pop(stream.seq.id, None)
         self._close(stream, error)
+        Channel.wake_all([stream.channel])
 
 
 def _timings(seq: Sequence) -> Timings:

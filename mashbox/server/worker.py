@@ -39,6 +39,7 @@ from mashbox.server.worker_messages import (
     Counted,
     Error,
     EventMsg,
+    Events,
     Failed,
     Ready,
     Reply,
@@ -273,9 +274,19 @@ class WorkerBackend:
                 self._failed(worker, error, refused)
             case StatsSnapshot(stats=stats):
                 self._stats = stats
-            case EventMsg() | Error() | Counted():
-                if (pending := self._pending.get(reply.request_id)) is not None:
-                    pending.channel.put(reply)
+            case Events(messages):
+                self._deliver(messages)
+            case Error() | Counted():
+                self._deliver([reply])
+
+    def _deliver(self, replies: list[EventMsg] | list[Error | Counted]) -> None:
+        """Queue each reply for its request (dropped if that has gone), then wake their readers at once."""
+        held = []
+        for reply in replies:
+            if (pending := self._pending.get(reply.request_id)) is not None:
+                pending.channel.hold(reply)
+                held.append(pending.channel)
+        Channel.wake_all(held)
 
     def _ready(self, worker: Incarnation, info: ModelInfo, threads: int) -> None:
         with self._changed:

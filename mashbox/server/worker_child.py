@@ -1,8 +1,9 @@
 """The worker process: one ``Engine``, fed by typed commands over a pipe.
 
 The main thread reads commands in order. Each submitted request streams on
-one asyncio loop in a pump thread (``Engine.astream``), which sends its
-events back as they come; an ``Abort`` cancels that stream, which frees the
+one asyncio loop in a pump thread (``Engine.astream``), which sends the
+events back as they come, all those ready at once (one engine step's, for
+every stream) in one message; an ``Abort`` cancels that stream, which frees the
 request's slot at the engine's next step. A stats thread sends the engine's
 stats snapshot whenever it changed, so the server never asks and waits.
 torch is imported here only.
@@ -31,6 +32,7 @@ from mashbox.server.worker_messages import (
     Counted,
     Error,
     EventMsg,
+    Events,
     Failed,
     Ready,
     STATS_EVERY,
@@ -83,6 +85,7 @@ class Worker:
         self._loop = asyncio.new_event_loop()
         self._pump = threading.Thread(target=self._loop.run_forever, name="mashbox-pump", daemon=True)
         self._streams: dict[int, Future[None]] = {}
+        self._outgoing: list[EventMsg] = []  # the pump thread's events not yet sent
 
     def run(self) -> None:
         self._pump.start()
@@ -136,9 +139,20 @@ class Worker:
     async def _relay(self, request_id: int, events: AsyncIterator[Event]) -> None:
         try:
             async for event in events:
-                self._send(EventMsg(request_id, event))
+                self._post(EventMsg(request_id, event))
         except Exception as exc:  # the engine ends every stream with a Finish; this is a safety net
-            self._send(EventMsg(request_id, error_finish(f"{type(exc).__name__}: {exc}")))
+            self._post(EventMsg(request_id, error_finish(f"{type(exc).__name__}: {exc}")))
+
+    def _post(self, message: EventMsg) -> None:
+        """Queue an event (pump thread); the streams woken by the same step all queue theirs
+        before the flush, which runs after them on the loop."""
+        if not self._outgoing:
+            self._loop.call_soon(self._flush)
+        self._outgoing.append(message)
+
+    def _flush(self) -> None:
+        messages, self._outgoing = self._outgoing, []
+        self._send(Events(messages))
 
     def _count(self, request_id: int, request: EngineRequest) -> None:
         try:

@@ -67,6 +67,13 @@ class EventMsg:
     event: Event
 
 
+@dataclass(slots=True, frozen=True)
+class Events:
+    """The events the worker had ready at once (one engine step's, for every stream), in one message."""
+
+    messages: list[EventMsg]
+
+
 ErrorKind = Literal["invalid_request", "context_length", "internal"]
 
 
@@ -112,7 +119,7 @@ class StatsSnapshot:
 
 
 STATS_EVERY = 0.2
-Reply = Ready | Failed | EventMsg | Error | Counted | StatsSnapshot
+Reply = Ready | Failed | Events | Error | Counted | StatsSnapshot
 
 
 def error_finish(error: str) -> Finish:
