@@ -1,13 +1,15 @@
 """mashbox against the peers it finds, side by side in one run, on the same GGUF and load.
 
-    .venv/bin/python bench/compare.py [--llama-server PATH] [--transformers] [--streams 1 4 16]
+    .venv/bin/python bench/compare.py [--llama-server PATH] [--llama-cpp-python PYTHON] [--transformers]
 
 Starts each server in turn on 127.0.0.1 (never two at once: they share the machine), waits for
 its health, then drives it with bench/loadgen.py at each stream count (~107-token prompts, 128 new
 tokens, greedy, streaming), times one 2k-token prompt to its first token (prefill speed), and a
 second 2k-token prompt sharing the first's prefix (the prefix cache). Peers: llama.cpp's
 ``llama-server`` (``--llama-server``, else on PATH, else where bench/build_llama_server.sh
-puts it) with 16 slots on the same GGUF; ``transformers serve`` with ``--transformers`` (its
+puts it) with 16 slots on the same GGUF; llama-cpp-python's server (``--llama-cpp-python``, a
+python that has it, else where bench/build_llama_cpp_python.sh puts it) on the same GGUF, which
+answers one request at a time; ``transformers serve`` with ``--transformers`` (its
 dependencies: ``pip install -e '.[bench]'``). Prints one table with each figure and mashbox's
 ratio to the best peer, and writes it as JSON with --json.
 """
@@ -35,6 +37,7 @@ import loadgen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LLAMA = Path("/tmp/llama-peer/build/bin/llama-server")
+DEFAULT_LLAMA_PYTHON = Path("/tmp/llama-peer/python/bin/python")
 CTX = 2048
 SLOTS = 16
 
@@ -47,6 +50,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     figures: dict[str, float | None] = field(default_factory=dict)
     note: str = ""
+    health: str = "/health"  # the path that answers 200 once the model is loaded
 
 
 def free_port() -> int:
@@ -84,6 +88,13 @@ def llama_server(binary: str, port: int, threads: int) -> Server:
     return Server("llama-server", command, "smollm2-135m")
 
 
+def llama_cpp_python_server(python: str, port: int, threads: int) -> Server:
+    command = [python, "-m", "llama_cpp.server", "--model", str(smollm2_gguf()), "--model_alias", "smollm2-135m",
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(CTX), "--n_threads", str(threads),
+               "--n_threads_batch", str(threads), "--verbose", "False"]
+    return Server("llama-cpp-python", command, "smollm2-135m", health="/v1/models")
+
+
 def transformers_server(port: int, threads: int) -> Server:
     from mashbox.engine.catalog import cache_dir
 
@@ -94,13 +105,13 @@ def transformers_server(port: int, threads: int) -> Server:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float | None:
-    """Seconds until GET /health answers 200, or None if the process died or time ran out."""
+    """Seconds until GET ``url`` answers 200, or None if the process died or time ran out."""
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
         if proc.poll() is not None:
             return None
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return time.perf_counter() - start
         except httpx.HTTPError:
             pass
@@ -133,6 +144,12 @@ def first_token(url: str, model: str, prompt: str) -> tuple[float, int]:
     return (first or time.perf_counter() - start), prompt_tokens
 
 
+def prompt_tokens(url: str, model: str, prompt: str) -> int:
+    """The prompt's tokens by the usage of a plain answer, for a server whose stream has no usage."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()["usage"]["prompt_tokens"]
+
+
 def long_prompt(seed: int, words: int = 1500) -> str:
     return loadgen.make_prompts(1, words, seed=seed)[0]
 
@@ -144,7 +161,7 @@ def measure(server: Server, args) -> None:
     proc = subprocess.Popen(server.command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
-        ready = wait_ready(url, proc, args.ready_timeout)
+        ready = wait_ready(url + server.health, proc, args.ready_timeout)
         if ready is None:
             server.note = f"did not become ready: {_tail(proc)}"
             return
@@ -159,6 +176,7 @@ def measure(server: Server, args) -> None:
                   f"TTFT p50 {summary['ttft_ms']['p50']} ms, errors {summary['errors']}", flush=True)
         cold, tokens = first_token(url, server.model, long_prompt(7) + " Summarise this.")
         warm, _ = first_token(url, server.model, long_prompt(7) + " List the nouns.")
+        tokens = tokens or prompt_tokens(url, server.model, long_prompt(7) + " Summarise this.")
         server.figures.update(prefill_tok_s=tokens / cold, cold_ttft_s=cold, warm_ttft_s=warm,
                               prefix_warm_share=warm / cold)
         print(f"  {server.name}: {tokens}-token prompt: cold TTFT {cold:.2f} s, shared prefix {warm:.2f} s", flush=True)
@@ -200,7 +218,7 @@ def tree_rss_mib(pid: int) -> float:
 
 
 ROWS = [  # (figure, label, higher is better)
-    ("ready_s", "time to /health 200 (s)", False),
+    ("ready_s", "time to ready: /health 200 (s)", False),
     ("rss_idle_mib", "resident memory idle (MiB)", False),
     ("rss_load_mib", "resident memory under load (MiB)", False),
     *[(f"tok_s_{n}", f"{n} stream{'s' * (n > 1)}: output tok/s", True) for n in (1, 4, 16)],
@@ -234,6 +252,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", default=None, help="the llama-server binary (default: PATH, then "
                         f"{DEFAULT_LLAMA})")
+    parser.add_argument("--llama-cpp-python", default=None, help="a python with llama-cpp-python[server] (default: "
+                        f"{DEFAULT_LLAMA_PYTHON} if there)")
     parser.add_argument("--transformers", action="store_true", help="also run `transformers serve`")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=2, help="requests per stream")
@@ -250,6 +270,11 @@ def main() -> None:
         servers.append(llama_server(binary, free_port(), args.threads))
     else:
         print("no llama-server found: build it with bench/build_llama_server.sh", file=sys.stderr)
+    python = args.llama_cpp_python or (str(DEFAULT_LLAMA_PYTHON) if DEFAULT_LLAMA_PYTHON.exists() else None)
+    if python:
+        servers.append(llama_cpp_python_server(python, free_port(), args.threads))
+    else:
+        print("no llama-cpp-python found: install it with bench/build_llama_cpp_python.sh", file=sys.stderr)
     if args.transformers:
         servers.append(transformers_server(free_port(), args.threads))
     for server in servers:
