@@ -91,7 +91,7 @@ def llama_server(binary: str, port: int, threads: int) -> Server:
 def llama_cpp_python_server(python: str, port: int, threads: int) -> Server:
     command = [python, "-m", "llama_cpp.server", "--model", str(smollm2_gguf()), "--model_alias", "smollm2-135m",
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(CTX), "--n_threads", str(threads),
-               "--n_threads_batch", str(threads), "--verbose", "False"]
+               "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--verbose", "False"]
     return Server("llama-cpp-python", command, "smollm2-135m", health="/v1/models")
 
 

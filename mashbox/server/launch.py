@@ -15,14 +15,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
-
-from mashbox.server.app import create_app
 from mashbox.server.backend import Backend, Change, InProcessBackend
 from mashbox.server.settings import Settings
 from mashbox.server.worker import WorkerBackend
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +81,10 @@ def _reason(err: OSError) -> str:
 
 
 def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
+    import uvicorn  # with the app, imported while the worker loads the model (~1 s on 2 cores)
+
+    from mashbox.server.app import create_app
+
     config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
                             log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
