@@ -1,6 +1,6 @@
 """How much a long prompt delays the streams already running (inter-token latency), no HTTP.
 
-    .venv/bin/python bench/interleave.py [--chunk-tokens 32] [--step-tokens 256] [--busy-tokens 64]
+    .venv/bin/python bench/interleave.py [--chunk-tokens 32] [--step-tokens 256] [--busy-tokens 256]
 
 Four requests decode alone (their ITL is the baseline); then four more decode 200 tokens while a
 ~2k-token prompt arrives after one second: their ITL p50/p99/max while it prefills, and its time
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--chunk-tokens", type=int, default=32)
     parser.add_argument("--step-tokens", type=int, default=256)
-    parser.add_argument("--busy-tokens", type=int, default=64)
+    parser.add_argument("--busy-tokens", type=int, default=256)
     args = parser.parse_args()
     with Engine(args.model, ctx=4096, slots=8, chunk_tokens=args.chunk_tokens, step_tokens=args.step_tokens,
                 busy_tokens=args.busy_tokens, quiet=True) as engine:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from mashbox.engine.pace import Pace
 from mashbox.engine.request import SamplingParams
 from mashbox.engine.scheduler import Plan, Scheduler
 from mashbox.engine.sequence import Sequence, Status
@@ -202,8 +203,41 @@ def test_a_step_runs_several_chunks_when_idle_and_fewer_while_others_decode():
         step(s)
     s.add(seq("other", 200, first=1000))
     shapes = [[(w.seq.id, w.position, len(w.token_ids)) for w in step(s).work] for _ in range(2)]
-    assert shapes == [[("long", 300, 1), ("other", 0, 32), ("other", 32, 32)],
-                      [("long", 301, 1), ("other", 64, 32), ("other", 96, 32)]]
+    assert shapes == [[("long", 300, 1), ("other", 0, 32)], [("long", 301, 1), ("other", 32, 32)]]  # no times yet
+
+
+def test_prompt_tokens_beside_decoding_requests_follow_the_measured_step_times():
+    s = Scheduler(num_slots=2, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256)
+    s.add(seq("decoding", 40, max_new=500))
+    s.update(s.schedule(), [1], seconds=0.040)  # its prompt alone
+    for _ in range(5):
+        s.update(s.schedule(), [1], seconds=0.010)  # a decode step: 10 ms
+    s.add(seq("long", 3000, first=1000))
+    budgets = []
+    for _ in range(6):  # each prompt token adds 1 ms: 2.5 decode steps hold 15 tokens, so one chunk
+        plan = s.schedule()
+        budgets.append(plan.prompt_tokens)
+        s.update(plan, [1], seconds=0.010 + 0.001 * plan.prompt_tokens)
+    assert budgets == [32] * 6
+    for _ in range(10):  # decode steps of 100 ms (say, more requests): 150 ms hold 150 tokens, so 128
+        s.pace.record(decode_rows=16, prompt_tokens=0, seconds=0.100)
+    assert s.schedule().prompt_tokens == 128
+    for _ in range(30):  # prompt tokens nearly free beside the step (a GPU): up to busy_tokens
+        s.pace.record(decode_rows=16, prompt_tokens=128, seconds=0.101)
+    assert s.schedule().prompt_tokens == 256
+
+
+def test_pace_needs_both_costs_and_keeps_within_its_bounds():
+    pace = Pace()
+    assert pace.budget(32, 256) == 32  # nothing measured
+    pace.record(decode_rows=4, prompt_tokens=0, seconds=0.008)
+    assert pace.budget(32, 256) == 32  # a prompt token's cost not yet known
+    pace.record(decode_rows=0, prompt_tokens=200, seconds=0.200)  # prompt only: 1 ms a token at most
+    assert pace.budget(16, 256) == 16  # 1.5 decode steps hold 12 tokens: one chunk, never none
+    assert pace.budget(4, 256) == 12
+    for _ in range(30):  # steps with prompt tokens as fast as decode steps: they cost nothing, up to the cap
+        pace.record(decode_rows=4, prompt_tokens=64, seconds=0.007)
+    assert pace.token_s == pytest.approx(0.0, abs=1e-5) and pace.budget(32, 256) == 256
 
 
 @pytest.mark.parametrize("fields,name", [({"chunk_tokens": 8}, "chunk_tokens"),

@@ -13,8 +13,9 @@ class EngineConfig:
     default), ``slots`` the number of requests decoded together,
     ``chunk_tokens`` the unit prompts are cut into (at fixed boundaries; also
     the prefix cache's unit), ``step_tokens`` the most prompt tokens one device
-    call runs when nothing decodes, ``busy_tokens`` while other requests decode
-    (smaller: a long prompt then delays their next tokens less).
+    call runs when nothing decodes, ``busy_tokens`` while other requests decode:
+    fewer where the steps' measured times say more would delay their next token
+    past 2.5 decode steps (``Pace``; at least one chunk).
     ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes;
     ``cache_disk_gib`` the disk that keeps prompt pages across restarts, in
     ``cache_dir`` (default ``<mashbox cache>/prefixes``; 0 GiB: none).
@@ -38,7 +39,7 @@ class EngineConfig:
     dtype: str | None = None
     chunk_tokens: int = 32
     step_tokens: int = 256
-    busy_tokens: int = 64
+    busy_tokens: int = 256
     cache_ram_mib: int = 1024
     cache_disk_gib: float = 0.0
     cache_dir: str | None = None

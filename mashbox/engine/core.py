@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,13 +155,15 @@ class EngineCore:
                 stream.started = True
                 stream.channel.put(Started(item.seq.num_cached))
         try:
+            start = time.perf_counter()
             tokens = self.runner.run(plan)
+            seconds = time.perf_counter() - start
         except Exception as exc:  # a device fault fails the requests it ran, not the engine
             log.exception("device step failed")
             for seq in {w.seq.id: w.seq for w in plan.work}.values():
                 self._end(self.streams[seq.id], Status.FINISHED_ERROR, f"device step failed: {exc}")
             return
-        for seq, token in self.scheduler.update(plan, tokens):
+        for seq, token in self.scheduler.update(plan, tokens, seconds):
             self.counters.generated_tokens += 1
             self._emit(self.streams[seq.id], token)
         if pages := self.scheduler.persist:

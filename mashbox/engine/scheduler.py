@@ -2,8 +2,9 @@
 
 Every call advances all running requests: one decode token for each request
 past its prompt, plus prompt chunks of new ones: up to ``step_tokens`` prompt
-tokens when nothing decodes, ``busy_tokens`` while others decode (so a long
-prompt does not stall their next tokens for long). Chunks start at multiples
+tokens when nothing decodes; while others decode, as many as keep the step
+within a few decode steps' time (``Pace``, from the times ``update`` is given),
+at most ``busy_tokens``, so a long prompt does not stall their next tokens for long. Chunks start at multiples
 of ``chunk_tokens`` so a prompt is cut the same way whatever else runs (batch
 invariance); one request may run several consecutive chunks in one call.
 
@@ -18,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mashbox.engine.pace import Pace
 from mashbox.engine.prefix_cache import CacheOp, Live, Persist, PrefixCache
 from mashbox.engine.sequence import Sequence, Status
 from mashbox.engine.slots import SlotTable
@@ -40,6 +42,10 @@ class Work:
         assert self.seq.slot is not None
         return self.seq.slot
 
+    @property
+    def in_prompt(self) -> bool:
+        return self.position < len(self.seq.prompt_ids)
+
 
 @dataclass(slots=True)
 class Plan:
@@ -50,6 +56,14 @@ class Plan:
 
     def __bool__(self) -> bool:
         return bool(self.work)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.work if w.in_prompt)
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(not w.in_prompt for w in self.work)
 
 
 class Scheduler:
@@ -64,6 +78,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.step_tokens = step_tokens or chunk_tokens
         self.busy_tokens = busy_tokens or chunk_tokens
+        self.pace = Pace()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.persist: list[Persist] = []  # pages computed by the last update, to keep on disk
@@ -89,7 +104,7 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
-        budget = self.busy_tokens if plan else self.step_tokens
+        budget = self.pace.budget(self.chunk_tokens, self.busy_tokens) if plan else self.step_tokens
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget)
         for seq in list(self.waiting):
@@ -102,9 +117,11 @@ class Scheduler:
             budget -= self._prefill(plan, seq, budget)
         return plan
 
-    def update(self, plan: Plan, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Record what ran; ``sampled`` holds one token per sampling work item. Prompt pages it
-        completed are added to ``persist``."""
+    def update(self, plan: Plan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, int]]:
+        """Record what ran (in ``seconds``, if timed); ``sampled`` holds one token per sampling work
+        item. Prompt pages it completed are added to ``persist``."""
+        if seconds is not None:
+            self.pace.record(plan.decode_rows, plan.prompt_tokens, seconds)
         tokens = iter(sampled)
         new: list[tuple[Sequence, int]] = []
         for w in plan.work:
