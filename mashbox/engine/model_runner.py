@@ -167,7 +167,7 @@ class ModelRunner:
             if n == 1 and self._native_rows:
                 single.append((len(ids), item.slot, item.position + 1))
             elif n > 1 and self._native_chunks:
-                chunks.append((len(ids), n, item.slot, item.position))
+                _add_chunk(chunks, (len(ids), n, item.slot, item.position))
             else:
                 rest.append((item, len(ids), self._causal_mask(item)))
             ids.extend(item.token_ids)
@@ -198,6 +198,19 @@ class ModelRunner:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(seed if seed is not None else random.getrandbits(63))
         return seq.generator
+
+
+def _add_chunk(chunks: list[tuple[int, int, int, int]], chunk: tuple[int, int, int, int]) -> None:
+    """Add a prompt chunk (first row, length, slot, first position) for native attention, joined to
+    the one before where it continues it: the kernel's rows do not depend on how a prompt is cut, and
+    one long chunk reads the slot's earlier keys once instead of once per chunk."""
+    row, n, slot, position = chunk
+    if chunks:
+        first, length, before, start = chunks[-1]
+        if before == slot and first + length == row and start + length == position:
+            chunks[-1] = (first, length + n, slot, start)
+            return
+    chunks.append(chunk)
 
 
 class DecodeLayers:
