@@ -45,6 +45,21 @@ def test_read_equals_the_model_transformers_builds(family: str, tmp_path: Path) 
         assert torch.equal(got.tensors[name], tensor), name
 
 
+def test_read_takes_each_tensor_on_first_use_cast_to_its_dtype_and_tied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True)).eval()
+    model.save_pretrained(tmp_path)
+    eager = Checkpoint.from_model(model)
+    got = checkpoint.read(tmp_path, torch.device("cpu"), torch.bfloat16)
+    assert got is not None and got.tensors._loaded == {}  # sizes and shapes come from the files' headers
+    assert (got.numel, got.nbytes) == (eager.numel, eager.numel * 2)
+    assert got.tensors.shape("model.layers.1.mlp.down_proj.weight") == (64, 128) and got.tensors._loaded == {}
+    head = got.tensors["lm_head.weight"]
+    assert head is got.tensors["model.embed_tokens.weight"] and head.dtype == torch.bfloat16
+    assert torch.equal(head, eager.tensors["model.embed_tokens.weight"].to(torch.bfloat16))
+    assert set(got.tensors._loaded) == {"lm_head.weight", "model.embed_tokens.weight"}
+
+
 @pytest.mark.parametrize("mode", ["tiled", "q8"])
 def test_a_tied_lm_head_is_counted_once_unless_it_is_a_copy(mode: str) -> None:
     sizes = {}

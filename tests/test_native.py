@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
-from mashbox.engine import blocks, native
+from mashbox.engine import blocks, checkpoint, native
 from mashbox.engine.checkpoint import Checkpoint
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.ops import NativeOps, TorchOps
@@ -249,6 +249,24 @@ def test_q41_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_p
     exact = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="plain")
     same = sum(a[:4] == b[:4] for a, b in zip(_greedy(exact, prompts), batched))
     assert same >= 4, "Q4_1 weights used as blocks should mostly agree with the same weights in fp32"
+
+
+def test_the_gguf_form_never_reads_the_float_weights_its_blocks_stand_for(lib, tmp_path):
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(tiny_config(1000)).eval()
+    with torch.no_grad():
+        found = {name: q41_blocks(p) for name, p in model.named_parameters() if "proj" in name}
+        for name, p in model.named_parameters():
+            if name in found:
+                p.copy_(blocks.dequantize(found[name]))
+    model.save_pretrained(tmp_path)
+    read = dataclasses.replace(checkpoint.read(tmp_path, torch.device("cpu"), torch.float32), blocks=found)
+    runner = ModelRunner(read, num_slots=2, ctx=256, mode="gguf")
+    assert not [name for name in read.tensors._loaded if "proj" in name]  # only the embedding and norms
+    built = ModelRunner(dataclasses.replace(Checkpoint.from_model(model), blocks=found), num_slots=2, ctx=256,
+                        mode="gguf")
+    prompts = [[5, 9, 200, 31], list(range(40, 110))]
+    assert _greedy(runner, prompts) == _greedy(built, prompts)
 
 
 def test_q8_forward_stays_close_to_fp32(lib):

@@ -1,8 +1,9 @@
 """A model as the runner reads it: its shape, its rotary frequencies and its tensors by name.
 
 ``read()`` takes it straight from an HF directory's ``config.json`` and safetensors files
-(memory-mapped, no model object built: a fraction of a second, where building the transformers
-model costs over a second of imports alone); ``from_model()`` takes it from a transformers model
+(each tensor read on first use, so a weight form that keeps a GGUF's blocks never reads the
+float weights they stand for; no model object built: a fraction of a second, where building the
+transformers model costs over a second of imports alone); ``from_model()`` takes it from a transformers model
 already in memory (a GGUF's first load, a directory of ``.bin`` files, the tests' tiny models).
 Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
 """
@@ -10,6 +11,8 @@ Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,7 @@ class Checkpoint:
     inv_freq: torch.Tensor  # rotary inverse frequencies [head_dim / 2], fp32
     rope_scale: float  # applied to cos and sin
     eos_ids: tuple[int, ...]  # from the generation config
-    tensors: dict[str, torch.Tensor]
+    tensors: Tensors
     blocks: dict[str, torch.Tensor] = field(default_factory=dict)  # a GGUF's Q4_1 blocks (blocks.py)
 
     @classmethod
@@ -50,17 +53,17 @@ class Checkpoint:
         """The checkpoint of a transformers causal LM (its tensors are shared, not copied)."""
         rotary = model.model.rotary_emb
         eos = getattr(model.generation_config, "eos_token_id", None)
-        tensors = {name: t.detach() for name, t in model.state_dict().items()}
+        tensors = Tensors({name: t.detach() for name, t in model.state_dict().items()})
         return _build(model.config.to_dict(), tensors, rotary.inv_freq.float(), float(rotary.attention_scaling),
                       _ids(eos))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in _unique(self.tensors))
+        return self.tensors.nbytes
 
     @property
     def numel(self) -> int:
-        return sum(t.numel() for t in _unique(self.tensors))
+        return self.tensors.numel
 
     def cos_sin(self, ctx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [ctx, head_dim] for positions 0..ctx-1, as the model's rotary embedding makes them."""
@@ -74,18 +77,12 @@ class Checkpoint:
 def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
     """The checkpoint in HF directory ``path``; None when it has no safetensors weights under the
     usual names (the caller then loads it through transformers, which knows every layout)."""
-    from safetensors.torch import load_file
-
     files = _weight_files(path)
     if not files:
         return None
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(file, device=str(device)))
-    _tie(tensors)
+    tensors = Tensors.read(files, device, dtype)
     if any(name not in tensors for name in _NEEDED):
         return None
-    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     config = json.loads((path / "config.json").read_text())
     inv_freq, scale = _rope(path, config, device)
     generation = path / "generation_config.json"
@@ -101,16 +98,7 @@ def _weight_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-def _tie(tensors: dict[str, torch.Tensor]) -> None:
-    """Tied embeddings are saved under one of their two names: give them both."""
-    embed, head = "model.embed_tokens.weight", "lm_head.weight"
-    if head in tensors and embed not in tensors:
-        tensors[embed] = tensors[head]
-    elif embed in tensors and head not in tensors:
-        tensors[head] = tensors[embed]
-
-
-def _build(config: dict[str, Any], tensors: dict[str, torch.Tensor], inv_freq: torch.Tensor, scale: float,
+def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, scale: float,
            eos_ids: tuple[int, ...]) -> Checkpoint:
     heads = config["num_attention_heads"]
     spec = Spec(
@@ -146,9 +134,77 @@ def _ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(v for v in values if v is not None)
 
 
-def _unique(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Each storage once (a tied lm_head shares the embedding's)."""
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors.values():
-        seen.setdefault(t.data_ptr(), t)
-    return list(seen.values())
+class Tensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, tied embeddings under both their names. Those of safetensors
+    files (``read``) are read on first use, floating ones cast to the checkpoint's dtype, and kept."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._loaded = dict(tensors)
+        self._stored: dict[str, tuple[Any, str]] = {}  # name -> (open file, the name it is stored under)
+        self._dtype: torch.dtype | None = None
+        self._tie()
+
+    @classmethod
+    def read(cls, files: list[Path], device: torch.device, dtype: torch.dtype) -> Tensors:
+        from safetensors import safe_open
+
+        tensors = cls({})
+        tensors._dtype = dtype
+        for file in files:
+            handle = safe_open(file, framework="pt", device=str(device))
+            tensors._stored.update({name: (handle, name) for name in handle.keys()})  # noqa: SIM118 (a file, not a dict)
+        tensors._tie()
+        return tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._loaded:
+            return self._loaded[name]
+        handle, stored = self._stored[name]
+        tensor = self._loaded.get(stored)
+        if tensor is None:
+            tensor = handle.get_tensor(stored)
+            tensor = tensor.to(self._dtype) if tensor.is_floating_point() and self._dtype else tensor
+        self._loaded[name] = self._loaded[stored] = tensor
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self._stored, **self._loaded})
+
+    def __len__(self) -> int:
+        return len({**self._stored, **self._loaded})
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._loaded or name in self._stored
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading it."""
+        if name in self._loaded:
+            return tuple(self._loaded[name].shape)
+        handle, stored = self._stored[name]
+        return tuple(handle.get_slice(stored).get_shape())
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(self.shape(name)) for name in self._unique())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor once read, at the checkpoint's dtype (each storage once: a tied lm_head
+        shares the embedding's)."""
+        size = lambda name: self._loaded[name].element_size() if name in self._loaded else self._dtype.itemsize
+        return sum(math.prod(self.shape(name)) * size(name) for name in self._unique())
+
+    def _unique(self) -> list[str]:
+        seen: dict[object, str] = {}
+        for name in self:
+            seen.setdefault(self._stored[name][1] if name in self._stored else self._loaded[name].data_ptr(), name)
+        return list(seen.values())
+
+    def _tie(self) -> None:
+        """Tied embeddings are saved under one of their two names: give them both."""
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        for table in (self._loaded, self._stored):
+            if head in table and embed not in self:
+                table[embed] = table[head]
+            elif embed in table and head not in self:
+                table[head] = table[embed]

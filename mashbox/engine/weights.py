@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from mashbox.engine import native
+from mashbox.engine.blocks import Q41_BYTES
 from mashbox.engine.checkpoint import SUPPORTED, Checkpoint, Spec
 from mashbox.engine.loader import pick_dtype
 from mashbox.engine.native import ptr
@@ -33,15 +34,21 @@ class Linear:
 
     __slots__ = ("weight", "scales", "shape", "mode", "_packed", "_bias", "_lib")
 
-    def __init__(self, weight: torch.Tensor, mode: str, lib: ctypes.CDLL | None = None,
+    def __init__(self, weight: torch.Tensor | None, mode: str, lib: ctypes.CDLL | None = None,
                  blocks: torch.Tensor | None = None) -> None:
+        """``weight`` may be None where the kernels take ``blocks`` (mode ``gguf`` with ``lib``): the
+        blocks then give the shape and no float weight is needed."""
         if mode == "gguf":
             mode = "q8" if blocks is None else "q41"
-        if mode in ("q8", "q41") and (lib is None or weight.shape[1] % native.BLOCK):
+        if weight is not None:
+            shape = tuple(weight.shape)
+        else:
+            shape = (blocks.shape[0], blocks.shape[1] // Q41_BYTES * native.BLOCK)
+        if mode in ("q8", "q41") and (lib is None or shape[1] % native.BLOCK):
             mode = "packed" if fbgemm_available() else "plain"
         self.mode = mode
         self.weight = weight
-        self.shape = tuple(weight.shape)
+        self.shape = shape
         self.scales = self._packed = self._bias = self._lib = None
         if mode == "packed":
             self._packed = _quiet(torch.fbgemm_pack_gemm_matrix_fp16, weight.float().contiguous())
@@ -52,7 +59,7 @@ class Linear:
             self.weight, self.scales = _quantize(lib, weight.float().contiguous())
         elif mode == "q41":
             self._lib = lib
-            self.weight = _repack(lib, blocks, weight.shape[1])
+            self.weight = _repack(lib, blocks, shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._lib is not None:
@@ -276,10 +283,11 @@ def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None) -
 def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None) -> Linear:
     """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one),
     with the GGUF's blocks when every part has them."""
-    tensors = [ckpt.tensors[name] for name in names]
-    weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     blocks = None
     if all(name in ckpt.blocks for name in names):
         parts = [ckpt.blocks[name] for name in names]
         blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return Linear(weight, mode, lib, blocks)
+    if blocks is not None and mode == "gguf" and lib is not None:
+        return Linear(None, mode, lib, blocks)  # the float weights are never read
+    tensors = [ckpt.tensors[name] for name in names]
+    return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), mode, lib, blocks)
