@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mashbox import Engine, EngineRequest, SamplingParams, Started, TextDelta
+from mashbox.engine import native
 from mashbox.engine.disk_cache import PageStore
 
 PROMPT = " ".join(f"item {i}," for i in range(90))  # ~440 tokens: one whole page of 256
@@ -99,3 +100,16 @@ def test_a_restarted_engine_starts_a_known_prompt_from_disk_with_the_same_answer
     with Engine(str(tiny_model_dir), **options) as engine, caplog.at_level(logging.WARNING, logger="mashbox.engine"):
         assert _run(engine, "alice") == (0, text)
     assert "skipped the cached prompt page" in caplog.text
+
+
+def test_pages_computed_by_other_kernels_are_not_used(tiny_model_dir, tmp_path, monkeypatch):
+    options = {"ctx": 512, "slots": 2, "quiet": True, "cache_disk_gib": 1, "cache_dir": str(tmp_path / "pages")}
+    with Engine(str(tiny_model_dir), **options) as engine:
+        assert _run(engine, "alice")[0] == 0
+    with Engine(str(tiny_model_dir), **options) as engine:
+        assert _run(engine, "alice")[0] == 256
+    edited = tmp_path / "kernels.c"  # a later version of the kernels: its last bits may differ
+    edited.write_bytes(native.SOURCE.read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", edited)
+    with Engine(str(tiny_model_dir), **options) as engine:
+        assert _run(engine, "alice")[0] == 0

@@ -13,6 +13,9 @@ from dataclasses import replace
 from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 
+import torch
+
+from mashbox.engine import native
 from mashbox.engine.catalog import cache_dir
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import CLOSED, EngineCore, ThinkBudget
@@ -207,7 +210,8 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
         return None
     stat = weights.stat() if weights.exists() else None
     parts = [info.id, str(weights), stat and (stat.st_size, stat.st_mtime_ns), info.ctx, info.dtype,
-             info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens]
+             info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens, torch.__version__,
+             native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
     return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)

@@ -65,6 +65,12 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def source_hash() -> str:
+    """A hash of the kernels' source: what they compute follows it (the prefix cache's disk pages
+    are kept apart by it)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def _build(compiler: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + compiler.encode() + _cpu_id().encode()).hexdigest()[:16]
