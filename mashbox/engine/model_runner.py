@@ -5,7 +5,8 @@ Mistral, Qwen2, Qwen3) and runs its own forward over fixed KV slots
 allocated once. Prompt chunks and decode rows of all running requests go
 through every layer together; attention runs per request over exactly its
 own keys: with mashbox's CPU kernels, one native call per layer for all
-one-token rows and one for all prompt chunks. On the CPU with int8 weights, a
+one-token rows and one for all prompt chunks; on CUDA, one masked SDPA call
+per layer for all one-token rows. On the CPU with int8 weights, a
 step of decode rows only runs each layer as one native call
 (``DecodeLayers``), the same kernels in the same order as the general path.
 It makes no policy decisions.
@@ -40,7 +41,8 @@ class Batch:
     positions: torch.Tensor
     slots: torch.Tensor
     sample_rows: torch.Tensor
-    single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token item (native)
+    single: torch.Tensor  # [3, n]: row, slot and attended length of each one-token item (one call a layer)
+    longest: int  # the most positions a one-token item attends to
     chunks: torch.Tensor  # [4, n]: first row, length, slot and first position of each chunk (native)
     rest: list[tuple[Work, int, torch.Tensor | None]]  # item, first row, mask: attended by SDPA
 
@@ -66,6 +68,8 @@ class ModelRunner:
         fused = DecodeLayers.fits(self.weights)
         self._fused = DecodeLayers(self.weights, self.kv, lib, self._bf16) if fused else None
         self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0
+        # one-token rows attend in one call a layer: the native kernel, or on CUDA one masked SDPA call
+        self._rows_at_once = native_ops or self.device.type == "cuda"
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -130,12 +134,15 @@ class ModelRunner:
 
     def _attention(self, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
         """Each work item attends over exactly its own keys: natively, all one-token items in one
-        call and all prompt chunks in another; by SDPA otherwise, each slot's cache read (and
-        widened to ``q``'s dtype) once for all its items."""
+        call and all prompt chunks in another; on CUDA all one-token items in one masked SDPA call;
+        by SDPA per item otherwise, each slot's cache read (and widened to ``q``'s dtype) once for
+        all its items."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
         shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16)
-        if batch.single.shape[1]:
+        if batch.single.shape[1] and not self._native_rows:
+            self._rows_attention(layer, batch, q, out)
+        elif batch.single.shape[1]:
             rows, slots, lens = batch.single
             self.ops.lib.mb_decode_attention(
                 q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), slots.data_ptr(),
@@ -160,11 +167,21 @@ class ModelRunner:
             out[start : start + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
         return out
 
+    def _rows_attention(self, layer: int, batch: Batch, q: torch.Tensor, out: torch.Tensor) -> None:
+        """All one-token rows in one SDPA call: each row's slot read up to the longest, the positions
+        past its own length masked out."""
+        spec, (rows, slots, lens), longest = self.weights.spec, batch.single, batch.longest
+        keys, values = (t[layer, :, :, :longest][slots].to(q.dtype) for t in (self.kv.keys, self.kv.values))
+        mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True,
+                                           scale=spec.scale)
+        out[rows] = o.reshape(rows.shape[0], -1)
+
     def _batch(self, plan: Plan) -> Batch:
         ids, positions, slots, rows, single, chunks, rest = [], [], [], [], [], [], []
         for item in plan.work:
             n = len(item.token_ids)
-            if n == 1 and self._native_rows:
+            if n == 1 and self._rows_at_once:
                 single.append((len(ids), item.slot, item.position + 1))
             elif n > 1 and self._native_chunks:
                 _add_chunk(chunks, (len(ids), n, item.slot, item.position))
@@ -178,7 +195,7 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         columns = lambda xs, k: as_tensor(xs).reshape(-1, k).T.contiguous()
         return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), as_tensor(rows), columns(single, 3),
-                     columns(chunks, 4), rest)
+                     max((length for *_, length in single), default=0), columns(chunks, 4), rest)
 
     def _causal_mask(self, item: Work) -> torch.Tensor | None:
         """Prompt chunk rows see the cache before them and the chunk up to themselves."""
