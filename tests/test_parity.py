@@ -55,6 +55,8 @@ def test_batched_greedy_equals_generate(model, mode, rows_at_once):
     runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode=mode)
     if rows_at_once:  # as on CUDA: the one-token rows of a step in one masked SDPA call a layer
         runner._rows_at_once = True
+    for cache in (runner.kv.keys, runner.kv.values):
+        cache.fill_(float("nan"))  # what a cache allocated empty may hold where nothing was written yet
     scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=64)
     seqs = [Sequence(str(i), p, SamplingParams(), NEW) for i, p in enumerate(prompts)]
     for s in seqs:

@@ -169,10 +169,11 @@ class ModelRunner:
 
     def _rows_attention(self, layer: int, batch: Batch, q: torch.Tensor, out: torch.Tensor) -> None:
         """All one-token rows in one SDPA call: each row's slot read up to the longest, the positions
-        past its own length masked out."""
+        past its own length masked out (and zeroed: the cache there may hold anything)."""
         spec, (rows, slots, lens), longest = self.weights.spec, batch.single, batch.longest
-        keys, values = (t[layer, :, :, :longest][slots].to(q.dtype) for t in (self.kv.keys, self.kv.values))
         mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        keys, values = (t[layer, :, :, :longest][slots].to(q.dtype).masked_fill(~mask.transpose(-1, -2), 0)
+                        for t in (self.kv.keys, self.kv.values))  # a masked NaN never written still gives NaN
         o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True,
                                            scale=spec.scale)
         out[rows] = o.reshape(rows.shape[0], -1)
