@@ -3,9 +3,9 @@
 ``read()`` takes it straight from an HF directory's ``config.json`` and safetensors files
 (each tensor read on first use, so a weight form that keeps a GGUF's blocks never reads the
 float weights they stand for; no model object built: a fraction of a second, where building the
-transformers model costs over a second of imports alone); ``from_model()`` takes it from a transformers model
-already in memory (a GGUF's first load, a directory of ``.bin`` files, the tests' tiny models).
-Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
+transformers model costs over a second of imports alone); ``from_model()`` takes it from a
+transformers model already in memory (a GGUF's first load, a directory of ``.bin`` files, the
+tests' tiny models). Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
 """
 
 from __future__ import annotations
@@ -138,21 +138,20 @@ class Tensors(Mapping[str, torch.Tensor]):
     """A checkpoint's tensors by name, tied embeddings under both their names. Those of safetensors
     files (``read``) are read on first use, floating ones cast to the checkpoint's dtype, and kept."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
         self._loaded = dict(tensors)
         self._stored: dict[str, tuple[Any, str]] = {}  # name -> (open file, the name it is stored under)
-        self._dtype: torch.dtype | None = None
+        self._dtype = dtype  # what floating tensors read from files are cast to
         self._tie()
 
     @classmethod
     def read(cls, files: list[Path], device: torch.device, dtype: torch.dtype) -> Tensors:
         from safetensors import safe_open
 
-        tensors = cls({})
-        tensors._dtype = dtype
+        tensors = cls({}, dtype)
         for file in files:
             handle = safe_open(file, framework="pt", device=str(device))
-            tensors._stored.update({name: (handle, name) for name in handle.keys()})  # noqa: SIM118 (a file, not a dict)
+            tensors._stored.update({name: (handle, name) for name in handle.keys()})  # noqa: SIM118 (not a dict)
         tensors._tie()
         return tensors
 

@@ -4,9 +4,10 @@ Every call advances all running requests: one decode token for each request
 past its prompt, plus prompt chunks of new ones: up to ``step_tokens`` prompt
 tokens when nothing decodes; while others decode, as many as keep the step
 within a few decode steps' time (``Pace``, from the times ``update`` is given),
-at most ``busy_tokens``, so a long prompt does not stall their next tokens for long. Chunks start at multiples
-of ``chunk_tokens`` so a prompt is cut the same way whatever else runs (batch
-invariance); one request may run several consecutive chunks in one call.
+at most ``busy_tokens``, so a long prompt does not stall their next tokens for
+long. Chunks start at multiples of ``chunk_tokens`` so a prompt is cut the same
+way whatever else runs (batch invariance); one request may run several
+consecutive chunks in one call.
 
 No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
