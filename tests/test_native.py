@@ -204,7 +204,10 @@ def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib,
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
-    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=256, busy_tokens=64)
+    """Greedy answers; beside decoding rows prompts are cut into pieces of 8 tokens where the runner
+    allows it (no step times are given, so the pace allows one piece a step)."""
+    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=256, busy_tokens=64,
+                          cut_anywhere=runner.cut_anywhere)
     seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
     for s in seqs:
         scheduler.add(s)
@@ -214,13 +217,13 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> lis
     return [s.output_ids for s in seqs]
 
 
-def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_path(lib):
+def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_path(lib):
     torch.manual_seed(7)
     model = LlamaForCausalLM(tiny_config(1000)).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="q8")
-    assert runner._fused is not None and runner.kv.keys.dtype == torch.float16
+    assert runner._fused is not None and runner.kv.keys.dtype == torch.float16 and runner.cut_anywhere
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None
@@ -228,7 +231,7 @@ def test_q8_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_pa
     assert len({tuple(b) for b in batched}) == len(prompts)
 
 
-def test_q41_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_path(lib):
+def test_q41_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_path(lib):
     torch.manual_seed(7)
     model = LlamaForCausalLM(tiny_config(1000)).eval()
     found = {}
@@ -242,6 +245,7 @@ def test_q41_runner_is_batch_invariant_and_its_fused_decode_equals_the_general_p
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(ckpt, num_slots=4, ctx=512, mode="gguf")
     assert runner._fused is not None and {layer.gate_up.mode for layer in runner.weights.layers} == {"q41"}
+    assert runner.cut_anywhere
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None

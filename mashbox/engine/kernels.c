@@ -1,6 +1,6 @@
 /* mashbox's CPU kernels: int8-weight matmul, decode and prompt-chunk attention over an fp16 KV
  * cache (bf16 dot products with fp32 sums where the CPU has AVX512-BF16), the per-row norm,
- * rotary and gate ops, and a whole decode layer built from them.
+ * rotary and gate ops, and a whole decoder layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
  * (-O3 -march=native -fopenmp -pthread, linked against the OpenMP runtime torch already loaded)
@@ -1134,21 +1134,23 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* One decoder layer for M one-token rows, x [M, D] updated in place: the same kernels, in the
- * same order, as the runner's general path, so a row's result is the same either way. Each
- * weight is Q8 with its scales, or Q4_1 blocks with NULL scales (mb_linear). Keys and
- * values of each row are stored at its slot and position; it attends over positions 0..pos
- * (bf16 as in mb_decode_attention). */
-void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH, int64_t HD,
-                     float eps, float scale, const float *ln_attn, const void *qkv_w, const float *qkv_s,
-                     const float *qkv_bias, const void *o_w, const float *o_s, const float *ln_mlp,
-                     const void *gu_w, const float *gu_s, const void *down_w, const float *down_s,
-                     const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
-                     uint16_t *kcache, uint16_t *vcache, int64_t ctx, int64_t bf16) {
-    int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I;
+/* One decoder layer for M rows, x [M, D] updated in place: the same kernels, in the same order,
+ * as the runner's general path, so a row's result is the same either way. Each weight is Q8 with
+ * its scales, or Q4_1 blocks with NULL scales (mb_linear). Keys and values of each row are stored
+ * at its slot and position; it attends over positions 0..pos. Rows of one slot at consecutive
+ * positions attend as one prompt chunk (mb_chunk_attention, which gives a row the same result in
+ * any chunk; one-token rows are chunks of one, as in mb_decode_attention); where HD % 16 != 0
+ * each row attends alone (mb_decode_attention's fp32 heads). */
+void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH, int64_t HD,
+              float eps, float scale, const float *ln_attn, const void *qkv_w, const float *qkv_s,
+              const float *qkv_bias, const void *o_w, const float *o_s, const float *ln_mlp,
+              const void *gu_w, const float *gu_s, const void *down_w, const float *down_s,
+              const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
+              uint16_t *kcache, uint16_t *vcache, int64_t ctx, int64_t bf16) {
+    int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
-    int64_t *rows = malloc(sizeof(int64_t) * M * 2), *lens = rows + M;
+    int64_t *rows = malloc(sizeof(int64_t) * M * 4), *ns = rows + M, *cslots = ns + M, *starts = cslots + M;
     mb_rms_norm(x, ln_attn, h, M, D, eps);
     mb_linear(h, qkv_w, qkv_s, qkv, M, ld, D);
     if (qkv_bias)
@@ -1162,10 +1164,24 @@ void mb_decode_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64
                 vcache[at + i] = f2h(qkv[m * ld + (H + KVH + h) * HD + i]);
             }
         }
-        rows[m] = m;
-        lens[m] = positions[m] + 1;
+        if (n && slots[m] == cslots[n - 1] && positions[m] == starts[n - 1] + ns[n - 1]) {
+            ns[n - 1]++;
+            continue;
+        }
+        rows[n] = m;
+        ns[n] = 1;
+        cslots[n] = slots[m];
+        starts[n++] = positions[m];
     }
-    mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, lens, attn, M, H, KVH, HD, ctx, scale, bf16);
+    if (HD % 16 == 0) {
+        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16);
+    } else { /* each row over its position + 1 keys */
+        for (int64_t m = 0; m < M; m++) {
+            rows[m] = m;
+            starts[m] = positions[m] + 1;
+        }
+        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16);
+    }
     mb_linear(attn, o_w, o_s, h, M, D, H * HD);
     add_rows(x, h, M * D);
     mb_rms_norm(x, ln_mlp, h, M, D, eps);

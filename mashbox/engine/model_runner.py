@@ -6,9 +6,9 @@ allocated once. Prompt chunks and decode rows of all running requests go
 through every layer together; attention runs per request over exactly its
 own keys: with mashbox's CPU kernels, one native call per layer for all
 one-token rows and one for all prompt chunks; on CUDA, one masked SDPA call
-per layer for all one-token rows. On the CPU with int8 weights, a
-step of decode rows only runs each layer as one native call
-(``DecodeLayers``), the same kernels in the same order as the general path.
+per layer for all one-token rows. On the CPU with int8 or Q4_1 weights, a
+step whose rows the kernels attend runs each layer as one native call
+(``FusedLayers``), the same kernels in the same order as the general path.
 It makes no policy decisions.
 """
 
@@ -65,9 +65,11 @@ class ModelRunner:
         # The quantized forms attend with bf16 dot products where the kernels have them (their weights
         # round far more); the float16 form keeps fp32 attention, like its reference (fp16 weights).
         self._bf16 = int(mode in ("gguf", "q8"))
-        fused = DecodeLayers.fits(self.weights)
-        self._fused = DecodeLayers(self.weights, self.kv, lib, self._bf16) if fused else None
+        fused = FusedLayers.fits(self.weights)
+        self._fused = FusedLayers(self.weights, self.kv, lib, self._bf16) if fused else None
         self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0
+        # every row computed alone (int8/Q4_1 matmuls, native attention): where a prompt is cut never matters
+        self.cut_anywhere = self._native_chunks and fused
         # one-token rows attend in one call a layer: the native kernel, or on CUDA one masked SDPA call
         self._rows_at_once = native_ops or self.device.type == "cuda"
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -122,7 +124,7 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         w, eps = self.weights, self.weights.spec.eps
         x = w.embed[batch.ids]
-        if self._fused is not None and batch.single.shape[1] == x.shape[0]:
+        if self._fused is not None and not batch.rest:  # every row attended by the kernels
             return self._fused(x, batch)
         for i, layer in enumerate(w.layers):
             h = self.ops.rms_norm(x, layer.ln_attn, eps)
@@ -231,8 +233,9 @@ def _add_chunk(chunks: list[tuple[int, int, int, int]], chunk: tuple[int, int, i
     chunks.append(chunk)
 
 
-class DecodeLayers:
-    """Every layer for a batch of one-token rows, each layer in one native call.
+class FusedLayers:
+    """Every layer for a step's rows, each layer in one native call (``mb_layer``): one-token rows
+    and, where the kernels attend them, prompt chunks.
 
     The call runs the same kernels in the same order as ``ModelRunner.forward`` does with
     native ops, so a row's result does not depend on which path ran it.
@@ -240,7 +243,7 @@ class DecodeLayers:
 
     def __init__(self, weights: Weights, kv: KVCache, lib, bf16: int) -> None:
         s = weights.spec
-        self.fn = lib.mb_decode_layer
+        self.fn = lib.mb_layer
         self.kv = kv
         self.cos, self.sin = weights.cos, weights.sin
         self.layers = [self._args(layer, i) for i, layer in enumerate(weights.layers)]
