@@ -214,36 +214,17 @@ def test_prompt_tokens_beside_decoding_requests_follow_the_measured_step_times()
         s.update(s.schedule(), [1], seconds=0.010)  # a decode step: 10 ms
     s.add(seq("long", 3000, first=1000))
     budgets = []
-    for _ in range(6):  # each prompt token adds 1 ms: 2 decode steps hold 10 tokens, so one chunk
+    for _ in range(6):  # each prompt token adds 1 ms: 2.5 decode steps hold 15 tokens, so one chunk
         plan = s.schedule()
         budgets.append(plan.prompt_tokens)
         s.update(plan, [1], seconds=0.010 + 0.001 * plan.prompt_tokens)
     assert budgets == [32] * 6
-    for _ in range(30):  # decode steps of 100 ms (say, more requests): 100 ms more hold 100 tokens, so 96
+    for _ in range(10):  # decode steps of 100 ms (say, more requests): 150 ms hold 150 tokens, so 128
         s.pace.record(decode_rows=16, prompt_tokens=0, seconds=0.100)
-    assert s.schedule().prompt_tokens == 96
+    assert s.schedule().prompt_tokens == 128
     for _ in range(30):  # prompt tokens nearly free beside the step (a GPU): up to busy_tokens
         s.pace.record(decode_rows=16, prompt_tokens=128, seconds=0.101)
     assert s.schedule().prompt_tokens == 256
-
-
-def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pace():
-    s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
-    s.add(seq("decoding", 40, max_new=500))
-    s.update(s.schedule(), [1], seconds=0.040)
-    for _ in range(5):
-        s.update(s.schedule(), [1], seconds=0.010)
-    long = seq("long", 100, first=1000)
-    s.add(long)
-    pieces = []
-    while long.num_computed < 100:  # 1 ms a prompt token: 2 decode steps hold 10 tokens, so 8 a step
-        plan = s.schedule()
-        pieces += [(w.position, len(w.token_ids)) for w in plan.work if w.in_prompt]
-        s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
-    # 8 tokens a step, across chunk boundaries, the last 4 with its first token
-    assert pieces == [(p, 8) for p in range(0, 96, 8)] + [(96, 4)] and long.output_ids
-    s.add(seq("new", 50, first=3000))
-    assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 8)]
 
 
 def test_pace_needs_both_costs_and_keeps_within_its_bounds():
@@ -252,8 +233,8 @@ def test_pace_needs_both_costs_and_keeps_within_its_bounds():
     pace.record(decode_rows=4, prompt_tokens=0, seconds=0.008)
     assert pace.budget(32, 256) == 32  # a prompt token's cost not yet known
     pace.record(decode_rows=0, prompt_tokens=200, seconds=0.200)  # prompt only: 1 ms a token at most
-    assert pace.budget(16, 256) == 16  # one decode step more holds 8 tokens: one chunk, never none
-    assert pace.budget(4, 256) == 8
+    assert pace.budget(16, 256) == 16  # 1.5 decode steps hold 12 tokens: one chunk, never none
+    assert pace.budget(4, 256) == 12
     for _ in range(30):  # steps with prompt tokens as fast as decode steps: they cost nothing, up to the cap
         pace.record(decode_rows=4, prompt_tokens=64, seconds=0.007)
     assert pace.token_s == pytest.approx(0.0, abs=1e-5) and pace.budget(32, 256) == 256

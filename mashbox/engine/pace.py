@@ -12,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT = 0.2  # of the newest step in each running average
-# Steps of equal work vary by half again here (a shared 2-core VM), so keeping a paced step within
-# two decode steps on average keeps the streams' inter-token p99 near 3x their usual gap.
 
 
 @dataclass(slots=True)
 class Pace:
-    ratio: float = 2.0
+    ratio: float = 2.5
     decode_s: float | None = None  # a step of decode rows only
     token_s: float | None = None  # what one prompt token adds to a step
 
