@@ -204,13 +204,17 @@ def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib,
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
-    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=256, busy_tokens=64)
+    """Greedy answers. The steps are given times in which a prompt token costs 1-4 decode rows, so
+    that beside decoding rows prompts are cut mid-chunk where the runner allows it."""
+    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=64, busy_tokens=64,
+                          cut_anywhere=runner.cut_anywhere)
     seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
     for s in seqs:
         scheduler.add(s)
     while scheduler.has_work:
         plan = scheduler.schedule()
-        scheduler.update(plan, runner.run(plan))
+        cost = 1 + len(scheduler.running) % 4
+        scheduler.update(plan, runner.run(plan), 0.001 * (plan.decode_rows + cost * plan.prompt_tokens))
     return [s.output_ids for s in seqs]
 
 
@@ -220,7 +224,7 @@ def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_pat
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="q8")
-    assert runner._fused is not None and runner.kv.keys.dtype == torch.float16
+    assert runner._fused is not None and runner.kv.keys.dtype == torch.float16 and runner.cut_anywhere
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None
@@ -242,6 +246,7 @@ def test_q41_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_pa
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(ckpt, num_slots=4, ctx=512, mode="gguf")
     assert runner._fused is not None and {layer.gate_up.mode for layer in runner.weights.layers} == {"q41"}
+    assert runner.cut_anywhere
     batched = _greedy(runner, prompts)
     assert [_greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None

@@ -1,5 +1,7 @@
 """Scheduler and slot policy, driven with fake runner results: no model, no device."""
 
+import itertools
+
 import pytest
 
 from mashbox.engine.pace import Pace
@@ -219,25 +221,84 @@ def test_prompt_tokens_beside_decoding_requests_follow_the_measured_step_times()
         budgets.append(plan.prompt_tokens)
         s.update(plan, [1], seconds=0.010 + 0.001 * plan.prompt_tokens)
     assert budgets == [32] * 6
-    for _ in range(10):  # decode steps of 100 ms (say, more requests): 150 ms hold 150 tokens, so 128
-        s.pace.record(decode_rows=16, prompt_tokens=0, seconds=0.100)
-    assert s.schedule().prompt_tokens == 128
-    for _ in range(30):  # prompt tokens nearly free beside the step (a GPU): up to busy_tokens
-        s.pace.record(decode_rows=16, prompt_tokens=128, seconds=0.101)
-    assert s.schedule().prompt_tokens == 256
+    s.pace.record(decode_rows=1, prompt_tokens=255, seconds=0.0101)  # 256 rows as fast as one (a GPU)
+    assert s.schedule().prompt_tokens == 256  # up to busy_tokens
 
 
-def test_pace_needs_both_costs_and_keeps_within_its_bounds():
+def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pace():
+    s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
+    s.add(seq("decoding", 40, max_new=500))
+    s.update(s.schedule(), [1], seconds=0.040)
+    for _ in range(5):
+        s.update(s.schedule(), [1], seconds=0.010)
+    long = seq("long", 100, first=1000)
+    s.add(long)
+    pieces, steps = [], []
+    while long.num_computed < 100:  # 1 ms a prompt token: 2 decode steps (20 ms) hold 10 tokens, so 8
+        plan = s.schedule()
+        pieces += [(w.position, len(w.token_ids)) for w in plan.work if w.in_prompt]
+        steps.append(plan.prompt_tokens)
+        s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
+    # first 12 (a step of 13 rows read as between those measured: 1 row in 10 ms, 40 in 40 ms)
+    assert steps == [12] + [8] * 11 and long.output_ids
+    assert (28, 4) in pieces and (32, 4) in pieces  # a step runs across a chunk boundary
+    assert [p for p, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces[:-1]]))
+    s.add(seq("new", 50, first=3000))  # beside two decode rows (11 ms): 8 tokens
+    assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 8)]
+
+
+def test_a_burst_of_new_requests_beside_few_streams_gets_longer_steps():
+    def first_busy_step(arrivals: int) -> Plan:
+        s = Scheduler(num_slots=8, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
+        s.add(seq("decoding", 40, max_new=500))
+        s.update(s.schedule(), [1], seconds=0.040)  # 40 rows in 40 ms
+        s.update(s.schedule(), [1], seconds=0.010)  # 1 row in 10 ms
+        for i in range(arrivals):
+            s.add(seq(f"new{i}", 50, first=1000 * (i + 1)))
+        return s.schedule()
+
+    assert first_busy_step(1).prompt_tokens == 12  # 2 decode steps (20 ms) hold 14 rows
+    burst = first_busy_step(6)  # 2 + 5 decode steps (70 ms) hold 70 rows
+    assert [(w.seq.id, len(w.token_ids)) for w in burst.work if w.in_prompt] == [("new0", 32), ("new0", 18),
+                                                                                 ("new1", 18)]
+
+
+def test_pace_needs_two_step_sizes_and_keeps_within_its_bounds():
     pace = Pace()
-    assert pace.budget(32, 256) == 32  # nothing measured
-    pace.record(decode_rows=4, prompt_tokens=0, seconds=0.008)
-    assert pace.budget(32, 256) == 32  # a prompt token's cost not yet known
-    pace.record(decode_rows=0, prompt_tokens=200, seconds=0.200)  # prompt only: 1 ms a token at most
-    assert pace.budget(16, 256) == 16  # 1.5 decode steps hold 12 tokens: one chunk, never none
-    assert pace.budget(4, 256) == 12
-    for _ in range(30):  # steps with prompt tokens as fast as decode steps: they cost nothing, up to the cap
+    assert pace.step(4) is None and pace.budget(4, 4, 256) == 4 and pace.budget(4, 4, 256, 32) == 32  # nothing yet
+    pace.record(decode_rows=4, prompt_tokens=0, seconds=0.009)
+    assert pace.budget(4, 4, 256, 32) == 32  # one size: what a prompt token adds is not known
+    pace.record(decode_rows=0, prompt_tokens=196, seconds=0.200)  # ~1 ms a row
+    assert pace.budget(4, 4, 256) == 8  # 2 steps of 4 rows (18 ms) hold 9 rows more
+    assert pace.budget(4, 16, 256) == 16  # a unit, never none
+    for _ in range(30):  # steps with 64 prompt tokens as fast as decode steps: those cost nothing
         pace.record(decode_rows=4, prompt_tokens=64, seconds=0.007)
-    assert pace.token_s == pytest.approx(0.0, abs=1e-5) and pace.budget(32, 256) == 256
+    # up to the cap, or as far as the sizes measured say (the steps of 4 rows now read 7 ms too)
+    assert pace.budget(4, 4, 64) == 64 and pace.budget(4, 4, 256) == 68
+
+
+def test_pace_keeps_step_times_rising_with_the_size():
+    pace = Pace()
+    pace.record(decode_rows=0, prompt_tokens=104, seconds=0.216)  # a first, cold step
+    pace.record(decode_rows=1, prompt_tokens=0, seconds=0.006)
+    pace.record(decode_rows=0, prompt_tokens=256, seconds=0.100)  # a bigger one, faster: the cold one was slow
+    assert [pace.seconds[n] for n in pace.sizes] == [0.006, 0.100, 0.100]
+    pace.record(decode_rows=0, prompt_tokens=50, seconds=0.500)  # a stray slow step raises those after it
+    assert [pace.seconds[n] for n in pace.sizes] == [0.006, 0.500, 0.500, 0.500]
+
+
+def test_pace_weighs_a_step_by_all_its_rows_decode_and_prompt():
+    pace = Pace()
+    pace.record(decode_rows=2, prompt_tokens=0, seconds=0.006)
+    pace.record(decode_rows=16, prompt_tokens=0, seconds=0.030)
+    pace.record(decode_rows=16, prompt_tokens=30, seconds=0.060)
+    pace.record(decode_rows=0, prompt_tokens=256, seconds=0.200)
+    assert pace.sizes == [2, 16, 46, 256]
+    assert pace.step(9) == pytest.approx(0.018)  # between the sizes measured
+    assert pace.step(1) == pytest.approx(0.003) and pace.step(512) == pytest.approx(0.400)  # beyond: in proportion
+    assert pace.budget(16, 4, 256) == 28  # 2 x 30 ms hold 46 rows: 28 beside the 16, in units of 4
+    assert pace.budget(2, 4, 256) == 4  # 2 x 6 ms hold 5 rows: one unit, never none
+    assert pace.budget(2, 4, 256, prompts=9) == 20  # 8 more prompts waiting beside 2 rows: 2 + 4 steps hold 22
 
 
 @pytest.mark.parametrize("fields,name", [({"chunk_tokens": 8}, "chunk_tokens"),

@@ -15,7 +15,9 @@ class EngineConfig:
     the prefix cache's unit), ``step_tokens`` the most prompt tokens one device
     call runs when nothing decodes, ``busy_tokens`` while other requests decode:
     fewer where the steps' measured times say more would delay their next token
-    past 2.5 decode steps (``Pace``; at least one chunk).
+    past 2 decode steps, more while several requests wait for their first token
+    (``Pace``; at least one chunk, or 4 tokens where the CPU kernels let a prompt
+    be cut anywhere).
     ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes;
     ``cache_disk_gib`` the disk that keeps prompt pages across restarts, in
     ``cache_dir`` (default ``<mashbox cache>/prefixes``; 0 GiB: none).

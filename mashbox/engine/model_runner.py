@@ -68,6 +68,8 @@ class ModelRunner:
         fused = FusedLayers.fits(self.weights)
         self._fused = FusedLayers(self.weights, self.kv, lib, self._bf16) if fused else None
         self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0
+        # every row computed alone (int8/Q4_1 matmuls, native attention): where a prompt is cut never matters
+        self.cut_anywhere = self._native_chunks and fused
         # one-token rows attend in one call a layer: the native kernel, or on CUDA one masked SDPA call
         self._rows_at_once = native_ops or self.device.type == "cuda"
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

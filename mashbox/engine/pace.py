@@ -1,40 +1,75 @@
 """How many prompt tokens a step may add beside running streams, from how long steps take.
 
 A step that runs prompt tokens beside decode rows delays each running stream's next token by
-what those prompt tokens cost. ``Pace`` keeps running averages of a decode-only step and of
-what one prompt token adds, and allows as many prompt tokens as keep such a step within
-``ratio`` decode steps: few beside one fast stream, more beside 16 slower ones. Pure
-arithmetic on the times the engine reports; no clock here.
+what those prompt tokens cost. ``Pace`` keeps a running average of the time of a step of each
+size (decode rows and prompt tokens together: on a CPU a row costs little while the weights are
+read anyway and a prompt token's full share once the step is compute-bound), and allows as many
+prompt tokens as keep a step within ``ratio`` times the decode step it joins (longer while
+several requests wait for their first token): few beside one fast stream, more beside 16 slower
+ones. Pure arithmetic on the times the engine reports; no clock here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
 
 WEIGHT = 0.2  # of the newest step in each running average
 
 
 @dataclass(slots=True)
 class Pace:
-    ratio: float = 2.5
-    decode_s: float | None = None  # a step of decode rows only
-    token_s: float | None = None  # what one prompt token adds to a step
+    ratio: float = 2.0
+    sizes: list[int] = field(default_factory=list)  # the step sizes measured, sorted
+    seconds: dict[int, float] = field(default_factory=dict)  # a step of n rows, by n
 
     def record(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
-        if not prompt_tokens:
-            self.decode_s = _average(self.decode_s, seconds)
-        elif not decode_rows:  # prompt only: the step's fixed costs count against its tokens (an upper bound)
-            self.token_s = _average(self.token_s, seconds / prompt_tokens)
-        elif self.decode_s is not None:
-            self.token_s = _average(self.token_s, max(seconds - self.decode_s, 0.0) / prompt_tokens)
+        """Average the step into its size's time, and keep the times rising with the size: the newest
+        step corrects what older ones of other sizes said (a first, cold step; a stray slow one)."""
+        n = decode_rows + prompt_tokens
+        if n not in self.seconds:
+            insort(self.sizes, n)
+        now = self.seconds[n] = _average(self.seconds.get(n), seconds)
+        at = bisect_left(self.sizes, n)
+        for size in reversed(self.sizes[:at]):  # the times were rising before: stop where they still do
+            if self.seconds[size] <= now:
+                break
+            self.seconds[size] = now
+        for size in self.sizes[at + 1 :]:
+            if self.seconds[size] >= now:
+                break
+            self.seconds[size] = now
 
-    def budget(self, unit: int, cap: int) -> int:
-        """Prompt tokens for a step beside decode rows: whole ``unit``s, at least one (only that until
-        both costs are known), at most ``cap``."""
-        if self.decode_s is None or not self.token_s:
-            return unit
-        fits = int((self.ratio - 1) * self.decode_s / self.token_s) // unit * unit
-        return max(unit, min(cap, fits))
+    def step(self, rows: int) -> float | None:
+        """A step of ``rows`` rows: as measured, else between the sizes measured around it, else in
+        proportion to the nearest one."""
+        if not self.sizes:
+            return None
+        i = bisect_left(self.sizes, rows)
+        if i < len(self.sizes) and self.sizes[i] == rows:
+            return self.seconds[rows]
+        if i in (0, len(self.sizes)):
+            near = self.sizes[min(i, len(self.sizes) - 1)]
+            return self.seconds[near] * rows / near
+        lo, hi = self.sizes[i - 1], self.sizes[i]
+        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
+
+    def budget(self, rows: int, unit: int, cap: int, unknown: int | None = None, prompts: int = 1) -> int:
+        """Prompt tokens for a step beside ``rows`` decode rows, for ``prompts`` requests waiting for
+        their first token: whole ``unit``s, at least one, at most ``cap``; ``unknown`` (default one
+        unit) until two step sizes are known. The step may last ``ratio`` decode steps, and one more
+        for each ``rows`` further prompts: a burst of new requests beside few running streams is let
+        in fast, one long prompt beside them is held to ``ratio``."""
+        if len(self.sizes) < 2:
+            return unknown or unit
+        limit = (self.ratio + max(prompts - 1, 0) / rows) * self.step(rows)
+        fits, more = 0, cap // unit  # the most units known to fit; the fewest known not to, plus one
+        while more - fits > 1:
+            mid = (fits + more) // 2
+            fits, more = (mid, more) if self.step(rows + mid * unit) <= limit else (fits, mid)
+        if self.step(rows + more * unit) <= limit:
+            fits = more
+        return max(unit, fits * unit)
 
 
 def _average(old: float | None, new: float) -> float:

@@ -7,7 +7,11 @@ within a few decode steps' time (``Pace``, from the times ``update`` is given),
 at most ``busy_tokens``, so a long prompt does not stall their next tokens for
 long. Chunks start at multiples of ``chunk_tokens`` so a prompt is cut the same
 way whatever else runs (batch invariance); one request may run several
-consecutive chunks in one call.
+consecutive chunks in one call. Where the runner's results do not depend on
+where a prompt is cut (``cut_anywhere``: mashbox's CPU kernels), a step beside
+decoding requests may also end in the middle of a chunk, at a multiple of
+``PIECE`` tokens, so that a chunk's cost never stalls them more than the pace
+allows.
 
 No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
@@ -27,6 +31,8 @@ from mashbox.engine.slots import SlotTable
 
 if TYPE_CHECKING:
     from mashbox.engine.disk_cache import PageStore
+
+PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, where prompts may be cut anywhere
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,7 +76,7 @@ class Plan:
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
                  kv_bytes_per_token: int = 0, step_tokens: int | None = None, busy_tokens: int | None = None,
-                 disk: PageStore | None = None) -> None:
+                 disk: PageStore | None = None, cut_anywhere: bool = False) -> None:
         self.slots = SlotTable(num_slots)
         self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token, disk)
         self.lookup_tokens = 0
@@ -79,6 +85,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.step_tokens = step_tokens or chunk_tokens
         self.busy_tokens = busy_tokens or chunk_tokens
+        self.busy_unit = PIECE if cut_anywhere else chunk_tokens  # what a busy step's prompt tokens come in
         self.pace = Pace()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -105,11 +112,15 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
-        budget = self.pace.budget(self.chunk_tokens, self.busy_tokens) if plan else self.step_tokens
+        prompts = sum(s.in_prefill for s in self.running) + min(len(self.waiting), self.slots.num_free)
+        rows = len(plan.work)
+        budget = (self.pace.budget(rows, self.busy_unit, self.busy_tokens, self.chunk_tokens, prompts) if rows
+                  else self.step_tokens)
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget)
         for seq in list(self.waiting):
-            if not self.slots.num_free or budget <= 0 or (self._chunk_len(seq, 0) > budget and plan):
+            fits = budget >= min(self.busy_unit, len(seq.prompt_ids)) if plan else budget > 0
+            if not self.slots.num_free or not fits:
                 break
             if self._behind(seq):
                 continue
@@ -170,13 +181,16 @@ class Scheduler:
         return min(len(seq.prompt_ids) - position, self.chunk_tokens - position % self.chunk_tokens)
 
     def _prefill(self, plan: Plan, seq: Sequence, budget: int) -> int:
-        """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty)."""
+        """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty), the last
+        one cut short where prompts may be cut anywhere."""
         start = position = seq.num_computed
         prompt = len(seq.prompt_ids)
         while position < prompt:
-            n = self._chunk_len(seq, position)
-            if position - start + n > budget and plan:
-                break
+            n, left = self._chunk_len(seq, position), budget - (position - start)
+            if plan and n > left:
+                if left <= 0 or self.busy_unit == self.chunk_tokens:
+                    break
+                n = left
             end = position + n
             plan.work.append(Work(seq, tuple(seq.prompt_ids[position:end]), position, sample=end == prompt))
             position = end
