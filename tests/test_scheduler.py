@@ -231,50 +231,49 @@ def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pac
     s.update(s.schedule(), [1], seconds=0.040)
     for _ in range(5):
         s.update(s.schedule(), [1], seconds=0.010)
-    long = seq("long", 100, first=1000)
+    long = seq("long", 300, first=1000)
     s.add(long)
     pieces, steps = [], []
-    while long.num_computed < 100:  # 1 ms a prompt token: 2 decode steps (20 ms) hold 10 tokens, so 8
+    while long.num_computed < 300:  # 1 ms a prompt token: 2 decode steps (20 ms) hold 10 tokens, so 8
         plan = s.schedule()
         pieces += [(w.position, len(w.token_ids)) for w in plan.work if w.in_prompt]
-        steps.append(plan.prompt_tokens)
+        steps.append((300 - long.num_computed, plan.prompt_tokens))
         s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
-    # first 12 (a step of 13 rows read as between those measured: 1 row in 10 ms, 40 in 40 ms)
-    assert steps == [12] + [8] * 11 and long.output_ids
+    # first 12 (a step of 13 rows read as between those measured: 1 row in 10 ms, 40 in 40 ms), then 8;
+    # with at most 4 chunks left, one decode step more (30 ms): 24, then 20 once 25 rows read 34 ms
+    assert [n for left, n in steps if left > 128] == [12] + [8] * 20 and long.output_ids
+    assert [n for left, n in steps if left <= 128] == [24] + [20] * 5 + [4]
     assert (28, 4) in pieces and (32, 4) in pieces  # a step runs across a chunk boundary
     assert [p for p, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces[:-1]]))
-    s.add(seq("new", 50, first=3000))  # beside two decode rows (11 ms): 8 tokens
-    assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 8)]
+    s.add(seq("new", 50, first=3000))  # beside two decode rows (11 ms), a short prompt: 3 steps hold 20 rows
+    assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 20)]
 
 
-def test_a_burst_of_new_requests_beside_few_streams_gets_longer_steps():
-    def first_busy_step(arrivals: int) -> Plan:
+def test_a_short_prompt_beside_decoding_streams_may_take_one_decode_step_more():
+    def first_busy_step(prompt: int) -> int:
         s = Scheduler(num_slots=8, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
         s.add(seq("decoding", 40, max_new=500))
         s.update(s.schedule(), [1], seconds=0.040)  # 40 rows in 40 ms
         s.update(s.schedule(), [1], seconds=0.010)  # 1 row in 10 ms
-        for i in range(arrivals):
-            s.add(seq(f"new{i}", 50, first=1000 * (i + 1)))
-        return s.schedule()
+        s.add(seq("new", prompt, first=1000))
+        return s.schedule().prompt_tokens
 
-    assert first_busy_step(1).prompt_tokens == 12  # 2 decode steps (20 ms) hold 14 rows
-    burst = first_busy_step(6)  # 2 + 5 decode steps (70 ms) hold 70 rows
-    assert [(w.seq.id, len(w.token_ids)) for w in burst.work if w.in_prompt] == [("new0", 32), ("new0", 18),
-                                                                                 ("new1", 18)]
+    assert first_busy_step(300) == 12  # 2 decode steps (20 ms) hold 14 rows
+    assert first_busy_step(128) == 24  # 4 chunks or fewer: 3 decode steps (30 ms) hold 27 rows
 
 
 def test_pace_needs_two_step_sizes_and_keeps_within_its_bounds():
     pace = Pace()
-    assert pace.step(4) is None and pace.budget(4, 4, 256) == 4 and pace.budget(4, 4, 256, 32) == 32  # nothing yet
+    assert pace.step(4) is None and pace.budget(4, 4, 256, 2.0) == 4 and pace.budget(4, 4, 256, 2.0, 32) == 32  # nothing yet
     pace.record(decode_rows=4, prompt_tokens=0, seconds=0.009)
-    assert pace.budget(4, 4, 256, 32) == 32  # one size: what a prompt token adds is not known
+    assert pace.budget(4, 4, 256, 2.0, 32) == 32  # one size: what a prompt token adds is not known
     pace.record(decode_rows=0, prompt_tokens=196, seconds=0.200)  # ~1 ms a row
-    assert pace.budget(4, 4, 256) == 8  # 2 steps of 4 rows (18 ms) hold 9 rows more
-    assert pace.budget(4, 16, 256) == 16  # a unit, never none
+    assert pace.budget(4, 4, 256, 2.0) == 8  # 2 steps of 4 rows (18 ms) hold 9 rows more
+    assert pace.budget(4, 16, 256, 2.0) == 16  # a unit, never none
     for _ in range(30):  # steps with 64 prompt tokens as fast as decode steps: those cost nothing
         pace.record(decode_rows=4, prompt_tokens=64, seconds=0.007)
     # up to the cap, or as far as the sizes measured say (the steps of 4 rows now read 7 ms too)
-    assert pace.budget(4, 4, 64) == 64 and pace.budget(4, 4, 256) == 68
+    assert pace.budget(4, 4, 64, 2.0) == 64 and pace.budget(4, 4, 256, 2.0) == 68
 
 
 def test_pace_keeps_step_times_rising_with_the_size():
@@ -296,9 +295,9 @@ def test_pace_weighs_a_step_by_all_its_rows_decode_and_prompt():
     assert pace.sizes == [2, 16, 46, 256]
     assert pace.step(9) == pytest.approx(0.018)  # between the sizes measured
     assert pace.step(1) == pytest.approx(0.003) and pace.step(512) == pytest.approx(0.400)  # beyond: in proportion
-    assert pace.budget(16, 4, 256) == 28  # 2 x 30 ms hold 46 rows: 28 beside the 16, in units of 4
-    assert pace.budget(2, 4, 256) == 4  # 2 x 6 ms hold 5 rows: one unit, never none
-    assert pace.budget(2, 4, 256, prompts=9) == 20  # 8 more prompts waiting beside 2 rows: 2 + 4 steps hold 22
+    assert pace.budget(16, 4, 256, 2.0) == 28  # 2 x 30 ms hold 46 rows: 28 beside the 16, in units of 4
+    assert pace.budget(2, 4, 256, 2.0) == 4  # 2 x 6 ms hold 5 rows: one unit, never none
+    assert pace.budget(2, 4, 256, 6.0) == 20  # 6 steps of 2 rows hold 22 rows
 
 
 @pytest.mark.parametrize("fields,name", [({"chunk_tokens": 8}, "chunk_tokens"),

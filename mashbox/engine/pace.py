@@ -4,9 +4,9 @@ A step that runs prompt tokens beside decode rows delays each running stream's n
 what those prompt tokens cost. ``Pace`` keeps a running average of the time of a step of each
 size (decode rows and prompt tokens together: on a CPU a row costs little while the weights are
 read anyway and a prompt token's full share once the step is compute-bound), and allows as many
-prompt tokens as keep a step within ``ratio`` times the decode step it joins (longer while
-several requests wait for their first token): few beside one fast stream, more beside 16 slower
-ones. Pure arithmetic on the times the engine reports; no clock here.
+prompt tokens as keep a step within a given multiple of the decode step it joins: few beside one
+fast stream, more beside 16 slower ones. Pure arithmetic on the times the engine reports; no
+clock here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ WEIGHT = 0.2  # of the newest step in each running average
 
 @dataclass(slots=True)
 class Pace:
-    ratio: float = 2.0
     sizes: list[int] = field(default_factory=list)  # the step sizes measured, sorted
     seconds: dict[int, float] = field(default_factory=dict)  # a step of n rows, by n
 
@@ -54,15 +53,13 @@ class Pace:
         lo, hi = self.sizes[i - 1], self.sizes[i]
         return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
 
-    def budget(self, rows: int, unit: int, cap: int, unknown: int | None = None, prompts: int = 1) -> int:
-        """Prompt tokens for a step beside ``rows`` decode rows, for ``prompts`` requests waiting for
-        their first token: whole ``unit``s, at least one, at most ``cap``; ``unknown`` (default one
-        unit) until two step sizes are known. The step may last ``ratio`` decode steps, and one more
-        for each ``rows`` further prompts: a burst of new requests beside few running streams is let
-        in fast, one long prompt beside them is held to ``ratio``."""
+    def budget(self, rows: int, unit: int, cap: int, ratio: float, unknown: int | None = None) -> int:
+        """Prompt tokens for a step beside ``rows`` decode rows that keep it within ``ratio`` decode
+        steps of as many rows: whole ``unit``s, at least one, at most ``cap``; ``unknown`` (default
+        one unit) until two step sizes are known."""
         if len(self.sizes) < 2:
             return unknown or unit
-        limit = (self.ratio + max(prompts - 1, 0) / rows) * self.step(rows)
+        limit = ratio * self.step(rows)
         fits, more = 0, cap // unit  # the most units known to fit; the fewest known not to, plus one
         while more - fits > 1:
             mid = (fits + more) // 2

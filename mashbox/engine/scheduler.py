@@ -3,15 +3,15 @@
 Every call advances all running requests: one decode token for each request
 past its prompt, plus prompt chunks of new ones: up to ``step_tokens`` prompt
 tokens when nothing decodes; while others decode, as many as keep the step
-within a few decode steps' time (``Pace``, from the times ``update`` is given),
-at most ``busy_tokens``, so a long prompt does not stall their next tokens for
-long. Chunks start at multiples of ``chunk_tokens`` so a prompt is cut the same
-way whatever else runs (batch invariance); one request may run several
-consecutive chunks in one call. Where the runner's results do not depend on
-where a prompt is cut (``cut_anywhere``: mashbox's CPU kernels), a step beside
-decoding requests may also end in the middle of a chunk, at a multiple of
-``PIECE`` tokens, so that a chunk's cost never stalls them more than the pace
-allows.
+within a few decode steps' time (``Pace``, from the times ``update`` is given;
+``_ratio``), at most ``busy_tokens``, so a long prompt does not stall their
+next tokens for long. Chunks start at multiples of ``chunk_tokens`` so a prompt
+is cut the same way whatever else runs (batch invariance); one request may run
+several consecutive chunks in one call. Where the runner's results do not
+depend on where a prompt is cut (``cut_anywhere``: mashbox's CPU kernels), a
+step beside decoding requests may also end in the middle of a chunk, at a
+multiple of ``PIECE`` tokens, so that a chunk's cost never stalls them more
+than the pace allows.
 
 No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from mashbox.engine.disk_cache import PageStore
 
 PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, where prompts may be cut anywhere
+RATIO = 2.0  # how long a step with prompt tokens may take beside decoding requests, in decode steps
+SHORT = 4  # chunks: a prompt with no more left may take one decode step more (a quick first token)
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,10 +114,9 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
-        prompts = sum(s.in_prefill for s in self.running) + min(len(self.waiting), self.slots.num_free)
         rows = len(plan.work)
-        budget = (self.pace.budget(rows, self.busy_unit, self.busy_tokens, self.chunk_tokens, prompts) if rows
-                  else self.step_tokens)
+        budget = (self.pace.budget(rows, self.busy_unit, self.busy_tokens, self._ratio(), self.chunk_tokens)
+                  if rows else self.step_tokens)
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget)
         for seq in list(self.waiting):
@@ -148,6 +149,12 @@ class Scheduler:
                 new.append((w.seq, token))
                 self._check_limits(w.seq, token)
         return new
+
+    def _ratio(self) -> float:
+        """How many decode steps a step with prompt tokens may take: RATIO, one more while the prompt
+        first in line has at most SHORT chunks left (a quick first token; a long one is spread)."""
+        first = next((s for s in self.running if s.in_prefill), None) or next(iter(self.waiting), None)
+        return RATIO + (first is not None and len(first.prompt_ids) - first.num_computed <= SHORT * self.chunk_tokens)
 
     def _live(self) -> list[Live]:
         return [Live(s.slot, s.prompt_ids, min(s.num_computed, len(s.prompt_ids)), s.cache_salt)
