@@ -240,16 +240,16 @@ def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pac
         steps.append((300 - long.num_computed, plan.prompt_tokens))
         s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
     # first 12 (a step of 13 rows read as between those measured: 1 row in 10 ms, 40 in 40 ms), then 8;
-    # with at most 4 chunks left, one decode step more (30 ms): 24, then 20 once 25 rows read 34 ms
+    # with at most 4 chunks left, whole chunks (3 decode steps, 30 ms, hold one a step)
     assert [n for left, n in steps if left > 128] == [12] + [8] * 20 and long.output_ids
-    assert [n for left, n in steps if left <= 128] == [24] + [20] * 5 + [4]
+    assert [n for left, n in steps if left <= 128] == [20, 32, 32, 32, 12]
     assert (28, 4) in pieces and (32, 4) in pieces  # a step runs across a chunk boundary
     assert [p for p, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces[:-1]]))
-    s.add(seq("new", 50, first=3000))  # beside two decode rows (11 ms), a short prompt: 3 steps hold 20 rows
-    assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 20)]
+    s.add(seq("new", 50, first=3000))  # a short prompt beside two decode rows: a whole chunk
+    assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 32)]
 
 
-def test_a_short_prompt_beside_decoding_streams_may_take_one_decode_step_more():
+def test_a_short_prompt_beside_decoding_streams_runs_in_whole_chunks():
     def first_busy_step(prompt: int) -> int:
         s = Scheduler(num_slots=8, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
         s.add(seq("decoding", 40, max_new=500))
@@ -259,7 +259,8 @@ def test_a_short_prompt_beside_decoding_streams_may_take_one_decode_step_more():
         return s.schedule().prompt_tokens
 
     assert first_busy_step(300) == 12  # 2 decode steps (20 ms) hold 14 rows
-    assert first_busy_step(128) == 24  # 4 chunks or fewer: 3 decode steps (30 ms) hold 27 rows
+    assert first_busy_step(128) == 32  # 4 chunks or fewer: whole chunks, at least one (30 ms hold 27 rows)
+    assert first_busy_step(600) == 12 and first_busy_step(64) == 32
 
 
 def test_pace_needs_two_step_sizes_and_keeps_within_its_bounds():

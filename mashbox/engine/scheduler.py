@@ -4,7 +4,7 @@ Every call advances all running requests: one decode token for each request
 past its prompt, plus prompt chunks of new ones: up to ``step_tokens`` prompt
 tokens when nothing decodes; while others decode, as many as keep the step
 within a few decode steps' time (``Pace``, from the times ``update`` is given;
-``_ratio``), at most ``busy_tokens``, so a long prompt does not stall their
+``RATIO``), at most ``busy_tokens``, so a long prompt does not stall their
 next tokens for long. Chunks start at multiples of ``chunk_tokens`` so a prompt
 is cut the same way whatever else runs (batch invariance); one request may run
 several consecutive chunks in one call. Where the runner's results do not
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, where prompts may be cut anywhere
 RATIO = 2.0  # how long a step with prompt tokens may take beside decoding requests, in decode steps
-SHORT = 4  # chunks: a prompt with no more left may take one decode step more (a quick first token)
+SHORT = 4  # chunks: a prompt with no more left to run beside decoding requests goes in whole chunks,
+SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,7 +88,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.step_tokens = step_tokens or chunk_tokens
         self.busy_tokens = busy_tokens or chunk_tokens
-        self.busy_unit = PIECE if cut_anywhere else chunk_tokens  # what a busy step's prompt tokens come in
+        self.cut_anywhere = cut_anywhere
         self.pace = Pace()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -114,20 +115,22 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
-        rows = len(plan.work)
-        budget = (self.pace.budget(rows, self.busy_unit, self.busy_tokens, self._ratio(), self.chunk_tokens)
-                  if rows else self.step_tokens)
+        short = self._short_first()
+        unit = self.chunk_tokens if short or not self.cut_anywhere else PIECE
+        budget = (self.pace.budget(len(plan.work), unit, self.busy_tokens, SHORT_RATIO if short else RATIO,
+                                   self.chunk_tokens)
+                  if plan else self.step_tokens)
         for seq in [s for s in self.running if s.in_prefill]:
-            budget -= self._prefill(plan, seq, budget)
+            budget -= self._prefill(plan, seq, budget, unit)
         for seq in list(self.waiting):
-            fits = budget >= min(self.busy_unit, len(seq.prompt_ids)) if plan else budget > 0
+            fits = budget >= min(unit, len(seq.prompt_ids)) if plan else budget > 0
             if not self.slots.num_free or not fits:
                 break
             if self._behind(seq):
                 continue
             self.waiting.remove(seq)
             plan.cache_ops += self._admit(seq)
-            budget -= self._prefill(plan, seq, budget)
+            budget -= self._prefill(plan, seq, budget, unit)
         return plan
 
     def update(self, plan: Plan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, int]]:
@@ -150,11 +153,12 @@ class Scheduler:
                 self._check_limits(w.seq, token)
         return new
 
-    def _ratio(self) -> float:
-        """How many decode steps a step with prompt tokens may take: RATIO, one more while the prompt
-        first in line has at most SHORT chunks left (a quick first token; a long one is spread)."""
+    def _short_first(self) -> bool:
+        """Whether the prompt first in line has at most SHORT chunks left: beside decoding requests
+        it runs in whole chunks, one at least, in longer steps (a quick first token); a longer one
+        is spread in pieces where prompts may be cut anywhere."""
         first = next((s for s in self.running if s.in_prefill), None) or next(iter(self.waiting), None)
-        return RATIO + (first is not None and len(first.prompt_ids) - first.num_computed <= SHORT * self.chunk_tokens)
+        return first is not None and len(first.prompt_ids) - first.num_computed <= SHORT * self.chunk_tokens
 
     def _live(self) -> list[Live]:
         return [Live(s.slot, s.prompt_ids, min(s.num_computed, len(s.prompt_ids)), s.cache_salt)
@@ -187,15 +191,15 @@ class Scheduler:
         """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""
         return min(len(seq.prompt_ids) - position, self.chunk_tokens - position % self.chunk_tokens)
 
-    def _prefill(self, plan: Plan, seq: Sequence, budget: int) -> int:
+    def _prefill(self, plan: Plan, seq: Sequence, budget: int, unit: int) -> int:
         """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty), the last
-        one cut short where prompts may be cut anywhere."""
+        one cut short where the step's ``unit`` is less than a chunk."""
         start = position = seq.num_computed
         prompt = len(seq.prompt_ids)
         while position < prompt:
             n, left = self._chunk_len(seq, position), budget - (position - start)
             if plan and n > left:
-                if left <= 0 or self.busy_unit == self.chunk_tokens:
+                if left <= 0 or unit == self.chunk_tokens:
                     break
                 n = left
             end = position + n
