@@ -234,16 +234,14 @@ def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pac
     long = seq("long", 300, first=1000)
     s.add(long)
     pieces, steps = [], []
-    while long.num_computed < 300:  # 1 ms a prompt token: 2 decode steps (20 ms) hold 10 tokens, so 8
+    while long.num_computed < 300:  # 1 ms a prompt token: 1.5 decode steps (15 ms) hold 5 tokens, so 4
         plan = s.schedule()
         pieces += [(w.position, len(w.token_ids)) for w in plan.work if w.in_prompt]
         steps.append((300 - long.num_computed, plan.prompt_tokens))
         s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
-    # first 12 (a step of 13 rows read as between those measured: 1 row in 10 ms, 40 in 40 ms), then 8;
-    # with at most 4 chunks left, whole chunks (3 decode steps, 30 ms, hold one a step)
-    assert [n for left, n in steps if left > 128] == [12] + [8] * 20 and long.output_ids
-    assert [n for left, n in steps if left <= 128] == [20, 32, 32, 32, 12]
-    assert (28, 4) in pieces and (32, 4) in pieces  # a step runs across a chunk boundary
+    # to its end: a long prompt's last chunks are spread too
+    assert [n for _, n in steps] == [4] * 75 and long.output_ids
+    assert (28, 4) in pieces and (32, 4) in pieces and len(pieces) == 75  # none runs across a chunk boundary
     assert [p for p, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces[:-1]]))
     s.add(seq("new", 50, first=3000))  # a short prompt beside two decode rows: a whole chunk
     assert [(w.seq.id, w.position, len(w.token_ids)) for w in s.schedule().work if w.in_prompt] == [("new", 0, 32)]
@@ -258,9 +256,29 @@ def test_a_short_prompt_beside_decoding_streams_runs_in_whole_chunks():
         s.add(seq("new", prompt, first=1000))
         return s.schedule().prompt_tokens
 
-    assert first_busy_step(300) == 12  # 2 decode steps (20 ms) hold 14 rows
+    assert first_busy_step(300) == 4  # 1.5 decode steps (15 ms) hold 7 rows (read as between 1 and 40)
     assert first_busy_step(128) == 32  # 4 chunks or fewer: whole chunks, at least one (30 ms hold 27 rows)
-    assert first_busy_step(600) == 12 and first_busy_step(64) == 32
+    assert first_busy_step(600) == 4 and first_busy_step(64) == 32
+
+
+def test_a_long_prompt_mostly_in_the_prefix_cache_counts_as_short():
+    s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
+    s.add(seq("decoding", 40, max_new=500, first=5000))
+    s.update(s.schedule(), [1], seconds=0.040)
+    s.update(s.schedule(), [1], seconds=0.010)
+    first = seq("first", 300, max_new=1)
+    s.add(first)
+    while not first.status.is_finished:
+        plan = s.schedule()
+        s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
+    again = seq("again", 320)  # the same 300 tokens and 20 more: 288 of them (9 chunks) cached
+    s.add(again)
+    pieces = []
+    for _ in range(2):  # waiting, its hit is not known yet: a piece; admitted, the rest in a whole chunk
+        plan = s.schedule()
+        pieces += [(w.position, len(w.token_ids)) for w in plan.work if w.in_prompt]
+        s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010 + 0.001 * plan.prompt_tokens)
+    assert again.num_cached == 288 and pieces == [(288, 4), (292, 28)]
 
 
 def test_pace_needs_two_step_sizes_and_keeps_within_its_bounds():

@@ -15,8 +15,8 @@ class EngineConfig:
     the prefix cache's unit), ``step_tokens`` the most prompt tokens one device
     call runs when nothing decodes, ``busy_tokens`` while other requests decode:
     fewer where the steps' measured times say more would delay their next token
-    past 2 decode steps, more while several requests wait for their first token
-    (``Pace``; at least one chunk, or 4 tokens where the CPU kernels let a prompt
+    past 1.5 decode steps, 4 for a short prompt (``Pace``; whole chunks, one at
+    least, or 4-token pieces of a long prompt where the CPU kernels let a prompt
     be cut anywhere).
     ``cache_ram_mib`` caps the host memory that keeps evicted prompt prefixes;
     ``cache_disk_gib`` the disk that keeps prompt pages across restarts, in

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from mashbox.engine.disk_cache import PageStore
 
 PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, where prompts may be cut anywhere
-RATIO = 2.0  # how long a step with prompt tokens may take beside decoding requests, in decode steps
-SHORT = 4  # chunks: a prompt with no more left to run beside decoding requests goes in whole chunks,
+RATIO = 1.5  # how long a step with prompt tokens may take beside decoding requests, in decode steps
+SHORT = 4  # chunks: a prompt with no more to compute beside decoding requests goes in whole chunks,
 SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
 
 
@@ -154,11 +154,12 @@ class Scheduler:
         return new
 
     def _short_first(self) -> bool:
-        """Whether the prompt first in line has at most SHORT chunks left: beside decoding requests
-        it runs in whole chunks, one at least, in longer steps (a quick first token); a longer one
-        is spread in pieces where prompts may be cut anywhere."""
+        """Whether the prompt first in line is short (at most SHORT chunks not found in the prefix
+        cache): beside decoding requests it runs in whole chunks, one at least, in longer steps (a
+        quick first token); a longer one is spread in pieces where prompts may be cut anywhere,
+        its last chunks too."""
         first = next((s for s in self.running if s.in_prefill), None) or next(iter(self.waiting), None)
-        return first is not None and len(first.prompt_ids) - first.num_computed <= SHORT * self.chunk_tokens
+        return first is not None and len(first.prompt_ids) - first.num_cached <= SHORT * self.chunk_tokens
 
     def _live(self) -> list[Live]:
         return [Live(s.slot, s.prompt_ids, min(s.num_computed, len(s.prompt_ids)), s.cache_salt)
