@@ -66,14 +66,13 @@ def load() -> ctypes.CDLL | None:
 
 
 def source_hash() -> str:
-    """A hash of the kernels' source: what they compute follows it (the prefix cache's disk pages
-    are kept apart by it)."""
+    """A hash of the kernels' source: what they compute follows it (a build is named by it; the
+    prefix cache's disk pages are kept apart by it)."""
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256((source_hash() + compiler + _cpu_id()).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"kernels-{key}.so"
     if target.is_file():
         return target
