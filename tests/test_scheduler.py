@@ -225,12 +225,18 @@ def test_prompt_tokens_beside_decoding_requests_follow_the_measured_step_times()
     assert s.schedule().prompt_tokens == 256  # up to busy_tokens
 
 
-def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pace():
-    s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
-    s.add(seq("decoding", 40, max_new=500))
+def paced(num_slots: int) -> Scheduler:
+    """A scheduler whose prompts may be cut anywhere, one request decoding (its prompt far from the
+    tests' others) and two step sizes known: 40 prompt rows in 40 ms, one decode row in 10 ms."""
+    s = Scheduler(num_slots=num_slots, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
+    s.add(seq("decoding", 40, max_new=500, first=5000))
     s.update(s.schedule(), [1], seconds=0.040)
-    for _ in range(5):
-        s.update(s.schedule(), [1], seconds=0.010)
+    s.update(s.schedule(), [1], seconds=0.010)
+    return s
+
+
+def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pace():
+    s = paced(num_slots=3)
     long = seq("long", 300, first=1000)
     s.add(long)
     pieces, steps = [], []
@@ -249,10 +255,7 @@ def test_where_prompts_may_be_cut_anywhere_a_busy_step_ends_mid_chunk_at_its_pac
 
 def test_a_short_prompt_beside_decoding_streams_runs_in_whole_chunks():
     def first_busy_step(prompt: int) -> int:
-        s = Scheduler(num_slots=8, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
-        s.add(seq("decoding", 40, max_new=500))
-        s.update(s.schedule(), [1], seconds=0.040)  # 40 rows in 40 ms
-        s.update(s.schedule(), [1], seconds=0.010)  # 1 row in 10 ms
+        s = paced(num_slots=8)
         s.add(seq("new", prompt, first=1000))
         return s.schedule().prompt_tokens
 
@@ -262,10 +265,7 @@ def test_a_short_prompt_beside_decoding_streams_runs_in_whole_chunks():
 
 
 def test_a_long_prompt_mostly_in_the_prefix_cache_counts_as_short():
-    s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=32, step_tokens=256, busy_tokens=256, cut_anywhere=True)
-    s.add(seq("decoding", 40, max_new=500, first=5000))
-    s.update(s.schedule(), [1], seconds=0.040)
-    s.update(s.schedule(), [1], seconds=0.010)
+    s = paced(num_slots=3)
     first = seq("first", 300, max_new=1)
     s.add(first)
     while not first.status.is_finished:

@@ -11,7 +11,7 @@ clock here.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 WEIGHT = 0.2  # of the newest step in each running average
@@ -26,18 +26,18 @@ class Pace:
         """Average the step into its size's time, and keep the times rising with the size: the newest
         step corrects what older ones of other sizes said (a first, cold step; a stray slow one)."""
         n = decode_rows + prompt_tokens
-        if n not in self.seconds:
-            insort(self.sizes, n)
-        now = self.seconds[n] = _average(self.seconds.get(n), seconds)
         at = bisect_left(self.sizes, n)
-        for size in reversed(self.sizes[:at]):  # the times were rising before: stop where they still do
-            if self.seconds[size] <= now:
+        if n not in self.seconds:
+            self.sizes.insert(at, n)
+        now = self.seconds[n] = _average(self.seconds.get(n), seconds)
+        for i in range(at - 1, -1, -1):  # the times were rising before: stop where they still do
+            if self.seconds[self.sizes[i]] <= now:
                 break
-            self.seconds[size] = now
-        for size in self.sizes[at + 1 :]:
-            if self.seconds[size] >= now:
+            self.seconds[self.sizes[i]] = now
+        for i in range(at + 1, len(self.sizes)):
+            if self.seconds[self.sizes[i]] >= now:
                 break
-            self.seconds[size] = now
+            self.seconds[self.sizes[i]] = now
 
     def step(self, rows: int) -> float | None:
         """A step of ``rows`` rows: as measured, else between the sizes measured around it, else in
