@@ -68,17 +68,22 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--dtype", default=None, help="CPU: int8 (default), float16 (packed fp16 weights) or float32")
     parser.add_argument("--not-batch-invariant", action="store_true", help="float32: plain matmuls (faster alone)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: every decode step eager")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers' generate()")
     args = parser.parse_args()
     with Engine(args.model, ctx=args.ctx, slots=max(args.n), quiet=True, dtype=args.dtype,
-                batch_invariant=not args.not_batch_invariant) as engine:
+                batch_invariant=not args.not_batch_invariant, cuda_graphs=not args.no_cuda_graphs) as engine:
         asyncio.run(round_of(engine, 1, 8))  # warm-up
         print(f"model {engine.model_id}, ctx {engine.ctx}, slots {max(args.n)}, threads {torch.get_num_threads()}, "
-              f"weights {engine.info.weights_mode} ({engine.info.dtype})")
+              f"weights {engine.info.weights_mode} ({engine.info.dtype}) on {engine.info.device}, "
+              f"CUDA graphs {engine._core.runner._graphs is not None}")
         print(f"prompt tokens: {len(engine.encode(EngineRequest(messages=prompt(0))))}, max new tokens {args.max_tokens}")
         print("   N  tokens   tok/s  TTFT p50  TTFT max")
         for n in args.n:
             r = asyncio.run(round_of(engine, n, args.max_tokens))
             print(f"{r['n']:>4} {r['tokens']:>7} {r['tok_s']:>7.1f} {r['ttft_p50']:>8.2f}s {r['ttft_max']:>8.2f}s")
+        if args.no_baseline:
+            return
         model = hf_model(args.model)
         print(f"transformers generate(), batch 1: {generate_baseline(engine, model, args.max_tokens):.1f} tok/s")
 

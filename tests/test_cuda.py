@@ -2,8 +2,15 @@
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
-from mashbox import Engine
+from mashbox import Engine, SamplingParams
+from mashbox.engine.checkpoint import Checkpoint
+from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.scheduler import Plan, Work
+from mashbox.engine.sequence import Sequence
+
+from tiny import tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,3 +29,24 @@ def test_cuda_engine_answers_batched_and_constrained(tiny_model_dir):
         call = engine.chat(messages=[{"role": "user", "content": "call f"}], tools=[tool], tool_choice="required",
                            max_tokens=60)
         assert call.choices[0].finish_reason == "tool_calls"
+        graphs = engine._core.runner._graphs
+        assert graphs is not None and any(shape.graph is not None for shape in graphs.shapes.values())
+
+
+@torch.inference_mode()
+def test_cuda_graph_replays_equal_the_eager_step():
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(tiny_config(500)).eval().to("cuda", torch.bfloat16)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=256, mode="plain", graphs=True)
+    seqs = []
+    for slot, n in zip((0, 2, 3), (5, 9, 140)):
+        seq = Sequence(str(slot), list(range(3, 3 + n)), SamplingParams(), 16)
+        seq.slot = slot
+        seqs.append(seq)
+    runner.run(Plan([Work(s, tuple(s.prompt_ids), 0, True) for s in seqs]))
+    for step in range(3):  # one capture, then replays with new inputs
+        plan = Plan([Work(s, (7 + step + i,), len(s.prompt_ids) + step, True) for i, s in enumerate(seqs)])
+        replayed = runner._graphs.logits(plan).float().clone()
+        eager = runner._logits(runner.forward(runner._batch(plan))).float()
+        torch.testing.assert_close(replayed, eager, rtol=0.02, atol=0.02 * eager.abs().max().item())
+    assert set(runner._graphs.shapes) == {(4, 256)} and runner._graphs.shapes[4, 256].graph is not None

@@ -40,7 +40,8 @@ def fp16_weights(model):
     return rounded
 
 
-@pytest.mark.parametrize("mode,rows_at_once", [("packed", False), ("tiled", False), ("plain", False), ("plain", True)])
+@pytest.mark.parametrize("mode,rows_at_once", [("packed", False), ("tiled", False), ("plain", False), ("plain", True),
+                                                ("plain", "graphs")])
 def test_batched_greedy_equals_generate(model, mode, rows_at_once):
     if mode == "packed" and not fbgemm_available():
         pytest.skip("fbgemm is not in this torch build")
@@ -52,9 +53,9 @@ def test_batched_greedy_equals_generate(model, mode, rows_at_once):
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert all(len(set(e)) > 3 for e in expected), "the oracle should not be a constant stream"
 
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode=mode)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode=mode, graphs=rows_at_once == "graphs")
     if rows_at_once:  # as on CUDA: the one-token rows of a step in one masked SDPA call a layer
-        runner._rows_at_once = True
+        runner._rows_at_once = True  # and with "graphs", steps of one-token rows padded to fixed shapes
     for cache in (runner.kv.keys, runner.kv.values):
         cache.fill_(float("nan"))  # what a cache allocated empty may hold where nothing was written yet
     scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=64)
@@ -68,6 +69,8 @@ def test_batched_greedy_equals_generate(model, mode, rows_at_once):
         scheduler.update(plan, runner.run(plan))
     assert mixed_steps > 0, "prefill chunks and decode rows should share device calls"
     assert [s.output_ids for s in seqs] == expected
+    if rows_at_once == "graphs":  # steps of 1, 2 and 4 padded rows attending to 128-512 positions
+        assert {(1, 128), (2, 128), (4, 256), (4, 512)} <= set(runner._graphs.shapes)
 
 
 def test_engine_text_equals_generate(tiny_model_dir, smol_tokenizer):

@@ -29,6 +29,8 @@ class EngineConfig:
     what runs beside it with mashbox's kernels; with ``float32`` that takes
     ``batch_invariant`` (fixed-shape matmul tiles, slower alone); fbgemm's fp16
     kernel does not promise it on every CPU.
+    ``cuda_graphs``: on CUDA, steps of one-token rows run at fixed shapes, each
+    shape captured once as a CUDA graph and replayed (one launch a step).
     A ``ctx`` above the context the model was trained on is refused unless
     ``allow_long_context`` (answers degrade past it); one whose KV cache
     (``ctx`` x ``slots``) needs more memory than the device has free is refused.
@@ -46,6 +48,7 @@ class EngineConfig:
     cache_disk_gib: float = 0.0
     cache_dir: str | None = None
     batch_invariant: bool = True
+    cuda_graphs: bool = True
     quiet: bool = False
     allow_long_context: bool = False
 

@@ -68,14 +68,15 @@ class Runtime:
         self.tokenizer = loaded.tokenizer
         self.ctx = _context(config, loaded)
         per_token = kv_bytes_per_token(loaded.checkpoint.spec, kv_dtype(device, mode, load_dtype))
-        check_fits(self.ctx, config.slots, per_token, available(device),
+        graphs = config.cuda_graphs and device.type == "cuda"
+        check_fits(self.ctx, config.slots + graphs, per_token, available(device),
                    "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
         self._chars_per_token = _most_chars_per_token(self.tokenizer)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens)")
-        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode)
+        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode, graphs)
         self.info = _info(loaded, self.ctx, config.slots, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,

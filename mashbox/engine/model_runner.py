@@ -6,7 +6,8 @@ allocated once. Prompt chunks and decode rows of all running requests go
 through every layer together; attention runs per request over exactly its
 own keys: with mashbox's CPU kernels, one native call per layer for all
 one-token rows and one for all prompt chunks; on CUDA, one masked SDPA call
-per layer for all one-token rows. On the CPU with int8 or Q4_1 weights, a
+per layer for all one-token rows, and a step of one-token rows only replayed as a CUDA graph
+(``graphs.py``). On the CPU with int8 or Q4_1 weights, a
 step whose rows the kernels attend runs each layer as one native call
 (``FusedLayers``), the same kernels in the same order as the general path.
 It makes no policy decisions.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from mashbox.engine import native, ops, sampler
 from mashbox.engine.checkpoint import Checkpoint
+from mashbox.engine.graphs import DecodeGraphs
 from mashbox.engine.kv_cache import KVCache
 from mashbox.engine.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
 from mashbox.engine.scheduler import Plan, Work
@@ -54,14 +56,20 @@ def kv_dtype(device: torch.device, mode: str, weights_dtype: torch.dtype) -> tor
 
 
 class ModelRunner:
-    def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, mode: str = "tiled") -> None:
+    """``graphs``: run steps of one-token rows at fixed shapes (``DecodeGraphs``), captured as CUDA
+    graphs on a GPU; the KV cache gets one spare slot for the padding rows. Not with the CPU kernels."""
+
+    def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, mode: str = "tiled", graphs: bool = False) -> None:
         lib = native.load() if mode in ops.NATIVE_MODES else None
         self.weights = Weights.from_checkpoint(ckpt, ctx, mode, lib)
         self.device = self.weights.embed.device
         self.ops = ops.pick(self.device, lib, mode)
         native_ops = isinstance(self.ops, ops.NativeOps)
         kv_dtype = torch.float16 if native_ops else self.weights.embed.dtype
-        self.kv = KVCache.allocate(self.weights.spec, num_slots, ctx, kv_dtype, self.device)
+        graphs = graphs and not native_ops
+        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx, kv_dtype, self.device)
+        self._graphs = DecodeGraphs(self._padded_step, self.device, ctx, num_slots,
+                                    capture=self.device.type == "cuda") if graphs else None
         # The quantized forms attend with bf16 dot products where the kernels have them (their weights
         # round far more); the float16 form keeps fp32 attention, like its reference (fp16 weights).
         self._bf16 = int(mode in ("gguf", "q8"))
@@ -79,9 +87,11 @@ class ModelRunner:
         """Forward every token of ``plan``; one sampled token per sampling work item."""
         for op in plan.cache_ops:
             self._move(op)
-        batch = self._batch(plan)
-        hidden = self.forward(batch)[batch.sample_rows]
-        logits = self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
+        if self._graphs is not None and self._graphs.takes(plan):
+            logits = self._graphs.logits(plan)[[i for i, item in enumerate(plan.work) if item.sample]]
+        else:
+            batch = self._batch(plan)
+            logits = self._logits(self.forward(batch)[batch.sample_rows])
         sampling = [w.seq for w in plan.work if w.sample]
         for row, seq in zip(logits, sampling):
             if seq.constraint is not None:
@@ -93,6 +103,16 @@ class ModelRunner:
             [self._generator(seq) for seq in sampling],
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
+
+    def _padded_step(self, inputs: torch.Tensor, longest: int) -> torch.Tensor:
+        """The logits of a step of one-token rows given as ``DecodeGraphs`` pads them: ``inputs`` [5, rows]
+        holds each row's token, position, row, slot and attended length; no row attends past ``longest``."""
+        ids, positions, rows, slots, _ = inputs
+        batch = Batch(ids, positions, slots, rows, inputs[2:], longest, inputs.new_empty(4, 0), [])
+        return self._logits(self.forward(batch))
 
     def _move(self, op: CacheOp) -> None:
         """Carry out one prefix-cache copy between slots and host memory."""

@@ -1,0 +1,95 @@
+"""Decode steps at fixed shapes, replayed as CUDA graphs.
+
+On a GPU a small model's decode step is mostly kernel launches: ten or so per layer, each a few
+microseconds of work. ``DecodeGraphs`` runs a step whose every item is one token at a fixed shape
+(its rows padded to the next of a few sizes, the attended length to the next power of two) and on
+CUDA captures the forward, final norm and lm_head of each shape once, on first use, as one graph
+that later steps of that shape replay with a single launch. A padding row writes its key and value
+at position 0 of a spare KV slot no request holds and attends to that one position, so no
+request's cache changes. Without capture the same padded step runs eagerly (how the CPU tests
+check it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable
+
+import torch
+
+from mashbox.engine.scheduler import Plan
+
+SHORTEST = 128  # the fewest positions a shape attends to
+
+
+@dataclass(slots=True)
+class Shape:
+    """One padded step: the inputs a replay reads and the logits it writes."""
+
+    inputs: torch.Tensor  # [5, rows]: token id, position, row, slot, attended length
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """``step(inputs, length)``: the logits of a padded step's rows (``Shape.inputs``), each row
+    attending to at most ``length`` positions."""
+
+    def __init__(self, step: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device, ctx: int,
+                 spare: int, capture: bool) -> None:
+        self.step = step
+        self.device = device
+        self.ctx = ctx
+        self.spare = spare  # the KV slot padding rows write to
+        self.capture = capture
+        self.row_sizes = row_sizes(spare)
+        self.shapes: dict[tuple[int, int], Shape] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def takes(self, plan: Plan) -> bool:
+        """A step of one-token items only (decode rows, one-token prompt pieces), at most one a slot."""
+        return 0 < len(plan.work) <= self.row_sizes[-1] and all(len(item.token_ids) == 1 for item in plan.work)
+
+    def logits(self, plan: Plan) -> torch.Tensor:
+        """The logits of each item of ``plan`` (every one a single token), in order."""
+        n = len(plan.work)
+        rows = next(size for size in self.row_sizes if size >= n)
+        key = (rows, attended(max(item.position + 1 for item in plan.work), self.ctx))
+        shape = self.shapes.get(key) or self._shape(*key)
+        pad = rows - n
+        values = [[item.token_ids[0] for item in plan.work] + [0] * pad,
+                  [item.position for item in plan.work] + [0] * pad,
+                  list(range(rows)),
+                  [item.slot for item in plan.work] + [self.spare] * pad,
+                  [item.position + 1 for item in plan.work] + [1] * pad]
+        shape.inputs.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        if shape.graph is not None:
+            shape.graph.replay()
+        else:
+            shape.logits = self.step(shape.inputs, key[1])
+        return shape.logits[:n]
+
+    def _shape(self, rows: int, length: int) -> Shape:
+        inputs = torch.tensor([[0] * rows, [0] * rows, list(range(rows)), [self.spare] * rows, [1] * rows],
+                              dtype=torch.long, device=self.device)
+        shape = self.shapes[rows, length] = Shape(inputs)
+        if self.capture:  # the inputs name the spare slot only: the warm-up writes nowhere else
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.step(inputs, length)  # lazy set-up (cuBLAS workspaces) happens outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            shape.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(shape.graph, pool=self.pool, capture_error_mode="thread_local"):
+                shape.logits = self.step(inputs, length)
+        return shape
+
+
+def row_sizes(slots: int) -> list[int]:
+    """The padded row counts: powers of two below ``slots``, then ``slots``."""
+    return [1 << i for i in range(slots.bit_length()) if 1 << i < slots] + [slots]
+
+
+def attended(longest: int, ctx: int) -> int:
+    """The positions a padded step reads: the next power of two from ``SHORTEST``, at most ``ctx``."""
+    return min(ctx, max(SHORTEST, 1 << (longest - 1).bit_length()))
