@@ -15,6 +15,7 @@ It makes no policy decisions.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from mashbox.engine.weights import Weights
 
 if TYPE_CHECKING:
     from mashbox.engine.disk_cache import PageStore
+
+log = logging.getLogger("mashbox.engine")
 
 
 @dataclass(slots=True)
@@ -87,9 +90,8 @@ class ModelRunner:
         """Forward every token of ``plan``; one sampled token per sampling work item."""
         for op in plan.cache_ops:
             self._move(op)
-        if self._graphs is not None and self._graphs.takes(plan):
-            logits = self._graphs.logits(plan)[[i for i, item in enumerate(plan.work) if item.sample]]
-        else:
+        logits = self._replayed(plan) if self._graphs is not None and self._graphs.takes(plan) else None
+        if logits is None:
             batch = self._batch(plan)
             logits = self._logits(self.forward(batch)[batch.sample_rows])
         sampling = [w.seq for w in plan.work if w.sample]
@@ -103,6 +105,17 @@ class ModelRunner:
             [self._generator(seq) for seq in sampling],
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
+
+    def _replayed(self, plan: Plan) -> torch.Tensor | None:
+        """The sampled items' logits from a padded step (a CUDA graph); None, and every later step
+        eager, where a step cannot be captured on this device."""
+        try:
+            logits = self._graphs.logits(plan)
+        except RuntimeError as err:
+            log.warning("CUDA graphs off, every step runs eagerly: capturing a decode step failed (%s)", err)
+            self._graphs = None
+            return None
+        return logits[[i for i, item in enumerate(plan.work) if item.sample]]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
