@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mashbox.engine import catalog
+from mashbox.engine import catalog, loader
 from mashbox.engine.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
 from mashbox.engine.loader import LoadedModel, converted_dir, load
 from mashbox.errors import ModelLoadError
@@ -66,6 +66,7 @@ def test_second_load_reads_converted_copy_with_the_same_model(smol: LoadedModel)
     converted = converted_dir(resolve("smollm2-135m"), torch.float32)
     assert (converted / "complete").is_file()
     assert json.loads((converted / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((converted / "source.json").read_text())["path"] == smol.weights
     again = load("smollm2-135m")
     first, second = smol.checkpoint, again.checkpoint
     assert first.tensors.keys() == second.tensors.keys()
@@ -90,6 +91,37 @@ def test_corrupt_cached_copy_is_named_then_built_again(smol: LoadedModel, caplog
     assert weights.stat().st_size > 500_000_000 and (converted / "complete").is_file()
     assert torch.equal(again.checkpoint.tensors["model.norm.weight"], smol.checkpoint.tensors["model.norm.weight"])
     assert again.checkpoint.blocks.keys() == smol.checkpoint.blocks.keys()
+
+
+def test_saving_a_converted_copy_removes_the_stale_ones(tmp_path: Path, smol_tokenizer) -> None:
+    """Copies whose GGUF is gone or changed go (and those made before copies named their GGUF);
+    copies of a GGUF still there, and copies being written, stay."""
+    folder = tmp_path / "converted"
+    kept, changed = tmp_path / "kept.gguf", tmp_path / "changed.gguf"
+    kept.write_bytes(b"GGUF kept")
+    changed.write_bytes(b"GGUF before")
+
+    def copy(name: str, gguf: Path | None, *, complete: bool = True) -> Path:
+        path = folder / name
+        path.mkdir(parents=True)
+        if gguf is not None:
+            stat = gguf.stat() if gguf.exists() else os.stat_result((0,) * 10)
+            made_from = {"path": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            (path / "source.json").write_text(json.dumps(made_from))
+        if complete:
+            (path / "complete").write_text("ok\n")
+        return path
+
+    gone, old = copy("gone", tmp_path / "deleted.gguf"), copy("old", None)
+    stays, writing, now_changed = copy("stays", kept), copy("writing.x1", None, complete=False), copy("c", changed)
+    changed.write_bytes(b"GGUF after, longer")
+    net = LlamaForCausalLM(LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=16, intermediate_size=32,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    new = folder / "new"
+    loader._save_converted(net, smol_tokenizer, new, kept)
+    assert (new / "complete").is_file() and json.loads((new / "source.json").read_text())["path"] == str(kept)
+    assert {p.name for p in folder.iterdir()} == {"new", "stays", "writing.x1"}
+    assert not any(p.exists() for p in (gone, old, now_changed)) and stays.exists() and writing.exists()
 
 
 def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ silenced during the load.
 Reading a GGUF with transformers is slow (parsing metadata and dequantizing: ~20 s for SmolLM2 on
 2 CPU cores), so the first load of a GGUF saves the dequantized model as an HF directory under
 ``<cache>/converted/`` (keyed by file path, size, mtime and dtype); later loads read that (well
-under a second).
+under a second). Each copy names the GGUF it was made from; saving one removes the copies whose
+GGUF is gone or changed since (a deleted environment, a reinstalled package), ~4 bytes a weight
+each.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _DONE = "complete"  # marker file in a converted directory, written last
+_SOURCE = "source.json"  # the GGUF a converted directory was made from: path, size, mtime
 log = logging.getLogger("mashbox.engine")
 
 
@@ -105,7 +108,7 @@ def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: to
             net = _load_model(read, dt)
             if cold:
                 step("saving the converted weights for faster loads")
-                _save_converted(net, tokenizer, converted)
+                _save_converted(net, tokenizer, converted, source.path)
             step(f"moving the weights to {dev}")
             ckpt = checkpoint.Checkpoint.from_model(net.to(dev))
         if converted is not None and dev.type == "cpu":
@@ -242,10 +245,33 @@ def converted_dir(source: ModelSource, dtype: torch.dtype) -> Path | None:
     """Where the dequantized copy of a GGUF source lives in the cache; None for HF sources."""
     if source.kind != "gguf":
         return None
-    stat = source.path.stat()
-    key = f"{source.path}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    made_from = _made_from(source.path)
+    key = "|".join(str(made_from[k]) for k in ("path", "size", "mtime_ns")).encode()
     name = f"{source.path.stem}-{hashlib.sha256(key).hexdigest()[:12]}-{str(dtype).split('.')[-1]}"
     return cache_dir() / "converted" / name
+
+
+def _made_from(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"path": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _stale(copy: Path) -> bool:
+    """A complete converted copy whose GGUF is gone or changed, or that does not say which it is."""
+    try:
+        made_from = json.loads((copy / _SOURCE).read_text())
+        return _made_from(Path(made_from["path"])) != made_from
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def _prune_converted(folder: Path, keep: Path) -> None:
+    """Remove the complete copies in ``folder`` but ``keep`` that are stale (copies made before they
+    named their GGUF are stale too: whichever environment still uses one converts its GGUF again)."""
+    for copy_dir in folder.iterdir():
+        if copy_dir != keep and (copy_dir / _DONE).is_file() and _stale(copy_dir):  # else in use, or being written
+            log.info("removing the converted copy '%s': its GGUF is gone or changed", copy_dir)
+            shutil.rmtree(copy_dir, ignore_errors=True)
 
 
 def _as_hf(source: ModelSource, converted: Path) -> ModelSource:
@@ -253,8 +279,9 @@ def _as_hf(source: ModelSource, converted: Path) -> ModelSource:
 
 
 def _save_converted(net: transformers.PreTrainedModel,
-                    tokenizer: transformers.PreTrainedTokenizerBase, dest: Path) -> None:
-    """Save a GGUF-loaded model as an HF directory (best effort: a failure only costs speed)."""
+                    tokenizer: transformers.PreTrainedTokenizerBase, dest: Path, gguf: Path) -> None:
+    """Save a model read from ``gguf`` as an HF directory (best effort: a failure only costs speed),
+    then remove the stale copies beside it."""
     from safetensors.torch import save_model
 
     config = copy.deepcopy(net.config)
@@ -270,9 +297,11 @@ def _save_converted(net: transformers.PreTrainedModel,
         net.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_model(net, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / _SOURCE).write_text(json.dumps(_made_from(gguf)))
         (tmp / _DONE).write_text("ok\n")
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
+        _prune_converted(dest.parent, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
 
