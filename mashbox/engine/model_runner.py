@@ -68,9 +68,9 @@ class ModelRunner:
         self.device = self.weights.embed.device
         self.ops = ops.pick(self.device, lib, mode)
         native_ops = isinstance(self.ops, ops.NativeOps)
-        kv_dtype = torch.float16 if native_ops else self.weights.embed.dtype
         graphs = graphs and not native_ops
-        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx, kv_dtype, self.device)
+        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx,
+                                   kv_dtype(self.device, mode, self.weights.embed.dtype), self.device)
         self._graphs = DecodeGraphs(self._padded_step, self.device, ctx, num_slots,
                                     capture=self.device.type == "cuda") if graphs else None
         # The quantized forms attend with bf16 dot products where the kernels have them (their weights
