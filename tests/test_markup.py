@@ -156,6 +156,28 @@ def test_a_line_that_repeats_a_call_to_an_unknown_tool_is_cut_at_the_second():
     assert parse([prose], names=frozenset({"read"})) == [("text", prose)]  # no repeat: all kept
 
 
+def test_calls_that_count_up_end_the_answer_after_four_of_a_shape():
+    """Pi on mashbox (Responses, 2026-12-02): after reading the file the model counted the word's
+    number up, edit -> write -> bash each time, 120 calls in one answer (Pi ran them all). Calls
+    that differ only in their numbers: four of a kind are kept, the fifth ends the answer."""
+    names = frozenset({"edit", "write", "bash", "read"})
+
+    def cycle(n):
+        return [{"name": "edit", "arguments": {"path": "s.txt", "edits": [{"oldText": f"w{n}", "newText": f"w{n + 1}"}]}},
+                {"name": "write", "arguments": {"path": "s.txt", "content": f"w{n + 1}"}},
+                {"name": "bash", "arguments": {"command": f"echo 'w{n + 1}' > s.txt"}}]
+
+    calls = [c for n in range(195, 205) for c in cycle(n)]
+    text = "".join(f"<tool_call>{json.dumps(c)}</tool_call>\n" for c in calls)
+    m = Markup(names=names)
+    events = coalesce(m.push(text) + m.flush())
+    assert [(e[2], e[3]) for e in events] == [(c["name"], c["arguments"]) for c in calls[:12]] and m.repeated
+    reads = "".join(f'<tool_call>{{"name": "read", "arguments": {{"path": "part{i}.txt"}}}}</tool_call>\n'
+                    for i in range(1, 5))
+    m = Markup(names=names)
+    assert len([e for e in coalesce(m.push(reads) + m.flush()) if e[0] == "call"]) == 4 and not m.repeated
+
+
 def test_a_repeated_call_line_followed_only_by_blanks_still_ends_the_answer():
     """Pi on mashbox (Anthropic Messages): a call, then that call again as a line of text, then
     newlines until max_tokens. The line's own newline completes it: the answer ends there."""

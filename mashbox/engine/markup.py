@@ -9,8 +9,10 @@ ends as plain text, never as a broken call. A call the answer already made (same
 same arguments) ends the answer: ``repeated`` turns True, nothing more comes out, and the engine
 stops the request (a small model otherwise writes the same call until its token budget runs out).
 So does a line of text that is a call the answer already wrote (a call to a tool that does not
-exist, or one whose JSON is broken, stays text; written again, it is the same loop), and a run of
-more than ``BLANK_LINES`` blank lines.
+exist, or one whose JSON is broken, stays text; written again, it is the same loop), a call (or
+such a line) that differs from ``SAME_SHAPE`` earlier ones only in its numbers (a model counting
+up: edit 195 -> 196, write 196, edit 196 -> 197, ...), and a run of more than ``BLANK_LINES``
+blank lines.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,8 @@ class CallFormat:
 HERMES = CallFormat()
 CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
 BLANK_LINES = 32  # more blank lines in a row than this is a loop too
+SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
+NUMBERS = re.compile(r"\d+")
 BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -69,6 +74,7 @@ class Markup:
         self.blank = ""
         self.num_calls = 0
         self.made: set[tuple[str, str]] = set()
+        self.shapes: Counter[tuple[str, str]] = Counter()  # the calls made, their numbers left out
         self.repeated = False
         self.line = ""
         self.bare = BareCall(names) if calls and names else None
@@ -207,9 +213,13 @@ class Markup:
                 ToolCallEnd(index)]
 
     def _made_before(self, key: tuple[str, str]) -> bool:
-        """Whether the answer already made this call; else it is noted as made."""
-        seen = key in self.made
+        """Whether the answer already made this call, or ``SAME_SHAPE`` calls that differ from it
+        only in their numbers; it is noted as made."""
+        name, arguments = key
+        shape = (name, NUMBERS.sub("0", arguments))
+        seen = key in self.made or self.shapes[shape] >= SAME_SHAPE
         self.made.add(key)
+        self.shapes[shape] += 1
         return seen
 
     def _watched(self, text: str) -> str:
