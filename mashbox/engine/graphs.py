@@ -3,8 +3,9 @@
 On a GPU a small model's decode step is mostly kernel launches: ten or so per layer, each a few
 microseconds of work. ``DecodeGraphs`` runs a step whose every item is one token at a fixed shape
 (its rows padded to the next of a few sizes, the attended length to the next power of two) and on
-CUDA captures the forward, final norm and lm_head of each shape once, on first use, as one graph
-that later steps of that shape replay with a single launch. A padding row writes its key and value
+CUDA captures the forward of each shape once, on first use, as one graph that later steps of that
+shape replay with a single launch (the final norm and lm_head then run on the rows that sample
+only, not on the padding). A padding row writes its key and value
 at position 0 of a spare KV slot no request holds and attends to that one position, so no
 request's cache changes. Without capture the same padded step runs eagerly (how the CPU tests
 check it).
@@ -24,16 +25,16 @@ SHORTEST = 128  # the fewest positions a shape attends to
 
 @dataclass(slots=True)
 class Shape:
-    """One padded step: the inputs a replay reads and the logits it writes."""
+    """One padded step: the inputs a replay reads and the hidden states it writes."""
 
     inputs: torch.Tensor  # [5, rows]: token id, position, row, slot, attended length
-    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
-    """``step(inputs, length)``: the logits of a padded step's rows (``Shape.inputs``), each row
-    attending to at most ``length`` positions."""
+    """``step(inputs, length)``: the last hidden states of a padded step's rows (``Shape.inputs``),
+    each row attending to at most ``length`` positions."""
 
     def __init__(self, step: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device, ctx: int,
                  spare: int, capture: bool) -> None:
@@ -50,8 +51,8 @@ class DecodeGraphs:
         """A step of one-token items only (decode rows, one-token prompt pieces), at most one a slot."""
         return 0 < len(plan.work) <= self.row_sizes[-1] and all(len(item.token_ids) == 1 for item in plan.work)
 
-    def logits(self, plan: Plan) -> torch.Tensor:
-        """The logits of each item of ``plan`` (every one a single token), in order."""
+    def hidden(self, plan: Plan) -> torch.Tensor:
+        """The last hidden state of each item of ``plan`` (every one a single token), in order."""
         n = len(plan.work)
         rows = next(size for size in self.row_sizes if size >= n)
         key = (rows, attended(max(item.position + 1 for item in plan.work), self.ctx))
@@ -66,8 +67,8 @@ class DecodeGraphs:
         if shape.graph is not None:
             shape.graph.replay()
         else:
-            shape.logits = self.step(shape.inputs, key[1])
-        return shape.logits[:n]
+            shape.hidden = self.step(shape.inputs, key[1])
+        return shape.hidden[:n]
 
     def _shape(self, rows: int, length: int) -> Shape:
         inputs = torch.tensor([[0] * rows, [0] * rows, list(range(rows)), [self.spare] * rows, [1] * rows],
@@ -81,7 +82,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             shape.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(shape.graph, pool=self.pool, capture_error_mode="thread_local"):
-                shape.logits = self.step(inputs, length)
+                shape.hidden = self.step(inputs, length)
         return shape
 
 

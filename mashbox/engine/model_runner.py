@@ -107,25 +107,24 @@ class ModelRunner:
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
 
     def _replayed(self, plan: Plan) -> torch.Tensor | None:
-        """The sampled items' logits from a padded step (a CUDA graph); None, and every later step
+        """The sampled items' logits after a padded step (a CUDA graph); None, and every later step
         eager, where a step cannot be captured on this device."""
         try:
-            logits = self._graphs.logits(plan)
+            hidden = self._graphs.hidden(plan)
         except RuntimeError as err:
             log.warning("CUDA graphs off, every step runs eagerly: capturing a decode step failed (%s)", err)
             self._graphs = None
             return None
-        return logits[[i for i, item in enumerate(plan.work) if item.sample]]
+        return self._logits(hidden[[i for i, item in enumerate(plan.work) if item.sample]])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
 
     def _padded_step(self, inputs: torch.Tensor, longest: int) -> torch.Tensor:
-        """The logits of a step of one-token rows given as ``DecodeGraphs`` pads them: ``inputs`` [5, rows]
+        """The forward of a step of one-token rows as ``DecodeGraphs`` pads them: ``inputs`` [5, rows]
         holds each row's token, position, row, slot and attended length; no row attends past ``longest``."""
         ids, positions, rows, slots, _ = inputs
-        batch = Batch(ids, positions, slots, rows, inputs[2:], longest, inputs.new_empty(4, 0), [])
-        return self._logits(self.forward(batch))
+        return self.forward(Batch(ids, positions, slots, rows, inputs[2:], longest, inputs.new_empty(4, 0), []))
 
     def _move(self, op: CacheOp) -> None:
         """Carry out one prefix-cache copy between slots and host memory."""
