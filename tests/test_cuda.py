@@ -36,7 +36,8 @@ def test_cuda_engine_answers_batched_and_constrained(tiny_model_dir):
 @torch.inference_mode()
 def test_cuda_graph_replays_equal_the_eager_step():
     torch.manual_seed(3)
-    model = LlamaForCausalLM(tiny_config(500)).eval().to("cuda", torch.bfloat16)
+    device = f"cuda:{torch.cuda.device_count() - 1}"  # a device named by index (the last one), as EngineConfig allows
+    model = LlamaForCausalLM(tiny_config(500)).eval().to(device, torch.bfloat16)
     runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=256, mode="plain", graphs=True)
     seqs = []
     for slot, n in zip((0, 2, 3), (5, 9, 140)):

@@ -8,7 +8,7 @@ from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
 from mashbox.engine.checkpoint import Checkpoint
-from mashbox.engine.graphs import attended, row_sizes
+from mashbox.engine.graphs import LONGEST, DecodeGraphs, attended, row_sizes
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.scheduler import Plan, Work
 from mashbox.engine.sequence import Sequence
@@ -26,6 +26,20 @@ def test_row_sizes_double_up_to_the_slots():
                                                    (300, 512, 512), (512, 512, 512), (100, 64, 64)])
 def test_attended_length_is_the_next_power_of_two_within_the_context(longest, ctx, expected):
     assert attended(longest, ctx) == expected
+
+
+def test_steps_of_one_token_rows_within_the_longest_shape_are_taken():
+    graphs = DecodeGraphs(lambda inputs, length: inputs, torch.device("cpu"), ctx=8192, spare=4, capture=False)
+    seqs = [Sequence(str(i), [5], SamplingParams(), 8) for i in range(5)]
+
+    def plan(*items):
+        return Plan([Work(seq, tokens, position, True) for seq, (tokens, position) in zip(seqs, items)])
+
+    assert graphs.takes(plan(((7,), 10), ((8,), LONGEST - 1)))
+    assert not graphs.takes(plan(((7,), 10), ((8,), LONGEST)))  # attends past the longest shape: eager
+    assert not graphs.takes(plan(((7,), 10), ((8, 9), 20)))  # a prompt chunk
+    assert not graphs.takes(plan(*[((7,), 10)] * 5))  # more rows than slots
+    assert not graphs.takes(Plan([]))
 
 
 @pytest.fixture(scope="module")

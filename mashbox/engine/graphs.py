@@ -13,6 +13,7 @@ check it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ import torch
 from mashbox.engine.scheduler import Plan
 
 SHORTEST = 128  # the fewest positions a shape attends to
+LONGEST = 4096  # the most: a longer step runs eagerly (its time is attention, not launches, and a
+# graph pool keeps the scratch of the largest shape it captured for good)
 
 
 @dataclass(slots=True)
@@ -46,44 +49,73 @@ class DecodeGraphs:
         self.row_sizes = row_sizes(spare)
         self.shapes: dict[tuple[int, int], Shape] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream(device) if capture else None  # every capture into the pool on one stream
 
     def takes(self, plan: Plan) -> bool:
-        """A step of one-token items only (decode rows, one-token prompt pieces), at most one a slot."""
-        return 0 < len(plan.work) <= self.row_sizes[-1] and all(len(item.token_ids) == 1 for item in plan.work)
+        """A step of one-token items only (decode rows, one-token prompt pieces), at most one a slot,
+        none past ``LONGEST`` positions."""
+        return (0 < len(plan.work) <= self.row_sizes[-1] and all(len(item.token_ids) == 1 for item in plan.work)
+                and max(item.position for item in plan.work) < LONGEST)
 
     def hidden(self, plan: Plan) -> torch.Tensor:
-        """The last hidden state of each item of ``plan`` (every one a single token), in order."""
-        n = len(plan.work)
-        rows = next(size for size in self.row_sizes if size >= n)
-        key = (rows, attended(max(item.position + 1 for item in plan.work), self.ctx))
-        shape = self.shapes.get(key) or self._shape(*key)
-        pad = rows - n
-        values = [[item.token_ids[0] for item in plan.work] + [0] * pad,
-                  [item.position for item in plan.work] + [0] * pad,
-                  list(range(rows)),
-                  [item.slot for item in plan.work] + [self.spare] * pad,
-                  [item.position + 1 for item in plan.work] + [1] * pad]
-        shape.inputs.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
-        if shape.graph is not None:
-            shape.graph.replay()
-        else:
-            shape.hidden = self.step(shape.inputs, key[1])
-        return shape.hidden[:n]
+        """The last hidden state of each item of ``plan`` (every one a single token), in order; valid
+        until the next call."""
+        with torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():
+            n = len(plan.work)
+            rows = next(size for size in self.row_sizes if size >= n)
+            key = (rows, attended(max(item.position + 1 for item in plan.work), self.ctx))
+            shape = self.shapes.get(key) or self._shape(*key)
+            pad = rows - n
+            values = [[item.token_ids[0] for item in plan.work] + [0] * pad,
+                      [item.position for item in plan.work] + [0] * pad,
+                      list(range(rows)),
+                      [item.slot for item in plan.work] + [self.spare] * pad,
+                      [item.position + 1 for item in plan.work] + [1] * pad]
+            shape.inputs.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            if shape.graph is not None:
+                shape.graph.replay()
+            else:
+                shape.hidden = self.step(shape.inputs, key[1])
+            return shape.hidden[:n]
 
     def _shape(self, rows: int, length: int) -> Shape:
         inputs = torch.tensor([[0] * rows, [0] * rows, list(range(rows)), [self.spare] * rows, [1] * rows],
                               dtype=torch.long, device=self.device)
-        shape = self.shapes[rows, length] = Shape(inputs)
+        shape = Shape(inputs)
         if self.capture:  # the inputs name the spare slot only: the warm-up writes nowhere else
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.step(inputs, length)  # lazy set-up (cuBLAS workspaces) happens outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            shape.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(shape.graph, pool=self.pool, capture_error_mode="thread_local"):
-                shape.hidden = self.step(inputs, length)
+            self._capture(shape, length)
+        self.shapes[rows, length] = shape
         return shape
+
+    def _capture(self, shape: Shape, length: int) -> None:
+        """A warm-up on a side stream (lazy set-up, cuBLAS workspaces, happens outside the capture),
+        then the capture."""
+        current = torch.cuda.current_stream()
+        warm = torch.cuda.Stream(self.device)
+        warm.wait_stream(current)
+        with torch.cuda.stream(warm):
+            self.step(shape.inputs, length)
+        current.wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                shape.hidden = self.step(shape.inputs, length)
+        except RuntimeError:
+            self._abandon(current)
+            raise
+        shape.graph = graph
+
+    def _abandon(self, stream: torch.cuda.Stream) -> None:
+        """Undo what ``torch.cuda.graph`` leaves where its ``capture_end`` raises (torch 2.13): its
+        capture stream current, the allocator still allocating to and holding the graph pool. (Where
+        the step itself raised, the capture ended and the stream is back: nothing to undo.)"""
+        if torch.cuda.current_stream() == stream:
+            return
+        torch.cuda.set_stream(stream)
+        index = torch.cuda.current_device()
+        for undo in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+            with contextlib.suppress(RuntimeError):
+                undo(index, self.pool)
 
 
 def row_sizes(slots: int) -> list[int]:
