@@ -5,10 +5,9 @@ microseconds of work. ``DecodeGraphs`` runs a step whose every item is one token
 (its rows padded to the next of a few sizes, the attended length to the next power of two) and on
 CUDA captures the forward of each shape once, on first use, as one graph that later steps of that
 shape replay with a single launch (the final norm and lm_head then run on the rows that sample
-only, not on the padding). A padding row writes its key and value
-at position 0 of a spare KV slot no request holds and attends to that one position, so no
-request's cache changes. Without capture the same padded step runs eagerly (how the CPU tests
-check it).
+only, not on the padding). A padding row writes its key and value at position 0 of a spare KV
+slot no request holds and attends to that one position, so no request's cache changes. Without
+capture the same padded step runs eagerly (how the CPU tests check it).
 """
 
 from __future__ import annotations
