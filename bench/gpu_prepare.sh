@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What bench/gpu_check.sh needs on the device machine that its image lacks, gathered here (no device
 # time spent): wheels of mashbox's and its tests' packages for that machine's Python (CPython 3.12,
-# x86-64 Linux; PYVER to change it) at the versions this checkout's .venv runs, and the SmolLM2
+# x86-64 Linux; PYVER to change it) at the versions this checkout's .venv runs (torch and accelerate
+# are the machine's own: accelerate's wheel would pull a CUDA torch), and the SmolLM2
 # tokenizer (the embedded GGUF, 98 MB, is more than a device call carries). Writes .gpu/ (ignored
 # by git), which the device call carries:
 #   bash bench/gpu_prepare.sh
@@ -11,7 +12,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 PYVER=${PYVER:-3.12}
 rm -rf .gpu && mkdir -p .gpu/wheels
 pins=$("$PYTHON" -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in (
-    "pydantic", "llguidance", "gguf", "litestar", "uvicorn", "openai", "anthropic", "jsonschema")))')
+    "transformers", "pydantic", "llguidance", "gguf", "litestar", "uvicorn", "openai", "anthropic", "jsonschema")))')
 platforms="--platform manylinux2014_x86_64"
 for n in 17 24 27 28 31 34 35 39; do platforms+=" --platform manylinux_2_${n}_x86_64"; done
 # shellcheck disable=SC2086
