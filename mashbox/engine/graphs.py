@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mashbox.engine.scheduler import Plan
+from mashbox.engine.scheduler import Plan, Work
 
 SHORTEST = 128  # the fewest positions a shape attends to
 LONGEST = 4096  # the most: a longer step runs eagerly (its time is attention, not launches, and a
@@ -64,23 +64,24 @@ class DecodeGraphs:
             rows = next(size for size in self.row_sizes if size >= n)
             key = (rows, attended(max(item.position + 1 for item in plan.work), self.ctx))
             shape = self.shapes.get(key) or self._shape(*key)
-            pad = rows - n
-            values = [[item.token_ids[0] for item in plan.work] + [0] * pad,
-                      [item.position for item in plan.work] + [0] * pad,
-                      list(range(rows)),
-                      [item.slot for item in plan.work] + [self.spare] * pad,
-                      [item.position + 1 for item in plan.work] + [1] * pad]
-            shape.inputs.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            shape.inputs.copy_(self._inputs(plan.work, rows, "cpu"), non_blocking=True)
             if shape.graph is not None:
                 shape.graph.replay()
             else:
                 shape.hidden = self.step(shape.inputs, key[1])
             return shape.hidden[:n]
 
+    def _inputs(self, work: list[Work], rows: int, device: torch.device | str) -> torch.Tensor:
+        """``Shape.inputs`` for ``work``'s one-token items, padded to ``rows`` with rows of the spare slot."""
+        pad = rows - len(work)
+        return torch.tensor([[item.token_ids[0] for item in work] + [0] * pad,
+                             [item.position for item in work] + [0] * pad,
+                             list(range(rows)),
+                             [item.slot for item in work] + [self.spare] * pad,
+                             [item.position + 1 for item in work] + [1] * pad], dtype=torch.long, device=device)
+
     def _shape(self, rows: int, length: int) -> Shape:
-        inputs = torch.tensor([[0] * rows, [0] * rows, list(range(rows)), [self.spare] * rows, [1] * rows],
-                              dtype=torch.long, device=self.device)
-        shape = Shape(inputs)
+        shape = Shape(self._inputs([], rows, self.device))
         if self.capture:  # the inputs name the spare slot only: the warm-up writes nowhere else
             self._capture(shape, length)
         self.shapes[rows, length] = shape
