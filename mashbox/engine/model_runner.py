@@ -6,9 +6,9 @@ allocated once. Prompt chunks and decode rows of all running requests go
 through every layer together; attention runs per request over exactly its
 own keys: with mashbox's CPU kernels, one native call per layer for all
 one-token rows and one for all prompt chunks; on CUDA, one masked SDPA call
-per layer for all one-token rows, and a step of one-token rows only replayed as a CUDA graph
-(``graphs.py``). On the CPU with int8 or Q4_1 weights, a
-step whose rows the kernels attend runs each layer as one native call
+per layer for all one-token rows, and a step of one-token rows only replayed
+as a CUDA graph (``graphs.py``). On the CPU with int8 or Q4_1 weights, a step
+whose rows the kernels attend runs each layer as one native call
 (``FusedLayers``), the same kernels in the same order as the general path.
 It makes no policy decisions.
 """
