@@ -1,11 +1,16 @@
 """mashbox against the peers it finds, side by side in one run, on the same GGUF and load.
 
-    .venv/bin/python bench/compare.py [--llama-server PATH] [--llama-cpp-python PYTHON] [--transformers]
+    .venv/bin/python bench/compare.py [--model ID-or-.gguf] [--llama-server PATH] [--llama-cpp-python PYTHON]
+                                      [--transformers]
 
 Starts each server in turn on 127.0.0.1 (never two at once: they share the machine), waits for
 its health, then drives it with bench/loadgen.py at each stream count (~107-token prompts, 128 new
 tokens, greedy, streaming), times one 2k-token prompt to its first token (prefill speed), and a
-second 2k-token prompt sharing the first's prefix (the prefix cache). Peers: llama.cpp's
+second 2k-token prompt sharing the first's prefix (the prefix cache). ``--model`` takes a catalog id or a
+GGUF path (default smollm2-135m); the table then says how many bytes of weights a decode step reads
+(every matrix of the file once; the embedding only if it is also the output) and the GB/s each server
+reaches at one stream, beside what this machine's memory gives a plain read (bench/memory_read.py).
+Peers: llama.cpp's
 ``llama-server`` (``--llama-server``, else on PATH, else where bench/build_llama_server.sh
 puts it) with 16 slots on the same GGUF; llama-cpp-python's server (``--llama-cpp-python``, a
 python that has it, else where bench/build_llama_cpp_python.sh puts it) on the same GGUF, which
@@ -59,10 +64,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def smollm2_gguf() -> Path:
+def gguf_of(model: str) -> tuple[str, Path]:
+    """(id, GGUF path) of a catalog id or a GGUF path."""
     from mashbox.engine.catalog import resolve
 
-    return resolve("smollm2-135m").path
+    source = resolve(model)
+    if source.kind != "gguf":
+        raise SystemExit(f"{model}: compare.py runs the peers on a GGUF; this is an HF directory")
+    return source.id, source.path
+
+
+def bytes_per_token(gguf: Path) -> int:
+    """Bytes of weights a decode step reads: every matrix once, the embedding only where it is the output."""
+    from mashbox.engine.gguf_file import GGUFFile
+
+    f = GGUFFile(gguf)
+    sizes = {name: f.raw(name).numel() for name, info in f.tensors.items() if len(info.shape) > 1}
+    tied = "output.weight" not in sizes
+    return sum(size for name, size in sizes.items() if name != "token_embd.weight" or tied)
 
 
 def amx_without_support() -> bool:
@@ -73,35 +92,41 @@ def amx_without_support() -> bool:
         return False
 
 
-def mashbox_server(port: int, threads: int, pages: str) -> Server:
+def mashbox_server(model: str, port: int, threads: int, pages: str) -> Server:
     """mashbox with its prompt pages in ``pages``, an empty folder: the cold prompt is cold."""
-    command = [str(ROOT / ".venv/bin/mashbox"), "run", "--port", str(port), "--ctx", str(CTX), "--slots", str(SLOTS),
-               "--cache-dir", pages]
-    return Server("mashbox", command, "smollm2-135m", {"OMP_NUM_THREADS": str(threads)})
+    command = [str(ROOT / ".venv/bin/mashbox"), "run", model, "--port", str(port), "--ctx", str(CTX), "--slots",
+               str(SLOTS), "--cache-dir", pages]
+    return Server("mashbox", command, gguf_of(model)[0], {"OMP_NUM_THREADS": str(threads)})
 
 
-def llama_server(binary: str, port: int, threads: int) -> Server:
-    command = [binary, "-m", str(smollm2_gguf()), "--host", "127.0.0.1", "--port", str(port),
+def llama_server(model: str, binary: str, port: int, threads: int) -> Server:
+    name, path = gguf_of(model)
+    command = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
                "-c", str(CTX * SLOTS), "-np", str(SLOTS), "-t", str(threads), "--no-webui"]
     if amx_without_support():
         command.append("--no-repack")
-    return Server("llama-server", command, "smollm2-135m")
+    return Server("llama-server", command, name)
 
 
-def llama_cpp_python_server(python: str, port: int, threads: int) -> Server:
-    command = [python, "-m", "llama_cpp.server", "--model", str(smollm2_gguf()), "--model_alias", "smollm2-135m",
+def llama_cpp_python_server(model: str, python: str, port: int, threads: int) -> Server:
+    name, path = gguf_of(model)
+    command = [python, "-m", "llama_cpp.server", "--model", str(path), "--model_alias", name,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(CTX), "--n_threads", str(threads),
                "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--verbose", "False"]
-    return Server("llama-cpp-python", command, "smollm2-135m", health="/v1/models")
+    return Server("llama-cpp-python", command, name, health="/v1/models")
 
 
 def transformers_server(port: int, threads: int) -> Server:
+    """``transformers serve`` on the embedded model, dequantized once into an HF directory for it."""
     from mashbox.engine.catalog import cache_dir
+    from mashbox.engine.loader import hf_model, load
 
-    converted = sorted((cache_dir() / "converted").glob("SmolLM2*float32"))
-    model = str(converted[0]) if converted else "smollm2-135m"
-    command = [str(ROOT / ".venv/bin/transformers"), "serve", model, "--port", str(port), "--continuous-batching"]
-    return Server("transformers serve", command, model, {"OMP_NUM_THREADS": str(threads)})
+    model = cache_dir() / "bench" / "smollm2-135m-hf"
+    if not (model / "config.json").is_file():
+        hf_model("smollm2-135m").save_pretrained(model)
+        load("smollm2-135m").tokenizer.save_pretrained(model)
+    command = [str(ROOT / ".venv/bin/transformers"), "serve", str(model), "--port", str(port), "--continuous-batching"]
+    return Server("transformers serve", command, str(model), {"OMP_NUM_THREADS": str(threads)})
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float | None:
@@ -230,6 +255,22 @@ ROWS = [  # (figure, label, higher is better)
 ]
 
 
+def roofline(servers: list[Server], weights: int, threads: int) -> str:
+    """Bytes a decode step reads, the GB/s each server reaches at one stream, and the machine's plain read."""
+    import memory_read
+
+    read = memory_read.gb_per_s(threads)
+    lines = [f"weights read per decode step: {weights / 1e9:.3f} GB; a plain memory read here: {read:.1f} GB/s "
+             f"({threads} threads, bench/memory_read.py)"]
+    for s in servers:
+        tok_s = s.figures.get("tok_s_1")
+        if tok_s:
+            gb_s = tok_s * weights / 1e9
+            lines.append(f"{s.name}: {tok_s:.1f} tok/s at one stream = {gb_s:.1f} GB/s of weights, "
+                         f"{gb_s / read:.0%} of the plain read")
+    return "\n".join(lines)
+
+
 def table(servers: list[Server]) -> str:
     mine, peers = servers[0], servers[1:]
     head = ["figure", *(s.name for s in servers), "mashbox / best peer"]
@@ -250,6 +291,7 @@ def table(servers: list[Server]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="a catalog id or a .gguf path (default smollm2-135m)")
     parser.add_argument("--llama-server", default=None, help="the llama-server binary (default: PATH, then "
                         f"{DEFAULT_LLAMA})")
     parser.add_argument("--llama-cpp-python", default=None, help="a python with llama-cpp-python[server] (default: "
@@ -264,15 +306,15 @@ def main() -> None:
     args = parser.parse_args()
 
     pages = tempfile.TemporaryDirectory(prefix="mashbox-compare-")  # removed at exit
-    servers = [mashbox_server(free_port(), args.threads, pages.name)]
+    servers = [mashbox_server(args.model, free_port(), args.threads, pages.name)]
     binary = args.llama_server or shutil.which("llama-server") or (str(DEFAULT_LLAMA) if DEFAULT_LLAMA.exists() else None)
     if binary:
-        servers.append(llama_server(binary, free_port(), args.threads))
+        servers.append(llama_server(args.model, binary, free_port(), args.threads))
     else:
         print("no llama-server found: build it with bench/build_llama_server.sh", file=sys.stderr)
     python = args.llama_cpp_python or (str(DEFAULT_LLAMA_PYTHON) if DEFAULT_LLAMA_PYTHON.exists() else None)
     if python:
-        servers.append(llama_cpp_python_server(python, free_port(), args.threads))
+        servers.append(llama_cpp_python_server(args.model, python, free_port(), args.threads))
     else:
         print("no llama-cpp-python found: install it with bench/build_llama_cpp_python.sh", file=sys.stderr)
     if args.transformers:
@@ -282,6 +324,8 @@ def main() -> None:
         measure(server, args)
     print()
     print(table(servers))
+    print()
+    print(roofline(servers, bytes_per_token(gguf_of(args.model)[1]), args.threads))
     if args.json:
         Path(args.json).write_text(json.dumps({s.name: {"figures": s.figures, "note": s.note} for s in servers}, indent=2))
 

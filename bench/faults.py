@@ -140,19 +140,17 @@ def corrupt_cache() -> list[str]:
     from mashbox.engine.catalog import cache_dir, resolve
     from mashbox.engine.loader import converted_dir
 
-    import torch
-
     source = resolve("smollm2-135m")
-    own = converted_dir(source, torch.float32)
+    own = converted_dir(source)
     with tempfile.TemporaryDirectory(prefix="mashbox-cache-") as cache:
         copy = Path(cache) / own.relative_to(cache_dir())
         if (own / "complete").is_file():
             shutil.copytree(own, copy)  # the user's copy stays whole
         else:
             return [f"no converted copy in {own} yet: run mashbox once first"]
-        weights = copy / "model.safetensors"
+        weights = copy / "tokenizer.json"
         with weights.open("r+b") as file:
-            file.truncate(1_000_000)
+            file.truncate(1_000)
         log = Path(cache) / "server.log"
         with log.open("w") as out:
             started = time.monotonic()

@@ -1,12 +1,15 @@
-"""GF/s of mashbox's Q4_1 and int8 matmul kernels at 1, 16 and 256 rows (a random weight, 2 threads).
+"""GF/s and GB/s of mashbox's matmul over each block format, at 1, 16 and 256 rows (random blocks,
+all threads), on the matrix shapes of Qwen2.5-1.5B (1536 wide, 8960 for the MLP's down).
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/kernel_speed.py
+    OMP_NUM_THREADS=2 .venv/bin/python bench/kernel_speed.py [--formats Q4_K Q6_K ...]
 
+Each shape is 64 MB or more of blocks, so a pass reads them from memory as a decode step does.
 Run it from two checkouts in turn (PYTHONPATH=<checkout>) to compare kernels side by side.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -14,26 +17,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_native import q41_blocks
+from quants import FORMATS, random_blocks
 
-from mashbox.engine import blocks, native
+from mashbox.engine import native
 from mashbox.engine.weights import Linear
 
-SHAPES = {"q41": [(576, 3072), (1536, 576), (576, 960)], "q8": [(896, 4864), (576, 49152)]}
-
-
-def linear(form: str, k: int, n: int, lib) -> Linear:
-    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
-    if form == "q8":
-        return Linear(weight, "q8", lib)
-    rows = q41_blocks(weight)
-    return Linear(blocks.dequantize(rows), "gguf", lib, rows)
+SHAPES = [(1536, 17920), (8960, 1536)]  # (K, N): gate and up together; down
 
 
 def seconds(fn, x: torch.Tensor) -> float:
-    reps, best = max(3, 2000 // x.shape[0]), float("inf")
+    reps, best = max(2, 64 // x.shape[0]), float("inf")
     fn(x)
-    for _ in range(5):
+    for _ in range(3):
         start = time.perf_counter()
         for _ in range(reps):
             fn(x)
@@ -42,14 +37,20 @@ def seconds(fn, x: torch.Tensor) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
+                        choices=sorted(FORMATS))
+    args = parser.parse_args()
     lib = native.load()
     assert lib is not None, "the kernels need a C compiler"
-    for form, shapes in SHAPES.items():
-        for k, n in shapes:
-            lin = linear(form, k, n, lib)
+    for name in args.formats:
+        for k, n in SHAPES:
+            blocks = random_blocks(name, n, k, seed=1)
+            lin = Linear("blocks", lib=lib, parts=[blocks])
             for m in (1, 16, 256):
                 t = seconds(lin, torch.randn(m, k))
-                print(f"{form:4} {k}x{n} rows {m:3}: {t * 1e6:9.0f} us {2 * m * n * k / t / 1e9:6.1f} GF/s", flush=True)
+                print(f"{name:5} {k}x{n} rows {m:3}: {t * 1e3:7.2f} ms {2 * m * n * k / t / 1e9:6.1f} GF/s "
+                      f"{blocks.data.nbytes / t / 1e9:5.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

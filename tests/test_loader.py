@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mashbox.engine import catalog, loader
 from mashbox.engine.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
-from mashbox.engine.loader import LoadedModel, converted_dir, load
+from mashbox.engine.loader import LoadedModel, converted_dir, hf_model, load
 from mashbox.errors import ModelLoadError
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -22,12 +22,12 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory):
-    """A private cache folder for this module (the converted GGUF copy lands there)."""
+    """A private cache folder for this module (the GGUF's tokenizer copy lands there)."""
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp("cache")
         mp.setenv("MASHBOX_CACHE", str(path))
         yield path
-    shutil.rmtree(path, ignore_errors=True)  # the converted copy is ~540 MB
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,26 @@ def test_catalog_lists_both_models() -> None:
 def test_embedded_model_loads(smol: LoadedModel) -> None:
     assert smol.id == "smollm2-135m"
     assert smol.checkpoint.model_type == "llama" and smol.checkpoint.spec.num_layers == 30
-    # every Q4_1 matrix of the GGUF kept as blocks (q and k rows put back in HF order: each
-    # dequantizes to exactly transformers' fp32 tensor, or it would have been left out)
-    assert len(smol.checkpoint.blocks) == 30 * 7
-    assert smol.checkpoint.blocks["model.layers.3.self_attn.q_proj.weight"].shape == (576, 576 // 32 * 20)
+    # every matrix of the GGUF as its blocks, a view of the file: 7 Q4_1 a layer, the embedding Q8_0
+    # (also the output: tied)
+    blocks = smol.checkpoint.blocks
+    assert len(blocks) == 30 * 7 + 2 and blocks["lm_head.weight"] is blocks["model.embed_tokens.weight"]
+    q = blocks["model.layers.3.self_attn.q_proj.weight"]
+    assert q.name == "Q4_1" and q.data.shape == (576, 576 // 32 * 20) and blocks["lm_head.weight"].name == "Q8_0"
     assert smol.weights.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert smol.device == torch.device("cpu") and smol.dtype == torch.float32
     assert smol.ctx_default == 8192
-    assert 0.5 < smol.gb < 0.6 and 5 < smol.bpw < 6
+    assert 0.09 < smol.gb < 0.11 and 5 < smol.bpw < 6  # the file's size
     assert smol.tokenizer.is_fast
+
+
+def test_gguf_tensors_are_the_weights_transformers_reads(smol: LoadedModel) -> None:
+    """Names, llama's q/k row order and the dequantization, against transformers' own GGUF reader."""
+    reference = hf_model("smollm2-135m").state_dict()
+    for name in ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+                 *[f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 29) for p in "qkvo"],
+                 *[f"model.layers.7.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]]:
+        assert torch.equal(smol.checkpoint.tensors[name], reference[name]), name
 
 
 def test_embedded_chat_template_is_chatml(smol: LoadedModel) -> None:
@@ -62,16 +73,16 @@ def test_embedded_chat_template_is_chatml(smol: LoadedModel) -> None:
     assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_second_load_reads_converted_copy_with_the_same_model(smol: LoadedModel) -> None:
-    converted = converted_dir(resolve("smollm2-135m"), torch.float32)
-    assert (converted / "complete").is_file()
-    assert json.loads((converted / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+def test_second_load_reads_the_tokenizer_copy_and_the_same_weights(smol: LoadedModel) -> None:
+    converted = converted_dir(resolve("smollm2-135m"))
+    assert (converted / "complete").is_file() and (converted / "tokenizer.json").is_file()
+    assert not (converted / "model.safetensors").exists()  # the weights are read from the GGUF itself
     assert json.loads((converted / "source.json").read_text())["path"] == smol.weights
     again = load("smollm2-135m")
     first, second = smol.checkpoint, again.checkpoint
-    assert first.tensors.keys() == second.tensors.keys()
-    assert second.tensors["lm_head.weight"] is second.tensors["model.embed_tokens.weight"]  # tied, saved once
-    assert all(torch.equal(t, second.tensors[name]) for name, t in first.tensors.items() if name in second.tensors)
+    assert first.blocks.keys() == second.blocks.keys()
+    assert all(torch.equal(b.data, second.blocks[name].data) for name, b in first.blocks.items())
+    assert torch.equal(first.tensors["model.norm.weight"], second.tensors["model.norm.weight"])
     assert (first.spec, first.eos_ids, first.trained_ctx) == (second.spec, second.eos_ids, second.trained_ctx)
     assert torch.equal(first.cos_sin(64, torch.float32)[0], second.cos_sin(64, torch.float32)[0])
     text = "The capital of France is <|im_start|> naïve"
@@ -81,21 +92,23 @@ def test_second_load_reads_converted_copy_with_the_same_model(smol: LoadedModel)
 
 
 def test_corrupt_cached_copy_is_named_then_built_again(smol: LoadedModel, caplog) -> None:
-    converted = converted_dir(resolve("smollm2-135m"), torch.float32)
-    weights = converted / "model.safetensors"
-    with weights.open("r+b") as file:
-        file.truncate(1_000_000)  # a disk that filled up, a copy cut short
+    converted = converted_dir(resolve("smollm2-135m"))
+    file = converted / "tokenizer.json"
+    size = file.stat().st_size
+    with file.open("r+b") as f:
+        f.truncate(size // 2)  # a disk that filled up, a copy cut short
     with caplog.at_level("WARNING", logger="mashbox.engine"):
         again = load("smollm2-135m")
-    assert f"The cached file '{weights}' does not read" in caplog.text and "building it again" in caplog.text
-    assert weights.stat().st_size > 500_000_000 and (converted / "complete").is_file()
-    assert torch.equal(again.checkpoint.tensors["model.norm.weight"], smol.checkpoint.tensors["model.norm.weight"])
-    assert again.checkpoint.blocks.keys() == smol.checkpoint.blocks.keys()
+    assert f"The cached file '{file}' does not read" in caplog.text and "building it again" in caplog.text
+    assert file.stat().st_size == size and (converted / "complete").is_file()
+    text = "The capital of France is"
+    assert again.tokenizer.encode(text) == smol.tokenizer.encode(text)
 
 
-def test_saving_a_converted_copy_removes_the_stale_ones(tmp_path: Path, smol_tokenizer) -> None:
-    """Copies whose GGUF is gone or changed go (and those made before copies named their GGUF);
-    copies of a GGUF still there, and copies being written, stay."""
+def test_saving_a_tokenizer_copy_removes_the_stale_ones(tmp_path: Path, smol_tokenizer) -> None:
+    """Copies whose GGUF is gone or changed go, and those made before copies named their GGUF, and
+    those an older mashbox made with the whole model in them; copies of a GGUF still there, and
+    copies being written, stay."""
     folder = tmp_path / "converted"
     kept, changed = tmp_path / "kept.gguf", tmp_path / "changed.gguf"
     kept.write_bytes(b"GGUF kept")
@@ -114,14 +127,15 @@ def test_saving_a_converted_copy_removes_the_stale_ones(tmp_path: Path, smol_tok
 
     gone, old = copy("gone", tmp_path / "deleted.gguf"), copy("old", None)
     stays, writing, now_changed = copy("stays", kept), copy("writing.x1", None, complete=False), copy("c", changed)
+    whole = copy("whole-float32", kept)
+    (whole / "model.safetensors").write_bytes(b"an older mashbox's dequantized model")
     changed.write_bytes(b"GGUF after, longer")
-    net = LlamaForCausalLM(LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=16, intermediate_size=32,
-                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     new = folder / "new"
-    loader._save_converted(net, smol_tokenizer, new, kept)
+    loader._save_tokenizer(smol_tokenizer, new, kept)
     assert (new / "complete").is_file() and json.loads((new / "source.json").read_text())["path"] == str(kept)
+    assert (new / "tokenizer.json").is_file()
     assert {p.name for p in folder.iterdir()} == {"new", "stays", "writing.x1"}
-    assert not any(p.exists() for p in (gone, old, now_changed)) and stays.exists() and writing.exists()
+    assert not any(p.exists() for p in (gone, old, now_changed, whole)) and stays.exists() and writing.exists()
 
 
 def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:

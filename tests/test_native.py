@@ -1,7 +1,7 @@
 """mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
 
-import dataclasses
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
-from mashbox.engine import blocks, checkpoint, native
-from mashbox.engine.checkpoint import Checkpoint
+from mashbox.engine import native
+from mashbox.engine.checkpoint import Checkpoint, Tensors
 from mashbox.engine.model_runner import ModelRunner
 from mashbox.engine.ops import NativeOps, TorchOps
 from mashbox.engine.scheduler import Scheduler
 from mashbox.engine.sequence import Sequence
-from mashbox.engine.weights import Linear, quantize_rows, weight_mode
+from mashbox.engine.weights import _linear, weight_mode
 
-from tiny import tiny_config
+from tiny import greedy, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -28,87 +28,11 @@ def lib():
     return lib
 
 
-def q8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes: x's rows as int8 blocks of 32, exact block sums, fp32 scaling."""
-    xb = x.view(x.shape[0], -1, 32)
-    xs = xb.abs().amax(-1) / 127
-    xq = torch.round(xb / torch.where(xs > 0, xs, 1)[..., None]).double()
-    sums = torch.einsum("mbk,nbk->mnb", xq, q.view(q.shape[0], -1, 32).double())
-    return (sums * (xs[:, None, :] * scales[None]).double()).sum(-1).float()
-
-
-@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574), (576, 4096)])  # the last: 9 rows on all threads
-def test_q8_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
-    g = torch.Generator().manual_seed(k + n)
-    weight = torch.randn(n, k, generator=g)
-    linear = Linear(weight, "q8", lib)
-    assert linear.mode == "q8" and linear.weight.dtype == torch.int8
-    assert linear.nbytes == -(-n // 8) * 8 * k // 32 * 36  # groups of 8 rows, 1 byte a weight, 4 a block
-    q, scales = quantize_rows(lib, weight)
-    dequantized = (q.view(n, -1, 32).float() * scales[..., None]).view(n, k)
-    assert torch.allclose(dequantized, weight, atol=weight.abs().max() / 127)
-    x = torch.randn(9, k, generator=g)
-    out = linear(x)
-    assert torch.allclose(out, q8_reference(x, q, scales), rtol=1e-4, atol=1e-3)
-    assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
-    for rows in range(1, 9):
-        assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"
-    _same_on_other_threads(linear, x, out)
-
-
-def _same_on_other_threads(linear: Linear, x: torch.Tensor, out: torch.Tensor) -> None:
-    """The work split into other tasks and shared by other threads gives the same bits."""
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            assert torch.equal(linear(x), out), f"the output changed on {n} threads"
-    finally:
-        torch.set_num_threads(threads)
-
-
-def q41_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] as GGUF Q4_1 blocks, quantized as llama.cpp does (d = range / 15, m = min)."""
-    n = weight.shape[0]
-    b = weight.view(n, -1, 32)
-    d, m = ((b.amax(-1) - b.amin(-1)) / 15).half(), b.amin(-1).half()
-    q = torch.round((b - m.float()[..., None]) / torch.where(d > 0, d, 1).float()[..., None]).clamp(0, 15)
-    q = q.to(torch.uint8)
-    raw = [d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2), q[..., :16] | (q[..., 16:] << 4)]
-    return torch.cat(raw, dim=-1).view(n, -1)
-
-
-@pytest.mark.parametrize("k,n", [(64, 96), (576, 1728), (1536, 574), (576, 4096)])  # the last: 9 rows on all threads
-def test_q41_linear_matches_its_reference_and_each_row_stands_alone(lib, k, n):
-    g = torch.Generator().manual_seed(k + n)
-    rows = q41_blocks(torch.randn(n, k, generator=g))
-    weight = blocks.dequantize(rows)
-    linear = Linear(weight, "gguf", lib, rows)
-    assert linear.mode == "q41" and linear.nbytes == -(-n // 8) * 8 * k // 32 * 20  # groups of 8 rows
-    x = torch.randn(9, k, generator=g)
-    out = linear(x)
-    # q = (w - m) / d exactly, so the int8-activation reference is q8's with d and m split out
-    xb = x.view(9, -1, 32)
-    xs = xb.abs().amax(-1) / 127
-    xq = torch.round(xb / xs[..., None]).double()
-    d = rows.view(n, -1, 20)[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
-    m = rows.view(n, -1, 20)[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
-    q = ((weight.view(n, -1, 32).double() - m[..., None]) / torch.where(d > 0, d, 1)[..., None]).round()
-    sums = torch.einsum("xbk,nbk->xnb", xq, q)
-    expected = (sums * d[None] * xs[:, None].double() + m[None] * (xq.sum(-1) * xs.double())[:, None]).sum(-1)
-    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-3)
-    assert torch.allclose(out, x @ weight.T, rtol=0.05, atol=0.05 * float((x @ weight.T).abs().max()))
-    for r in range(1, 9):
-        assert torch.equal(linear(x[:r])[r - 1], out[r - 1]), f"row {r - 1} changed with {r} rows"
-    _same_on_other_threads(linear, x, out)
-
-
-def test_gguf_mode_without_blocks_is_int8(lib):
-    assert Linear(torch.randn(64, 64), "gguf", lib).mode == "q8"
-
-
-def test_q8_falls_back_when_the_width_is_not_a_multiple_of_32(lib):
-    assert Linear(torch.randn(8, 40), "q8", lib).mode in ("packed", "plain")
+def test_float_weights_are_int8_blocks_and_a_width_off_32_falls_back(lib):
+    ckpt = SimpleNamespace(tensors=Tensors({"a": torch.randn(64, 64), "b": torch.randn(8, 40)}), blocks={})
+    assert _linear(ckpt, ["a"], "gguf", lib).formats == ["int8"]
+    assert _linear(ckpt, ["a"], "q8", lib).formats == ["int8"]
+    assert _linear(ckpt, ["b"], "q8", lib).mode in ("packed", "plain")
 
 
 def test_elementwise_ops_match_torch(lib):
@@ -203,21 +127,6 @@ def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib,
     assert torch.equal(split[64:69], out[337:342])
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
-    """Greedy answers. The steps are given times in which a prompt token costs 1-4 decode rows, so
-    that beside decoding rows prompts are cut mid-chunk where the runner allows it."""
-    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=64, busy_tokens=64,
-                          cut_anywhere=runner.cut_anywhere)
-    seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
-    for s in seqs:
-        scheduler.add(s)
-    while scheduler.has_work:
-        plan = scheduler.schedule()
-        cost = 1 + len(scheduler.running) % 4
-        scheduler.update(plan, runner.run(plan), 0.001 * (plan.decode_rows + cost * plan.prompt_tokens))
-    return [s.output_ids for s in seqs]
-
-
 def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_path(lib):
     torch.manual_seed(7)
     model = LlamaForCausalLM(tiny_config(1000)).eval()
@@ -225,53 +134,12 @@ def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_pat
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="q8")
     assert runner._fused is not None and runner.kv.keys.dtype == torch.float16 and runner.cut_anywhere
-    batched = _greedy(runner, prompts)
-    assert [_greedy(runner, [p])[0] for p in prompts] == batched
+    assert {f for layer in runner.weights.layers for f in layer.gate_up.formats} == {"int8"}
+    batched = greedy(runner, prompts)
+    assert [greedy(runner, [p])[0] for p in prompts] == batched
     runner._fused = None
-    assert _greedy(runner, prompts) == batched
+    assert greedy(runner, prompts) == batched
     assert len({tuple(b) for b in batched}) == len(prompts)
-
-
-def test_q41_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_path(lib):
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(tiny_config(1000)).eval()
-    found = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "proj" in name:  # the layers' matrices, as a Q4_1 GGUF holds them
-                found[name] = q41_blocks(p)
-                p.copy_(blocks.dequantize(found[name]))
-    ckpt = dataclasses.replace(Checkpoint.from_model(model), blocks=found)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    runner = ModelRunner(ckpt, num_slots=4, ctx=512, mode="gguf")
-    assert runner._fused is not None and {layer.gate_up.mode for layer in runner.weights.layers} == {"q41"}
-    assert runner.cut_anywhere
-    batched = _greedy(runner, prompts)
-    assert [_greedy(runner, [p])[0] for p in prompts] == batched
-    runner._fused = None
-    assert _greedy(runner, prompts) == batched
-    exact = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="plain")
-    same = sum(a[:4] == b[:4] for a, b in zip(_greedy(exact, prompts), batched))
-    assert same >= 4, "Q4_1 weights used as blocks should mostly agree with the same weights in fp32"
-
-
-def test_the_gguf_form_never_reads_the_float_weights_its_blocks_stand_for(lib, tmp_path):
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(tiny_config(1000)).eval()
-    with torch.no_grad():
-        found = {name: q41_blocks(p) for name, p in model.named_parameters() if "proj" in name}
-        for name, p in model.named_parameters():
-            if name in found:
-                p.copy_(blocks.dequantize(found[name]))
-    model.save_pretrained(tmp_path)
-    read = dataclasses.replace(checkpoint.read(tmp_path, torch.device("cpu"), torch.float32), blocks=found)
-    runner = ModelRunner(read, num_slots=2, ctx=256, mode="gguf")
-    assert not [name for name in read.tensors._loaded if "proj" in name]  # only the embedding and norms
-    built = ModelRunner(dataclasses.replace(Checkpoint.from_model(model), blocks=found), num_slots=2, ctx=256,
-                        mode="gguf")
-    prompts = [[5, 9, 200, 31], list(range(40, 110))]
-    assert _greedy(runner, prompts) == _greedy(built, prompts)
 
 
 def test_q8_forward_stays_close_to_fp32(lib):

@@ -1,6 +1,12 @@
-"""A tiny random Llama config for tests that need a model but not a good one."""
+"""A tiny random Llama config for tests that need a model but not a good one, and greedy answers of a
+runner without an engine around it."""
 
 from transformers import LlamaConfig
+
+from mashbox import SamplingParams
+from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.scheduler import Scheduler
+from mashbox.engine.sequence import Sequence
 
 
 def tiny_config(vocab_size: int) -> LlamaConfig:
@@ -9,3 +15,19 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:
+    """Greedy answers (the runner has 4 slots of 512). The steps are given times in which a prompt
+    token costs 1-4 decode rows, so that beside decoding rows prompts are cut mid-chunk where the
+    runner allows it."""
+    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=32, step_tokens=64, busy_tokens=64,
+                          cut_anywhere=runner.cut_anywhere)
+    seqs = [Sequence(str(i), p, SamplingParams(), new) for i, p in enumerate(prompts)]
+    for s in seqs:
+        scheduler.add(s)
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        cost = 1 + len(scheduler.running) % 4
+        scheduler.update(plan, runner.run(plan), 0.001 * (plan.decode_rows + cost * plan.prompt_tokens))
+    return [s.output_ids for s in seqs]

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from mashbox.engine import quant
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _NEEDED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
@@ -46,7 +49,7 @@ class Checkpoint:
     rope_scale: float  # applied to cos and sin
     eos_ids: tuple[int, ...]  # from the generation config
     tensors: Tensors
-    blocks: dict[str, torch.Tensor] = field(default_factory=dict)  # a GGUF's Q4_1 blocks (blocks.py)
+    blocks: dict[str, quant.Blocks] = field(default_factory=dict)  # a GGUF's matrices as the file has them
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:
@@ -120,8 +123,7 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device) -> tuple[tor
     if kind == "default":
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        return inv_freq.to(device), 1.0
+        return rotary(theta, dim).to(device), 1.0
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -129,58 +131,91 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device) -> tuple[tor
     return inv_freq.float(), float(scale)
 
 
+def rotary(theta: float, dim: int) -> torch.Tensor:
+    """The plain rotary embedding's inverse frequencies [dim / 2], fp32."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
 def _ids(value: int | list[int] | None) -> tuple[int, ...]:
     values = value if isinstance(value, list) else [value]
     return tuple(v for v in values if v is not None)
 
 
-class Tensors(Mapping[str, torch.Tensor]):
-    """A checkpoint's tensors by name, tied embeddings under both their names. Those of safetensors
-    files (``read``) are read on first use, floating ones cast to the checkpoint's dtype, and kept."""
+class Stored(NamedTuple):
+    """A tensor not read yet: how to read it, its shape, and what it is stored as (tied names share one)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+    read: Callable[[], torch.Tensor]
+    shape: tuple[int, ...]
+    key: object
+
+
+class Tensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, tied embeddings under both their names. Stored ones (in
+    safetensors files, or a GGUF's blocks) are read on first use, floating ones cast to the
+    checkpoint's dtype and moved to its device, and kept."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+                 stored: dict[str, Stored] | None = None, device: torch.device | None = None) -> None:
         self._loaded = dict(tensors)
-        self._stored: dict[str, tuple[Any, str]] = {}  # name -> (open file, the name it is stored under)
+        self._stored = dict(stored or {})
+        self._read: dict[object, torch.Tensor] = {}  # by what they are stored as: tied names read once
         self._dtype = dtype  # what floating tensors read from files are cast to
+        self._device = device
         self._tie()
 
     @classmethod
     def read(cls, files: list[Path], device: torch.device, dtype: torch.dtype) -> Tensors:
         from safetensors import safe_open
 
-        tensors = cls({}, dtype)
+        stored = {}
         for file in files:
             handle = safe_open(file, framework="pt", device=str(device))
-            tensors._stored.update({name: (handle, name) for name in handle.keys()})  # noqa: SIM118 (not a dict)
-        tensors._tie()
-        return tensors
+            for name in handle.keys():  # noqa: SIM118 (not a dict)
+                stored[name] = Stored(partial(handle.get_tensor, name), tuple(handle.get_slice(name).get_shape()),
+                                      (file, name))
+        return cls({}, dtype, stored)
+
+    @classmethod
+    def of(cls, floats: dict[str, torch.Tensor], blocks: dict[str, quant.Blocks], dtype: torch.dtype,
+           device: torch.device, lib) -> Tensors:
+        """A GGUF's tensors: ``floats`` as they are, ``blocks`` dequantized on first use (``lib``: the
+        kernels that do it, else gguf-py's numpy code)."""
+        stored = {name: Stored(partial(t.float), tuple(t.shape), name) for name, t in floats.items()}
+        stored.update({name: Stored(partial(quant.dequantize, b, lib), (b.rows, b.k), name)
+                       for name, b in blocks.items()})
+        return cls({}, dtype, stored, device)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._loaded:
             return self._loaded[name]
-        handle, stored = self._stored[name]
-        tensor = self._loaded.get(stored)
+        stored = self._stored[name]
+        tensor = self._read.get(stored.key)
         if tensor is None:
-            tensor = handle.get_tensor(stored)
+            tensor = stored.read()
             tensor = tensor.to(self._dtype) if tensor.is_floating_point() and self._dtype else tensor
-        self._loaded[name] = self._loaded[stored] = tensor
+            tensor = tensor.to(self._device) if self._device is not None else tensor
+        self._loaded[name] = self._read[stored.key] = tensor
         return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter({**self._stored, **self._loaded})
 
     def __len__(self) -> int:
-        return len({**self._stored, **self._loaded})
+        return len(list(iter(self)))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._loaded or name in self._stored
+        return isinstance(name, str) and (name in self._loaded or name in self._stored)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """What floating tensors are cast to as they are read (None: as stored)."""
+        return self._dtype
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, without reading it."""
-        if name in self._loaded:
-            return tuple(self._loaded[name].shape)
-        handle, stored = self._stored[name]
-        return tuple(handle.get_slice(stored).get_shape())
+        if name in self._stored:
+            return self._stored[name].shape
+        return tuple(self._loaded[name].shape)
 
     @property
     def numel(self) -> int:
@@ -196,7 +231,7 @@ class Tensors(Mapping[str, torch.Tensor]):
     def _unique(self) -> list[str]:
         seen: dict[object, str] = {}
         for name in self:
-            seen.setdefault(self._stored[name][1] if name in self._stored else self._loaded[name].data_ptr(), name)
+            seen.setdefault(self._stored[name].key if name in self._stored else self._loaded[name].data_ptr(), name)
         return list(seen.values())
 
     def _tie(self) -> None:

@@ -253,20 +253,22 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
-_FORMS = {  # Linear mode -> what the info says of those weights
-    "q41": "GGUF Q4_1 blocks",
-    "q8": "int8",
-    "packed": "float16 (packed)",
-}
-
-
 def _info(loaded: LoadedModel, ctx: int, slots: int, weights: Weights) -> ModelInfo:
-    modes = sorted({lin.mode for lin in weights.linears}, key=list(_FORMS).index) if all(
-        lin.mode in _FORMS for lin in weights.linears) else []
-    if modes:
-        dtype = " + ".join(_FORMS[m] for m in modes) + " weights, float32 activations"
+    """What the weights are: their block formats, from the most common (e.g. "Q4_K + Q6_K + Q8_0 blocks,
+    float32 activations"), or the dtype of a float form."""
+    counts: dict[str, int] = {}
+    for lin in weights.linears:
+        for part in lin.parts:
+            counts[part.name] = counts.get(part.name, 0) + part.data.nbytes
+    modes = {lin.mode for lin in weights.linears}
+    if counts:
+        names = sorted(counts, key=lambda name: -counts[name])
+        dtype = " + ".join(names) + " blocks" + ("" if modes == {"blocks"} else " (float elsewhere)")
+        dtype += ", float32 activations"
+    elif modes == {"packed"}:
+        dtype = "float16 (packed) weights, float32 activations"
     else:
         dtype = str(loaded.dtype).removeprefix("torch.")
-    mode = "+".join(modes) or weights.linears[0].mode
+    mode = "blocks" if counts else weights.linears[0].mode
     return ModelInfo(loaded.id, ctx, slots, PurePath(loaded.weights).name, loaded.bpw, weights.nbytes / 1e9,
                      str(loaded.device), dtype, mode)

@@ -10,11 +10,10 @@
  * sequence of floating-point operations whatever other rows are in the call and
  * however many threads run it, so a request's tokens never depend on what runs beside it.
  *
- * Weights come in blocks of 32 along K, in one of two forms: int8 with one fp32 scale per block
- * (llama.cpp's Q8_0, with the scale widened), or a GGUF's own Q4_1 blocks kept as the file has
- * them (fp16 d and m, then 32 four-bit q; w = d * q + m). A matmul quantizes each activation row
- * to int8 blocks, sums int8 x int8 (or x uint4) products exactly in int32 per block and scales
- * them in fp32.
+ * Weights are a GGUF's own blocks as the file has them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+ * Q6_K), or mashbox's int8 blocks for weights that come as floats. A matmul quantizes each
+ * activation row to int8 blocks of 32, sums the products exactly in int32 per block and scales
+ * them in fp32 ("Matmuls over a GGUF's own blocks" below).
  */
 #include <linux/futex.h>
 #include <math.h>
@@ -225,327 +224,676 @@ static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
     }
 }
 
-/* Outputs are computed in tiles of up to TR activation rows x one group of 8 weight rows. */
-#define TR 4
-#define G8 8
+/* ---- Matmuls over a GGUF's own blocks ----
+ * A weight is N rows of K, each row its blocks in the file's order, in one of the formats below: ggml's
+ * type numbers, and MB_Q8, mashbox's own int8 (an fp32 scale, then 32 int8) for weights that come as
+ * floats or in a format these kernels do not read. A matmul quantizes each activation row to int8
+ * blocks of 32 (an fp32 scale each, and the sum of each 16 values), then takes the weight GR rows at a
+ * time (16 with AVX-512, else 8): it decodes their blocks into a buffer of unsigned bytes (4 positions
+ * of the GR rows in 4 GR bytes, so one byte-multiply serves 4 positions of GR rows), a scale for each 16
+ * or 32 weights and a min for each 32 where the format has one, then multiplies the buffer by every
+ * activation row. A block's dot product is exact in int32 (sum(u x) + offset sum(x)),
+ * and each output adds dot * (scale * xs), then min * (xs * sum(x)), block by block in order: one
+ * output in each lane, so its value is the same in any tile, beside any rows, on any thread. */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MB_Q8 = 100 };
 
-/* Int8 weights are kept (mb_q8_repack) in groups of 8 rows, block by block: for group g and block
- * b, 256 bytes where byte 32j + 4c + t holds w[c][4j + t] + 128 (as unsigned: VNNI multiplies
- * unsigned by signed bytes, so the activations stay signed and the exact dot is
- * sum((w + 128) x) - 128 sum(x)), and their scales [g, b, 8]. One byte-multiply serves 4
- * positions of 8 rows, and a block's 8 dot products land in the 8 lanes of one register: each lane
- * is one output, which adds its blocks in order, so its value is the same in any tile and with any
- * number of threads. */
-void mb_q8_repack(const int8_t *q, const float *s, int8_t *wq, float *ws, int64_t N, int64_t K) {
-    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
-    memset(wq, 0x80, groups * nb * G8 * QK);
-    memset(ws, 0, sizeof(float) * groups * nb * G8);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < nb; b++) {
-            int64_t at = (n / G8) * nb + b, c = n % G8;
-            ws[at * G8 + c] = s[n * nb + b];
-            for (int64_t j = 0; j < QK; j++)
-                wq[at * G8 * QK + 32 * (j / 4) + 4 * c + j % 4] = (int8_t)(q[n * K + b * QK + j] ^ 0x80);
-        }
-}
+struct format {
+    int values, bytes; /* a block's weights and bytes */
+    int unit;          /* weights under one scale: 16 or 32 */
+    int offset;        /* w = scale * (u + offset) + min, u the stored unsigned value */
+    int min;           /* whether each 32 weights have a min */
+};
 
-/* The sum of one block's int8 values. */
-static inline int32_t block_sum(const int8_t *q) {
-    int32_t sum = 0;
-    for (int l = 0; l < QK; l++) sum += q[l];
-    return sum;
-}
-
-/* Per block of an activation row: the sum of its int8 values (the int8 form's offset). */
-static void block_isums(const int8_t *q, int32_t *out, int64_t K) {
-    for (int64_t b = 0; b < K / QK; b++) out[b] = block_sum(q + b * QK);
-}
-
-#ifdef MB_AVX2
-/* y[r, 0..8) for rows r < rows against one group: per block, exact int32 dots, then
- * acc += dot * (ws * xs). With VNNI the stored w + 128 multiplies x directly and 128 sum(x) is
- * taken off; without, w's magnitude multiplies x with w's sign, as pairs of int16 products that
- * cannot overflow. A row's dot runs as two chains (even and odd j, exact in int32 and added) so
- * that the multiply-adds of a tile do not wait on each other. */
-static inline __attribute__((always_inline)) void tile(
-        const int8_t *xq, const float *xs, const int32_t *xt, const int8_t *w, const float *ws, int64_t K,
-        const int rows, float *y, int64_t ldy) {
-    int64_t nb = K / QK;
-#ifndef MB_VNNI
-    (void)xt;
-#endif
-    __m256 acc[TR];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int8_t *blk = w + b * G8 * QK;
-        __m256i sum[TR][2];
-        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-        for (int j = 0; j < QK / 4; j++) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 32 * j));
-#ifndef MB_VNNI
-            wv = _mm256_xor_si256(wv, _mm256_set1_epi8((char)0x80));
-            __m256i wa = _mm256_sign_epi8(wv, wv);
-#endif
-            for (int r = 0; r < rows; r++) {
-                int32_t x4;
-                memcpy(&x4, xq + r * K + b * QK + 4 * j, 4);
-#ifdef MB_VNNI
-                sum[r][j & 1] = dot4(sum[r][j & 1], wv, _mm256_set1_epi32(x4));
-#else
-                sum[r][j & 1] = dot4(sum[r][j & 1], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), wv));
-#endif
-            }
-        }
-        __m256 scale = _mm256_loadu_ps(ws + b * G8);
-        for (int r = 0; r < rows; r++) {
-            __m256i dot = _mm256_add_epi32(sum[r][0], sum[r][1]);
-#ifdef MB_VNNI
-            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * xt[r * nb + b]));
-#endif
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * nb + b])),
-                                     acc[r]);
-        }
+static int format_of(int64_t fmt, struct format *f) {
+    switch (fmt) {
+    case Q4_0: *f = (struct format){32, 18, 32, -8, 0}; return 1;
+    case Q4_1: *f = (struct format){32, 20, 32, 0, 1}; return 1;
+    case Q5_0: *f = (struct format){32, 22, 32, -16, 0}; return 1;
+    case Q5_1: *f = (struct format){32, 24, 32, 0, 1}; return 1;
+    case Q8_0: *f = (struct format){32, 34, 32, -128, 0}; return 1;
+    case Q4_K: *f = (struct format){256, 144, 32, 0, 1}; return 1;
+    case Q5_K: *f = (struct format){256, 176, 32, 0, 1}; return 1;
+    case Q6_K: *f = (struct format){256, 210, 16, -32, 0}; return 1;
+    case MB_Q8: *f = (struct format){32, 36, 32, -128, 0}; return 1;
     }
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+    return 0;
 }
-#else
-static void tile(const int8_t *xq, const float *xs, const int32_t *xt, const int8_t *w, const float *ws, int64_t K,
-                 int rows, float *y, int64_t ldy) {
-    (void)xt;
-    int64_t nb = K / QK;
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < G8; c++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const int8_t *blk = w + b * G8 * QK, *x = xq + r * K + b * QK;
-                int32_t sum = 0;
-                for (int j = 0; j < QK / 4; j++)
-                    for (int t = 0; t < 4; t++) sum += (int8_t)(blk[32 * j + 4 * c + t] ^ 0x80) * x[4 * j + t];
-                acc = fmaf((float)sum, ws[b * G8 + c] * xs[r * nb + b], acc);
-            }
-            y[r * ldy + c] = acc;
-        }
-}
-#endif
-
-/* Rows m.. (at most TR) against group g; a last group past N goes through a scratch row. */
-static void tile_at(const int8_t *xq, const float *xs, const int32_t *xt, const int8_t *w, const float *s,
-                    int64_t M, int64_t N, int64_t K, int64_t m, int64_t g, float *y) {
-    int64_t nb = K / QK, n = g * G8;
-    int rows = M - m < TR ? (int)(M - m) : TR;
-    const int8_t *xr = xq + m * K, *wg = w + g * nb * G8 * QK;
-    const float *sr = xs + m * nb, *sg = s + g * nb * G8;
-    const int32_t *tr = xt + m * nb;
-    if (N - n < G8) {
-        float part[TR * G8];
-        tile(xr, sr, tr, wg, sg, K, rows, part, G8);
-        for (int r = 0; r < rows; r++) memcpy(y + (m + r) * N + n, part + r * G8, sizeof(float) * (N - n));
-        return;
-    }
-    float *yr = y + m * N + n;
-    switch (rows) {
-    case 1: tile(xr, sr, tr, wg, sg, K, 1, yr, N); break;
-    case 2: tile(xr, sr, tr, wg, sg, K, 2, yr, N); break;
-    case 3: tile(xr, sr, tr, wg, sg, K, 3, yr, N); break;
-    default: tile(xr, sr, tr, wg, sg, K, 4, yr, N); break;
-    }
-}
-
-/* A GGUF Q4_1 block: fp16 d and m, then 16 bytes holding q[i] in the low nibble of byte i and
- * q[16 + i] in the high one. */
-#define Q41_BYTES 20
-/* Kept repacked (mb_q41_repack) in groups of 8 weight rows, block by block: for group g and block
- * b, 160 bytes: the 8 rows' fp16 d, their 8 fp16 m, then 128 bytes of 4-bit q where byte
- * 32i + 4c + t holds q[c][8i + t] in its low nibble and q[c][8i + 4 + t] in its high one. One
- * byte-multiply then serves 4 positions of 8 rows, so a block's 8 dot products come out in the 8
- * lanes of one register, with no horizontal sums; each lane is one output. */
-#define G8_BYTES (G8 * Q41_BYTES)
 
 static inline float h2f(uint16_t h);
 
-static inline int q41_at(const uint8_t *blk, int k) {
-    return k < 16 ? blk[4 + k] & 15 : blk[4 + k - 16] >> 4;
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h2f(h);
 }
 
-/* src [N, K / 32 * 20] (Q4_1 rows) -> dst [ceil(N / 8), K / 32, 160]; rows past N are zero. */
-void mb_q41_repack(const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
-    int64_t nb = K / QK, groups = (N + G8 - 1) / G8;
-    memset(dst, 0, groups * nb * G8_BYTES);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + (n * nb + b) * Q41_BYTES;
-            uint8_t *o = dst + ((n / G8) * nb + b) * G8_BYTES;
-            int c = (int)(n % G8);
-            memcpy(o + 2 * c, blk, 2);
-            memcpy(o + 16 + 2 * c, blk + 2, 2);
-            for (int i = 0; i < 4; i++)
-                for (int t = 0; t < 4; t++)
-                    o[32 + 32 * i + 4 * c + t] = (uint8_t)(q41_at(blk, 8 * i + t) | q41_at(blk, 8 * i + 4 + t) << 4);
-        }
-}
-
-/* Per block of an activation row: xs * (the sum of its int8 values), the weight of m. */
-static void block_sums(const int8_t *q, const float *s, float *out, int64_t K) {
-    for (int64_t b = 0; b < K / QK; b++) out[b] = s[b] * (float)block_sum(q + b * QK);
-}
-
-/* y[r, 0..8) for rows r < rows (at most TR) against one group of 8 weight rows. Per block and
- * output: acc += (exact int dot) * (d * xs), then acc += m * xsum; the same whatever `rows` is.
- * With VNNI a row's dot runs as two chains (low and high nibbles, exact in int32 and added).
- * Without, int16 sums cannot overflow: each of 8 products pairs is at most 2 * 15 * 127. */
-#ifdef MB_AVX2
-static inline __attribute__((always_inline)) void tile41(
-        const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, const int rows,
-        float *y, int64_t ldy) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    int64_t nb = K / QK;
-    __m256 acc[TR];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * G8_BYTES;
-        __m256i sum[TR], sum2[TR];
-        for (int r = 0; r < rows; r++) sum[r] = sum2[r] = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            __m256i p = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i));
-            __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *x = xq + r * K + b * QK + 8 * i;
-                int32_t x0, x1;
-                memcpy(&x0, x, 4);
-                memcpy(&x1, x + 4, 4);
+/* Without VNNI, unsigned x signed byte products are summed in int16 pairs, which 8-bit weights would
+ * overflow: those keep their sign (u = q, offset 0) and multiply as |w| x sign(x, w). */
 #ifdef MB_VNNI
-                sum[r] = dot4(sum[r], lo, _mm256_set1_epi32(x0));
-                sum2[r] = dot4(sum2[r], hi, _mm256_set1_epi32(x1));
+#define SIGNED8 0
 #else
-                sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
-                sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+#define SIGNED8 1
 #endif
+#define SIGNED(f) (SIGNED8 && (f)->offset == -128)
+
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One block of `fmt` at b: its weights' stored values u (f.values of them), a scale for each unit
+ * and a min for each 32 (where the format has them), as the file defines them: every scale and min
+ * is exact in fp32 (an fp16 times a small integer). */
+static void decode_block(int64_t fmt, const uint8_t *b, uint8_t *u, float *d, float *m, int sign) {
+    switch (fmt) {
+    case Q4_0:
+    case Q4_1: {
+        const uint8_t *qs = b + (fmt == Q4_0 ? 2 : 4);
+        d[0] = half_at(b);
+        if (fmt == Q4_1) m[0] = half_at(b + 2);
+        for (int i = 0; i < 16; i++) {
+            u[i] = qs[i] & 15;
+            u[i + 16] = qs[i] >> 4;
+        }
+        return;
+    }
+    case Q5_0:
+    case Q5_1: {
+        int one = fmt == Q5_1;
+        const uint8_t *qs = b + (one ? 8 : 6);
+        uint32_t qh;
+        memcpy(&qh, b + (one ? 4 : 2), 4);
+        d[0] = half_at(b);
+        if (one) m[0] = half_at(b + 2);
+        for (int i = 0; i < 16; i++) {
+            u[i] = (uint8_t)((qs[i] & 15) | ((qh >> i) & 1) << 4);
+            u[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+        }
+        return;
+    }
+    case Q8_0:
+    case MB_Q8: {
+        int at = fmt == Q8_0 ? 2 : 4;
+        if (fmt == Q8_0) d[0] = half_at(b);
+        else memcpy(d, b, 4);
+        for (int i = 0; i < 32; i++) u[i] = b[at + i] ^ (sign ? 0 : 0x80);
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        float dd = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (fmt == Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            int s, mm;
+            scale_min_k4(j, sc, &s, &mm);
+            d[j] = dd * (float)s;
+            m[j] = -dmin * (float)mm;
+        }
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t q = qs[32 * j + l], hi = fmt == Q5_K ? qh[l] >> (2 * j) : 0;
+                u[64 * j + l] = (uint8_t)((q & 15) | (hi & 1) << 4);
+                u[64 * j + 32 + l] = (uint8_t)((q >> 4) | (hi >> 1 & 1) << 4);
+            }
+        return;
+    }
+    case Q6_K: {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float dd = half_at(b + 208);
+        for (int j = 0; j < 16; j++) d[j] = dd * (float)sc[j];
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+            uint8_t *o = u + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
+                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4);
+                o[l + 64] = (uint8_t)((ql[l] >> 4) | (qh[l] >> 4 & 3) << 4);
+                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (qh[l] >> 6 & 3) << 4);
             }
         }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        for (int r = 0; r < rows; r++) {
-#ifdef MB_VNNI
-            __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(sum[r], sum2[r]));
-#else
-            __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], _mm256_set1_epi16(1)));
-#endif
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xm[r * nb + b]), acc[r]);
-        }
+        return;
     }
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+    }
+}
+
+/* Weight rows decoded together, one per lane of a vector: 16 in zmm where the CPU has AVX-512 with
+ * VNNI, else 8 in ymm. gv_* and gf_* are the integer and float vector operations at that width. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define GR 16
+typedef __m512i gvi;
+typedef __m512 gvf;
+#define gv_load(p) _mm512_loadu_si512((const void *)(p))
+#define gv_store(p, v) _mm512_storeu_si512((void *)(p), v)
+#define gv_set1(x) _mm512_set1_epi32(x)
+#define gv_zero() _mm512_setzero_si512()
+#define gv_add(a, b) _mm512_add_epi32(a, b)
+#define gv_and(a, b) _mm512_and_si512(a, b)
+#define gv_or(a, b) _mm512_or_si512(a, b)
+#define gv_srli(a, n) _mm512_srli_epi32(a, n)
+#define gv_slli(a, n) _mm512_slli_epi32(a, n)
+#define gv_sll(a, n) _mm512_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define gv_srai(a, n) _mm512_srai_epi32(a, n)
+#define gv_gather(base, at) _mm512_i32gather_epi32(at, (const void *)(base), 1)
+#define gv_lanes() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define gv_mullo(a, b) _mm512_mullo_epi32(a, b)
+#define gv_dotu(s, u, x) _mm512_dpbusd_epi32(s, u, x)
+#define gv_dots(s, w, x) _mm512_dpbusd_epi32(s, w, x)
+#define gf_load(p) _mm512_loadu_ps(p)
+#define gf_store(p, v) _mm512_storeu_ps(p, v)
+#define gf_set1(x) _mm512_set1_ps(x)
+#define gf_zero() _mm512_setzero_ps()
+#define gf_mul(a, b) _mm512_mul_ps(a, b)
+#define gf_sub(a, b) _mm512_sub_ps(a, b)
+#define gf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define gf_cvt(a) _mm512_cvtepi32_ps(a)
+#define gf_halves(v) _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)) /* the fp16 in each lane's low half */
+#elif defined(MB_AVX2)
+#define GR 8
+typedef __m256i gvi;
+typedef __m256 gvf;
+#define gv_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define gv_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define gv_set1(x) _mm256_set1_epi32(x)
+#define gv_zero() _mm256_setzero_si256()
+#define gv_add(a, b) _mm256_add_epi32(a, b)
+#define gv_and(a, b) _mm256_and_si256(a, b)
+#define gv_or(a, b) _mm256_or_si256(a, b)
+#define gv_srli(a, n) _mm256_srli_epi32(a, n)
+#define gv_slli(a, n) _mm256_slli_epi32(a, n)
+#define gv_sll(a, n) _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define gv_srai(a, n) _mm256_srai_epi32(a, n)
+#define gv_gather(base, at) _mm256_i32gather_epi32((const int *)(base), at, 1)
+#define gv_lanes() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+#define gv_mullo(a, b) _mm256_mullo_epi32(a, b)
+#define gv_dotu(s, u, x) dot4u(s, u, x)
+#define gv_dots(s, w, x) dot4s(s, w, x)
+#define gf_load(p) _mm256_loadu_ps(p)
+#define gf_store(p, v) _mm256_storeu_ps(p, v)
+#define gf_set1(x) _mm256_set1_ps(x)
+#define gf_zero() _mm256_setzero_ps()
+#define gf_mul(a, b) _mm256_mul_ps(a, b)
+#define gf_sub(a, b) _mm256_sub_ps(a, b)
+#define gf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define gf_cvt(a) _mm256_cvtepi32_ps(a)
+static inline __m256 gf_halves(__m256i v) {
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
 #else
-static void tile41(const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t K, int rows,
-                   float *y, int64_t ldy) {
-    int64_t nb = K / QK;
+#define GR 8
+#endif
+
+#ifdef MB_AVX2
+#ifdef MB_VNNI
+#define dot4u(sum, u, x) dot4(sum, u, x)
+#define dot4s(sum, w, x) dot4(sum, w, x)
+#else
+#define dot4u(sum, u, x) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
+#define dot4s(sum, w, x) dot4u(sum, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+#endif
+#endif
+
+/* Eight 8-dword rows transposed in place: r[i] dword j <-> r[j] dword i. */
+#ifdef MB_AVX2
+static inline void transpose8i(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+#endif
+
+/* The scales (and mins) of one block of `fmt` at b, as decode_block gives them. */
+static inline void block_scales(int64_t fmt, const uint8_t *b, float *d, float *m) {
+    switch (fmt) {
+    case Q4_0:
+    case Q5_0:
+    case Q8_0: d[0] = half_at(b); return;
+    case Q4_1:
+    case Q5_1:
+        d[0] = half_at(b);
+        m[0] = half_at(b + 2);
+        return;
+    case MB_Q8: memcpy(d, b, 4); return;
+    case Q4_K:
+    case Q5_K: { /* 8 six-bit scales and mins in 12 bytes, unpacked 4 at a time */
+        uint32_t u[3], sc[2], mn[2];
+        memcpy(u, b + 4, 12);
+        sc[0] = u[0] & 0x3f3f3f3f;
+        sc[1] = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
+        mn[0] = u[1] & 0x3f3f3f3f;
+        mn[1] = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
+        float dd = half_at(b), dmin = half_at(b + 2);
+        for (int j = 0; j < 8; j++) {
+            d[j] = dd * (float)(sc[j >> 2] >> 8 * (j & 3) & 0xFF);
+            m[j] = -dmin * (float)(mn[j >> 2] >> 8 * (j & 3) & 0xFF);
+        }
+        return;
+    }
+    case Q6_K: {
+        float dd = half_at(b + 208);
+        for (int j = 0; j < 16; j++) d[j] = dd * (float)(int8_t)b[192 + j];
+        return;
+    }
+    }
+}
+
+#ifdef MB_AVX2
+/* Each byte 0xFF where its bit of `bits` is set, else 0. */
+static inline __m256i bit_bytes(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_movm_epi8(bits);
+#else
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                    _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+#endif
+}
+
+/* Weights 32k .. 32k + 31 of the block of `fmt` at b: their stored values, as decode_block gives them. */
+static inline __m256i chunk_values(int64_t fmt, const uint8_t *b, int k, int sign) {
+    const __m256i low = _mm256_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+        int at = fmt == Q4_0 ? 2 : fmt == Q5_1 ? 8 : fmt == Q4_1 ? 4 : 6;
+        __m128i qs = _mm_loadu_si128((const __m128i *)(b + at));
+        __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
+        if (fmt == Q4_0 || fmt == Q4_1) return v;
+        uint32_t qh;
+        memcpy(&qh, b + at - 4, 4);
+        return _mm256_or_si256(v, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(0x10)));
+    }
+    case Q8_0:
+    case MB_Q8: {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(b + (fmt == Q8_0 ? 2 : 4)));
+        return sign ? v : _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+    }
+    case Q4_K:
+    case Q5_K: {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + (fmt == Q4_K ? 16 : 48) + 32 * (k >> 1)));
+        __m256i v = _mm256_and_si256(k & 1 ? _mm256_srli_epi16(q, 4) : q, low);
+        if (fmt == Q4_K) return v;
+        __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16)); /* bit k of each byte, to bit 4 */
+        h = k <= 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - k)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(k - 4));
+        return _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    }
+    case Q6_K: {
+        int n = k >> 2, s = k & 3;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (s & 1)));
+        __m256i v = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
+        __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)); /* bits 2s, 2s + 1 to 4, 5 */
+        h = s <= 2 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * s)) : _mm256_srli_epi16(h, 2);
+        return _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+    }
+    }
+    return _mm256_setzero_si256();
+}
+#endif
+
+#ifdef MB_AVX2
+/* Byte j of each lane, unsigned (or signed), as fp32 times s. */
+static inline gvf byte_times(gvi v, int j, int is_signed, gvf s) {
+    gvi x = gv_sll(v, 24 - 8 * j);
+    x = is_signed ? gv_srai(x, 24) : gv_srli(x, 24);
+    return gf_mul(gf_cvt(x), s);
+}
+
+/* The scales (and mins) of block b of GR rows, stride bytes apart from blk, into d [units][GR] and m
+ * [mins][GR]: the same values as block_scales, computed for the GR rows at once. */
+static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, float *d, float *m) {
+    gvi at = gv_mullo(gv_lanes(), gv_set1((int)stride)), low = gv_set1(0xFFFF);
+    switch (fmt) {
+    case Q4_K:
+    case Q5_K: {
+        gvi dd = gv_gather(blk, at), u0 = gv_gather(blk + 4, at), u1 = gv_gather(blk + 8, at), u2 = gv_gather(blk + 12, at);
+        gvi lo6 = gv_set1(0x3f3f3f3f), lo4 = gv_set1(0x0f0f0f0f), lo2 = gv_set1(0x03030303);
+        gvi sc[2] = {gv_and(u0, lo6), gv_or(gv_and(u2, lo4), gv_slli(gv_and(gv_srli(u0, 6), lo2), 4))};
+        gvi mn[2] = {gv_and(u1, lo6), gv_or(gv_and(gv_srli(u2, 4), lo4), gv_slli(gv_and(gv_srli(u1, 6), lo2), 4))};
+        gvf scale = gf_halves(gv_and(dd, low)), least = gf_sub(gf_zero(), gf_halves(gv_srli(dd, 16)));
+        for (int j = 0; j < 8; j++) {
+            gf_store(d + GR * j, byte_times(sc[j >> 2], j & 3, 0, scale));
+            gf_store(m + GR * j, byte_times(mn[j >> 2], j & 3, 0, least));
+        }
+        return;
+    }
+    case Q6_K: {
+        gvf scale = gf_halves(gv_and(gv_gather(blk + 208, at), low));
+        for (int i = 0; i < 4; i++) {
+            gvi sc = gv_gather(blk + 192 + 4 * i, at);
+            for (int j = 0; j < 4; j++) gf_store(d + GR * (4 * i + j), byte_times(sc, j, 1, scale));
+        }
+        return;
+    }
+    case MB_Q8: gv_store(d, gv_gather(blk, at)); return;
+    default: {
+        gvi dm = gv_gather(blk, at);
+        gf_store(d, gf_halves(gv_and(dm, low)));
+        if (f->min) gf_store(m, gf_halves(gv_srli(dm, 16)));
+    }
+    }
+}
+#else
+static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, float *d, float *m) {
+    float ds[16], ms[8];
+    for (int c = 0; c < GR; c++) {
+        block_scales(fmt, blk + c * stride, ds, ms);
+        for (int i = 0; i < f->values / f->unit; i++) d[i * GR + c] = ds[i];
+        for (int i = 0; f->min && i < f->values / 32; i++) m[i * GR + c] = ms[i];
+    }
+}
+#endif
+
+/* GR rows of a weight, `stride` bytes apart from row0, decoded for the tiles: q [K / 4][GR][4] (byte
+ * 4Gj + 4c + t of each block of 32 holds row c's weight 4j + t), scales d [K / unit][GR], mins m
+ * [K / 32][GR] (where the format has them). The rows are read a block of each in turn, which the
+ * CPU's prefetchers do not follow: the `ahead` bytes that come next (the next group's rows) are
+ * fetched meanwhile, a share with each block. */
+static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row0, int64_t stride, int64_t K,
+                         uint8_t *q, float *d, float *m, const uint8_t *next, int64_t ahead) {
+    int V = f->values, units = V / f->unit, mins = V / 32, sign = SIGNED(f);
+    int64_t nb = K / V, share = (ahead + nb - 1) / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t at = b * share; next && at < (b + 1) * share && at < ahead; at += 64)
+            __builtin_prefetch(next + at, 0, 1);
+        const uint8_t *blk = row0 + b * f->bytes;
+        group_scales(fmt, f, blk, stride, d + b * units * GR, m + b * mins * GR);
+        for (int k = 0; k < V / 32; k++) {
+            uint8_t *out = q + (b * V / 32 + k) * 32 * GR;
+#ifdef MB_AVX2
+            __m256i r[8];
+            for (int c = 0; c < 8; c++) r[c] = chunk_values(fmt, blk + c * stride, k, sign);
+            transpose8i(r);
+#if GR == 16
+            __m256i h[8];
+            for (int c = 0; c < 8; c++) h[c] = chunk_values(fmt, blk + (8 + c) * stride, k, sign);
+            transpose8i(h);
+            for (int j = 0; j < 8; j++) _mm512_storeu_si512(out + 64 * j, _mm512_inserti64x4(_mm512_castsi256_si512(r[j]), h[j], 1));
+#else
+            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(out + 32 * j), r[j]);
+#endif
+#else
+            uint8_t u[256];
+            float ds[16], ms[8];
+            for (int c = 0; c < GR; c++) {
+                decode_block(fmt, blk + c * stride, u, ds, ms, sign);
+                for (int j = 0; j < 8; j++) memcpy(out + 4 * GR * j + 4 * c, &u[32 * k + 4 * j], 4);
+            }
+#endif
+        }
+    }
+}
+
+/* Outputs are computed in tiles of up to TR activation rows x one group of GR weight rows. */
+#define TR 4
+
+/* A quantized activation row: int8 q[K], per 32 the scale s and s * (the sum of its q) sm, per 16 the
+ * sum of its q t (rows of a matmul lie K, K / 32 and K / 16 apart). */
+struct acts {
+    int8_t *q;
+    float *s, *sm;
+    int32_t *t;
+};
+
+#ifdef MB_AVX2
+
+/* y[r, 0..GR) for the rows r < rows of x against one decoded group. unit, offset, has_min and sign are
+ * the format's (constants where this is inlined); a block's weights sum in two chains (even and odd
+ * j, or with unit 16 the two halves) so that a tile's multiply-adds do not wait on each other. */
+static inline __attribute__((always_inline)) void tile(
+        struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, const int unit,
+        const int offset, const int has_min, const int sign, const int rows, float *y, int64_t ldy) {
+    int64_t nb = K / 32;
+    gvf acc[TR];
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = q + b * 32 * GR;
+        gvi sum[TR][2];
+        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
+        for (int j = 0; j < 8; j++) {
+            gvi w = gv_load(blk + 4 * GR * j);
+            int chain = unit == 16 ? j >> 2 : j & 1;
+            for (int r = 0; r < rows; r++) {
+                int32_t x4;
+                memcpy(&x4, x.q + r * K + b * 32 + 4 * j, 4);
+                if (sign) sum[r][chain] = gv_dots(sum[r][chain], w, gv_set1(x4));
+                else sum[r][chain] = gv_dotu(sum[r][chain], w, gv_set1(x4));
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const int32_t *t = x.t + r * 2 * nb + 2 * b;
+            gvf xs = gf_set1(x.s[r * nb + b]);
+            if (unit == 16) {
+                for (int h = 0; h < 2; h++) {
+                    gvi dot = gv_add(sum[r][h], gv_set1(offset * t[h]));
+                    acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d + (2 * b + h) * GR), xs), acc[r]);
+                }
+            } else {
+                gvi dot = gv_add(sum[r][0], sum[r][1]);
+                if (offset) dot = gv_add(dot, gv_set1(offset * (t[0] + t[1])));
+                acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d + b * GR), xs), acc[r]);
+            }
+            if (has_min) acc[r] = gf_fma(gf_load(m + b * GR), gf_set1(x.sm[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
+#else
+static void tile(struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, int unit, int offset,
+                 int has_min, int sign, int rows, float *y, int64_t ldy) {
+    int64_t nb = K / 32;
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < G8; c++) {
+        for (int c = 0; c < GR; c++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = w + b * G8_BYTES;
-                const int8_t *x = xq + r * K + b * QK;
-                int32_t sum = 0;
-                for (int i = 0; i < 4; i++)
-                    for (int t = 0; t < 4; t++) {
-                        uint8_t q = blk[32 + 32 * i + 4 * c + t];
-                        sum += (q & 15) * x[8 * i + t] + (q >> 4) * x[8 * i + 4 + t];
+                const uint8_t *blk = q + b * 32 * GR;
+                const int8_t *xq = x.q + r * K + b * 32;
+                const int32_t *t = x.t + r * 2 * nb + 2 * b;
+                int32_t sum[2] = {0, 0};
+                for (int j = 0; j < 8; j++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t u = blk[4 * GR * j + 4 * c + i];
+                        sum[unit == 16 ? j >> 2 : 0] += (sign ? (int8_t)u : u) * xq[4 * j + i];
                     }
-                acc = fmaf((float)sum, h2f(*(const uint16_t *)(blk + 2 * c)) * xs[r * nb + b], acc);
-                acc = fmaf(h2f(*(const uint16_t *)(blk + 16 + 2 * c)), xm[r * nb + b], acc);
+                float xs = x.s[r * nb + b];
+                if (unit == 16) {
+                    for (int h = 0; h < 2; h++) acc = fmaf((float)(sum[h] + offset * t[h]), d[(2 * b + h) * GR + c] * xs, acc);
+                } else {
+                    acc = fmaf((float)(sum[0] + offset * (t[0] + t[1])), d[b * GR + c] * xs, acc);
+                }
+                if (has_min) acc = fmaf(m[b * GR + c], x.sm[r * nb + b], acc);
             }
             y[r * ldy + c] = acc;
         }
 }
 #endif
 
-/* Rows m.. (at most TR) against group g; a last group past N goes through a scratch row. */
-static void tile41_at(const int8_t *xq, const float *xs, const float *xm, const uint8_t *w, int64_t M, int64_t N,
-                      int64_t K, int64_t m, int64_t g, float *y) {
-    int64_t nb = K / QK;
-    int rows = M - m < TR ? (int)(M - m) : TR;
-    const int8_t *xr = xq + m * K;
-    const float *sr = xs + m * nb, *mr = xm + m * nb;
-    const uint8_t *wg = w + g * nb * G8_BYTES;
-    int64_t n = g * G8;
-    if (N - n < G8) {
-        float part[TR * G8];
-        tile41(xr, sr, mr, wg, K, rows, part, G8);
-        for (int r = 0; r < rows; r++) memcpy(y + (m + r) * N + n, part + r * G8, sizeof(float) * (N - n));
-        return;
+/* The tile's forms: one specialised copy of `tile` each (rows 1..TR inlined below). */
+#define TILE_ROWS(u, o, mn, s)                                                   \
+    switch (rows) {                                                              \
+    case 1: tile(x, q, d, m, K, u, o, mn, s, 1, y, ldy); break;                  \
+    case 2: tile(x, q, d, m, K, u, o, mn, s, 2, y, ldy); break;                  \
+    case 3: tile(x, q, d, m, K, u, o, mn, s, 3, y, ldy); break;                  \
+    default: tile(x, q, d, m, K, u, o, mn, s, TR, y, ldy); break;                \
     }
-    float *yr = y + m * N + n;
-    switch (rows) {
-    case 1: tile41(xr, sr, mr, wg, K, 1, yr, N); break;
-    case 2: tile41(xr, sr, mr, wg, K, 2, yr, N); break;
-    case 3: tile41(xr, sr, mr, wg, K, 3, yr, N); break;
-    default: tile41(xr, sr, mr, wg, K, 4, yr, N); break;
+
+static void tile_any(const struct format *f, struct acts x, const uint8_t *q, const float *d, const float *m,
+                     int64_t K, int rows, float *y, int64_t ldy) {
+    if (SIGNED(f)) {
+        TILE_ROWS(32, 0, 0, 1)
+    } else if (f->unit == 16) {
+        TILE_ROWS(16, -32, 0, 0)
+    } else if (f->min) {
+        TILE_ROWS(32, 0, 1, 0)
+    } else if (f->offset == -8) {
+        TILE_ROWS(32, -8, 0, 0)
+    } else if (f->offset == -16) {
+        TILE_ROWS(32, -16, 0, 0)
+    } else {
+        TILE_ROWS(32, -128, 0, 0)
     }
 }
 
-/* One matmul as tasks: first x's rows quantized (with the per-block sums each form needs), then
- * the output in spans of weight groups. */
+/* A weight as mb_matmul takes it: up to 3 parts stacked by rows (q, k and v; gate and up), each
+ * n[p] rows of its own format, its rows' blocks at data[p]. */
+struct weight {
+    const uint8_t *data[3];
+    int64_t fmt[3], n[3], parts;
+};
+
 struct matmul {
-    const float *x, *s;
-    const void *w;
-    float *y, *xs, *xm;
-    int8_t *xq;
-    int32_t *xt;
-    int64_t M, N, K, rows_per_task, groups_per_task;
+    const float *x;
+    const struct weight *w;
+    float *y;
+    struct acts a;
+    int64_t M, N, K, rows_per_task, groups_per_task, groups;
+    int64_t first[4]; /* each part's first group; first[parts] = groups */
 };
 
 static void quantize_task(void *arg, int64_t task, int who) {
     (void)who;
     struct matmul *mm = arg;
     int64_t K = mm->K, nb = K / QK, end = (task + 1) * mm->rows_per_task;
-    for (int64_t m = task * mm->rows_per_task; m < end && m < mm->M; m++) {
-        quantize_row(mm->x + m * K, mm->xq + m * K, mm->xs + m * nb, K);
-        if (mm->s)
-            block_isums(mm->xq + m * K, mm->xt + m * nb, K);
-        else
-            block_sums(mm->xq + m * K, mm->xs + m * nb, mm->xm + m * nb, K);
+    for (int64_t r = task * mm->rows_per_task; r < end && r < mm->M; r++) {
+        int8_t *q = mm->a.q + r * K;
+        int32_t *t = mm->a.t + r * 2 * nb;
+        quantize_row(mm->x + r * K, q, mm->a.s + r * nb, K);
+        for (int64_t i = 0; i < 2 * nb; i++) {
+            int32_t sum = 0;
+            for (int l = 0; l < 16; l++) sum += q[16 * i + l];
+            t[i] = sum;
+        }
+        for (int64_t b = 0; b < nb; b++) mm->a.sm[r * nb + b] = mm->a.s[r * nb + b] * (float)(t[2 * b] + t[2 * b + 1]);
     }
+}
+
+/* This thread's buffer number `which` (0: a decoded group, 1: a last group's rows), grown as needed;
+ * each thread has its own. */
+static void *thread_buffer(int which, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t size[2];
+    if (bytes > size[which]) {
+        free(buf[which]);
+        size[which] = (bytes + 4095) / 4096 * 4096;
+        buf[which] = aligned_alloc(64, size[which]);
+    }
+    return buf[which];
 }
 
 static void tile_task(void *arg, int64_t task, int who) {
     (void)who;
     struct matmul *mm = arg;
-    int64_t end = (task + 1) * mm->groups_per_task, groups = (mm->N + G8 - 1) / G8;
-    for (int64_t g = task * mm->groups_per_task; g < end && g < groups; g++)
-        for (int64_t m = 0; m < mm->M; m += TR) {
-            if (mm->s)
-                tile_at(mm->xq, mm->xs, mm->xt, mm->w, mm->s, mm->M, mm->N, mm->K, m, g, mm->y);
-            else
-                tile41_at(mm->xq, mm->xs, mm->xm, mm->w, mm->M, mm->N, mm->K, m, g, mm->y);
+    const struct weight *w = mm->w;
+    int64_t K = mm->K, end = (task + 1) * mm->groups_per_task;
+    uint8_t *q = thread_buffer(0, GR * K + sizeof(float) * GR * (K / 16 + K / 32));
+    float *d = (float *)(q + GR * K), *m = d + GR * (K / 16);
+    for (int64_t g = task * mm->groups_per_task; g < end && g < mm->groups; g++) {
+        int p = 0, col = 0;
+        while (g >= mm->first[p + 1]) col += w->n[p++];
+        struct format f;
+        if (!format_of(w->fmt[p], &f)) continue;
+        int64_t row0 = (g - mm->first[p]) * GR, n = w->n[p] - row0 < GR ? w->n[p] - row0 : GR, bytes = K / f.values * f.bytes;
+        /* a last group's rows past the weight's end decode its last row again (their lanes are dropped) */
+        const uint8_t *first = w->data[p] + row0 * bytes, *next = first + n * bytes;
+        int64_t ahead = g + 1 < end && row0 + n < w->n[p] ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
+        if (n == GR) {
+            decode_group(w->fmt[p], &f, first, bytes, K, q, d, m, next, ahead);
+        } else { /* rows n.. alias row n - 1: as the stride cannot, copy the last group into a full one */
+            uint8_t *full = thread_buffer(1, GR * bytes);
+            for (int c = 0; c < GR; c++) memcpy(full + c * bytes, first + (c < n ? c : n - 1) * bytes, bytes);
+            decode_group(w->fmt[p], &f, full, bytes, K, q, d, m, NULL, 0);
         }
+        float *y = mm->y + col + row0, part[TR * GR];
+        for (int64_t r = 0; r < mm->M; r += TR) {
+            int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
+            int64_t nb = K / QK;
+            struct acts x = {mm->a.q + r * K, mm->a.s + r * nb, mm->a.sm + r * nb, mm->a.t + r * 2 * nb};
+            if (n == GR) {
+                tile_any(&f, x, q, d, m, K, rows_here, y + r * mm->N, mm->N);
+                continue;
+            }
+            tile_any(&f, x, q, d, m, K, rows_here, part, GR);
+            for (int i = 0; i < rows_here; i++) memcpy(y + (r + i) * mm->N, part + i * GR, sizeof(float) * n);
+        }
+    }
 }
 
-/* y[M, N] = x[M, K] @ dequant(w).T, x's rows quantized to int8 blocks. w: int8 weights repacked by
- * mb_q8_repack with their scales s, or (s NULL) Q4_1 blocks repacked by mb_q41_repack. */
-void mb_linear(const float *x, const void *w, const float *s, float *y, int64_t M, int64_t N, int64_t K) {
-    int64_t nb = K / QK, groups = (N + G8 - 1) / G8, parts = 4 * omp_get_max_threads();
-    if (M == 0 || N == 0) return;
-    struct matmul mm = {.x = x, .s = s, .w = w, .y = y, .M = M, .N = N, .K = K};
-    mm.xq = malloc(M * K);
-    mm.xs = malloc(sizeof(float) * M * nb * (s ? 1 : 2));
-    mm.xm = s ? NULL : mm.xs + M * nb;                    /* Q4_1: xs * the block sums */
-    mm.xt = s ? malloc(sizeof(int32_t) * M * nb) : NULL;  /* int8: the block sums */
+/* y[M, N] = x[M, K] @ w.T, x's rows quantized to int8 blocks; N is the parts' rows together. */
+void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int64_t K) {
+    struct matmul mm = {.x = x, .w = w, .y = y, .M = M, .K = K};
+    for (int p = 0; p < w->parts; p++) {
+        mm.first[p] = mm.groups;
+        mm.groups += (w->n[p] + GR - 1) / GR;
+        mm.N += w->n[p];
+    }
+    mm.first[w->parts] = mm.groups;
+    if (M == 0 || mm.N == 0) return;
+    int64_t nb = K / QK, parts = 4 * omp_get_max_threads();
+    mm.a.q = malloc(M * K);
+    mm.a.s = malloc(sizeof(float) * M * nb * 2);
+    mm.a.sm = mm.a.s + M * nb;
+    mm.a.t = malloc(sizeof(int32_t) * M * nb * 2);
     mm.rows_per_task = (M + parts - 1) / parts;
-    mm.groups_per_task = (groups + parts - 1) / parts;
+    mm.groups_per_task = (mm.groups + parts - 1) / parts;
     /* quantizing an element costs about what 8 multiply-adds do */
     pool_run(quantize_task, &mm, (M + mm.rows_per_task - 1) / mm.rows_per_task, 8 * M * K);
-    pool_run(tile_task, &mm, (groups + mm.groups_per_task - 1) / mm.groups_per_task, M * N * K);
-    free(mm.xq);
-    free(mm.xs);
-    free(mm.xt);
+    pool_run(tile_task, &mm, (mm.groups + mm.groups_per_task - 1) / mm.groups_per_task, (M + 8) * mm.N * K);
+    free(mm.a.q);
+    free(mm.a.s);
+    free(mm.a.t);
 }
 
-/* w[N, K] (fp32) -> int8 blocks of 32 with one scale each, the same way as activation rows. */
-void mb_q8_quantize(const float *w, int8_t *q, float *s, int64_t N, int64_t K) {
+/* Rows ids[i] (ids NULL: rows 0..n-1) of a weight of format fmt, K wide, as fp32: out [n, K]. */
+void mb_dequantize(const uint8_t *w, int64_t fmt, const int64_t *ids, int64_t n, int64_t K, float *out) {
+    struct format f;
+    if (!format_of(fmt, &f)) return;
+    int64_t bytes = K / f.values * f.bytes;
+#pragma omp parallel for schedule(static) if (n * K > (1 << 20))
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + (ids ? ids[i] : i) * bytes;
+        uint8_t u[256];
+        float d[16], m[8] = {0};
+        for (int64_t b = 0; b < K / f.values; b++) {
+            decode_block(fmt, row + b * f.bytes, u, d, m, 0);
+            float *o = out + i * K + b * f.values;
+            for (int j = 0; j < f.values; j++)
+                o[j] = d[j / f.unit] * (float)(u[j] + f.offset) + (f.min ? m[j / 32] : 0.0f);
+        }
+    }
+}
+
+/* w[N, K] (fp32) -> MB_Q8 blocks (an fp32 scale, then 32 int8), quantized as activation rows are. */
+void mb_q8_quantize(const float *w, uint8_t *out, int64_t N, int64_t K) {
     int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) quantize_row(w + n * K, q + n * K, s + n * nb, K);
+    for (int64_t n = 0; n < N; n++) {
+        int8_t q[QK];
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = out + (n * nb + b) * 36;
+            float scale;
+            quantize_row(w + n * K + b * QK, q, &scale, QK);
+            memcpy(blk, &scale, 4);
+            memcpy(blk + 4, q, QK);
+        }
+    }
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -1135,24 +1483,22 @@ static void add_rows(float *x, const float *y, int64_t n) {
 }
 
 /* One decoder layer for M rows, x [M, D] updated in place: the same kernels, in the same order,
- * as the runner's general path, so a row's result is the same either way. Each weight is Q8 with
- * its scales, or Q4_1 blocks with NULL scales (mb_linear). Keys and values of each row are stored
+ * as the runner's general path, so a row's result is the same either way (weights as mb_matmul takes them). Keys and values of each row are stored
  * at its slot and position; it attends over positions 0..pos. Rows of one slot at consecutive
  * positions attend as one prompt chunk (mb_chunk_attention, which gives a row the same result in
  * any chunk; one-token rows are chunks of one, as in mb_decode_attention); where HD % 16 != 0
  * each row attends alone (mb_decode_attention's fp32 heads). */
 void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH, int64_t HD,
-              float eps, float scale, const float *ln_attn, const void *qkv_w, const float *qkv_s,
-              const float *qkv_bias, const void *o_w, const float *o_s, const float *ln_mlp,
-              const void *gu_w, const float *gu_s, const void *down_w, const float *down_s,
-              const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
+              float eps, float scale, const float *ln_attn, const struct weight *qkv_w,
+              const float *qkv_bias, const struct weight *o_w, const float *ln_mlp,
+              const struct weight *gu_w, const struct weight *down_w, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
               uint16_t *kcache, uint16_t *vcache, int64_t ctx, int64_t bf16) {
     int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
     int64_t *rows = malloc(sizeof(int64_t) * M * 4), *ns = rows + M, *cslots = ns + M, *starts = cslots + M;
     mb_rms_norm(x, ln_attn, h, M, D, eps);
-    mb_linear(h, qkv_w, qkv_s, qkv, M, ld, D);
+    mb_matmul(h, qkv_w, qkv, M, D);
     if (qkv_bias)
         for (int64_t m = 0; m < M; m++) add_rows(qkv + m * ld + 0, qkv_bias, ld);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
@@ -1182,12 +1528,12 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
         }
         mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16);
     }
-    mb_linear(attn, o_w, o_s, h, M, D, H * HD);
+    mb_matmul(attn, o_w, h, M, H * HD);
     add_rows(x, h, M * D);
     mb_rms_norm(x, ln_mlp, h, M, D, eps);
-    mb_linear(h, gu_w, gu_s, gu, M, 2 * I, D);
+    mb_matmul(h, gu_w, gu, M, D);
     mb_silu_mul(gu, h, M, I);
-    mb_linear(h, down_w, down_s, gu, M, D, I);
+    mb_matmul(h, down_w, gu, M, I);
     add_rows(x, gu, M * D);
     free(h);
     free(qkv);

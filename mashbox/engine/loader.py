@@ -2,24 +2,22 @@
 
 ``load()`` resolves the argument through the catalog, picks the device (CUDA + bfloat16 when a GPU
 is there, else CPU + float32), reads the tokenizer with transformers and the weights as a
-``Checkpoint`` (safetensors read directly; transformers builds the model only for what it alone
-can read), with ``local_files_only=True``, naming each step to a ``step`` callback as it begins
-(``mashbox.engine.progress`` shows them). transformers' own logging, warnings and tqdm bars are
-silenced during the load.
+``Checkpoint``: a GGUF's straight from the memory-mapped file (``gguf_file.py``: its matrices as the
+file's own blocks), an HF directory's safetensors directly (transformers builds the model only for
+what it alone can read), with ``local_files_only=True``, naming each step to a ``step`` callback as
+it begins (``mashbox.engine.progress`` shows them). transformers' own logging, warnings and tqdm
+bars are silenced during the load.
 
-Reading a GGUF with transformers is slow (parsing metadata and dequantizing: ~20 s for SmolLM2 on
-2 CPU cores), so the first load of a GGUF saves the dequantized model as an HF directory under
-``<cache>/converted/`` (keyed by file path, size, mtime and dtype); later loads read that (well
-under a second). Each copy names the GGUF it was made from; saving one removes the copies whose
-GGUF is gone or changed since (a deleted environment, a reinstalled package), ~4 bytes a weight
-each.
+transformers reads a GGUF's tokenizer slowly (parsing the vocabulary and merges: seconds), so the
+first load of a GGUF saves its tokenizer files under ``<cache>/converted/`` (keyed by file path,
+size and mtime); later loads read those. Each copy names the GGUF it was made from; saving one
+removes the copies whose GGUF is gone or changed since, and those an older mashbox made (which held
+the whole model dequantized, ~4 bytes a weight).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import hashlib
 import io
 import json
@@ -40,7 +38,7 @@ with warnings.catch_warnings():  # tqdm.auto warns on import in a Jupyter kernel
     warnings.filterwarnings("ignore", "IProgress not found")
     import transformers  # noqa: E402
 
-from mashbox.engine import blocks, checkpoint  # noqa: E402
+from mashbox.engine import checkpoint, gguf_file, native  # noqa: E402
 from mashbox.engine.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
 
@@ -75,12 +73,12 @@ def load(model: str, *, device: str | torch.device | None = None,
     """Load ``model`` (catalog id, HF directory or .gguf path); raise ModelLoadError if it can't.
     ``step(what)`` is called as each step begins.
 
-    A cached converted copy that does not read (truncated, overwritten) is reported, removed and
+    A cached tokenizer copy that does not read (truncated, overwritten) is reported, removed and
     built again from the GGUF."""
     source = resolve(model)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    converted = converted_dir(source, dt)
+    converted = converted_dir(source)
     try:
         return _load(source, converted, dev, dt, step)
     except _CacheUnreadable as err:
@@ -95,28 +93,34 @@ class _CacheUnreadable(ModelLoadError):
 
 def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: torch.dtype,
           step: Callable[[str], None]) -> LoadedModel:
-    cold = converted is not None and not (converted / _DONE).is_file()
     with _hush():
-        read = source if cold or converted is None else _as_hf(source, converted)
+        if source.kind == "gguf":
+            tokenizer = _gguf_tokenizer(source, converted, step)
+            step("mapping the weights")
+            ckpt = gguf_file.checkpoint(source.path, dev, dt, native.load())
+            size = source.path.stat().st_size
+        else:
+            step("reading the tokenizer")
+            tokenizer = _load_tokenizer(source)
+            step("reading the weights")
+            ckpt = _read_checkpoint(source, dev, dt)
+            if ckpt is None:
+                ckpt = checkpoint.Checkpoint.from_model(_load_model(source, dt).to(dev))
+            size = ckpt.nbytes
+    return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt), size / 1e9,
+                       _ctx_default(source, ckpt), dev, dt)
+
+
+def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], None]):
+    """The GGUF's tokenizer: from its copy in the cache, made on the first load."""
+    if (converted / _DONE).is_file():
         step("reading the tokenizer")
-        with _cached(read.path / "tokenizer.json"):
-            tokenizer = _load_tokenizer(read)
-        step("converting the GGUF weights (first load only)" if cold else "reading the weights")
-        with _cached(read.path / "model.safetensors"):
-            ckpt = _read_checkpoint(read, dev, dt) if read.kind == "hf" else None
-        if ckpt is None:
-            net = _load_model(read, dt)
-            if cold:
-                step("saving the converted weights for faster loads")
-                _save_converted(net, tokenizer, converted, source.path)
-            step(f"moving the weights to {dev}")
-            ckpt = checkpoint.Checkpoint.from_model(net.to(dev))
-        if converted is not None and dev.type == "cpu":
-            step("reading the GGUF blocks")
-            with _cached(converted / blocks.FILE):
-                ckpt = dataclasses.replace(ckpt, blocks=blocks.cached(source.path, converted, ckpt))
-    return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt),
-                       ckpt.nbytes / 1e9, _ctx_default(source, ckpt), dev, dt)
+        with _cached(converted / "tokenizer.json"):
+            return _load_tokenizer(_as_hf(source, converted))
+    step("converting the GGUF's tokenizer (first load only)")
+    tokenizer = _load_tokenizer(source)
+    _save_tokenizer(tokenizer, converted, source.path)
+    return tokenizer
 
 
 @contextlib.contextmanager
@@ -133,14 +137,10 @@ def _cached(file: Path) -> Iterator[None]:
 
 
 def hf_model(model: str, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
-    """``model`` as a transformers model on CPU (for references in benchmarks and tests), from the
-    converted copy of a GGUF when there is one."""
-    source = resolve(model)
-    converted = converted_dir(source, dtype)
-    if converted is not None and (converted / _DONE).is_file():
-        source = _as_hf(source, converted)
+    """``model`` as a transformers model on CPU, for references in benchmarks (transformers
+    dequantizes a GGUF itself: slow)."""
     with _hush():
-        return _load_model(source, dtype).eval()
+        return _load_model(resolve(model), dtype).eval()
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -241,14 +241,13 @@ def _hf_call(source: ModelSource, fn: Callable, *args, **kwargs):
             "save_pretrained writes them.") from err
 
 
-def converted_dir(source: ModelSource, dtype: torch.dtype) -> Path | None:
-    """Where the dequantized copy of a GGUF source lives in the cache; None for HF sources."""
+def converted_dir(source: ModelSource) -> Path | None:
+    """Where the tokenizer copy of a GGUF source lives in the cache; None for HF sources."""
     if source.kind != "gguf":
         return None
     made_from = _made_from(source.path)
     key = "|".join(str(made_from[k]) for k in ("path", "size", "mtime_ns")).encode()
-    name = f"{source.path.stem}-{hashlib.sha256(key).hexdigest()[:12]}-{str(dtype).split('.')[-1]}"
-    return cache_dir() / "converted" / name
+    return cache_dir() / "converted" / f"{source.path.stem}-{hashlib.sha256(key).hexdigest()[:12]}-tokenizer"
 
 
 def _made_from(gguf: Path) -> dict:
@@ -257,7 +256,10 @@ def _made_from(gguf: Path) -> dict:
 
 
 def _stale(copy: Path) -> bool:
-    """A complete converted copy whose GGUF is gone or changed, or that does not say which it is."""
+    """A complete converted copy whose GGUF is gone or changed, that does not say which it is, or that
+    an older mashbox made (it holds the whole model dequantized)."""
+    if (copy / "model.safetensors").exists():
+        return True
     try:
         made_from = json.loads((copy / _SOURCE).read_text())
         return _made_from(Path(made_from["path"])) != made_from
@@ -266,11 +268,10 @@ def _stale(copy: Path) -> bool:
 
 
 def _prune_converted(folder: Path, keep: Path) -> None:
-    """Remove the complete copies in ``folder`` but ``keep`` that are stale (copies made before they
-    named their GGUF are stale too: whichever environment still uses one converts its GGUF again)."""
+    """Remove the complete copies in ``folder`` but ``keep`` that are stale."""
     for copy_dir in folder.iterdir():
         if copy_dir != keep and (copy_dir / _DONE).is_file() and _stale(copy_dir):  # else in use, or being written
-            log.info("removing the converted copy '%s': its GGUF is gone or changed", copy_dir)
+            log.info("removing the converted copy '%s': its GGUF is gone or changed, or it is an old form", copy_dir)
             shutil.rmtree(copy_dir, ignore_errors=True)
 
 
@@ -278,25 +279,16 @@ def _as_hf(source: ModelSource, converted: Path) -> ModelSource:
     return ModelSource(source.id, "hf", converted, source.ctx_default, source.bpw, source.install)
 
 
-def _save_converted(net: transformers.PreTrainedModel,
-                    tokenizer: transformers.PreTrainedTokenizerBase, dest: Path, gguf: Path) -> None:
-    """Save a model read from ``gguf`` as an HF directory (best effort: a failure only costs speed),
-    then remove the stale copies beside it."""
-    from safetensors.torch import save_model
-
-    config = copy.deepcopy(net.config)
-    config.__dict__.pop("quantization_config", None)  # the weights are dequantized now
-    config.architectures = [type(net).__name__]  # as save_pretrained writes it: other tools load the copy
+def _save_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, dest: Path, gguf: Path) -> None:
+    """Save the tokenizer read from ``gguf`` to ``dest`` (best effort: a failure only costs the next load
+    the same seconds), then remove the stale copies beside it."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + "."))
     except OSError:
         return
     try:
-        config.save_pretrained(tmp)
-        net.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        save_model(net, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / _SOURCE).write_text(json.dumps(_made_from(gguf)))
         (tmp / _DONE).write_text("ok\n")
         shutil.rmtree(dest, ignore_errors=True)
@@ -308,10 +300,7 @@ def _save_converted(net: transformers.PreTrainedModel,
 
 def gguf_chat_template(path: Path) -> str | None:
     """The ``tokenizer.chat_template`` string from a GGUF file's metadata, if it has one."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
-    return None if field is None else str(field.contents())
+    return gguf_file.GGUFFile(path).fields.get("tokenizer.chat_template")
 
 
 def _bpw(source: ModelSource, ckpt: checkpoint.Checkpoint) -> float:

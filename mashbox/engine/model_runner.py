@@ -155,7 +155,7 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         w, eps = self.weights, self.weights.spec.eps
-        x = w.embed[batch.ids]
+        x = w.embed(batch.ids)
         if self._fused is not None and not batch.rest:  # every row attended by the kernels
             return self._fused(x, batch)
         for i, layer in enumerate(w.layers):
@@ -284,23 +284,20 @@ class FusedLayers:
 
     @staticmethod
     def fits(weights: Weights) -> bool:
-        return all({layer.qkv_proj.mode, layer.o.mode, layer.gate_up.mode, layer.down.mode} <= {"q8", "q41"}
+        return all({layer.qkv_proj.mode, layer.o.mode, layer.gate_up.mode, layer.down.mode} == {"blocks"}
                    and layer.q_norm is None and layer.act is None for layer in weights.layers)
 
     def _args(self, layer, i: int) -> tuple:
         p = lambda t: None if t is None else t.data_ptr()
-        return (*layer.down.shape, p(layer.ln_attn),
-                p(layer.qkv_proj.weight), p(layer.qkv_proj.scales), p(layer.qkv_bias),
-                p(layer.o.weight), p(layer.o.scales), p(layer.ln_mlp), p(layer.gate_up.weight),
-                p(layer.gate_up.scales), p(layer.down.weight), p(layer.down.scales),
-                p(self.kv.keys[i]), p(self.kv.values[i]))
+        return (*layer.down.shape, p(layer.ln_attn), layer.qkv_proj.address, p(layer.qkv_bias), layer.o.address,
+                p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(self.kv.keys[i]), p(self.kv.values[i]))
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale = self.shape
         rows, ctx = x.shape[0], self.kv.keys.shape[3]
         slots, positions = batch.slots.data_ptr(), batch.positions.data_ptr()
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
-        for dim, inter, ln_attn, qkv_w, qkv_s, bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, k, v in self.layers:
-            self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv_w, qkv_s,
-                    bias, o_w, o_s, ln_mlp, gu_w, gu_s, d_w, d_s, slots, positions, cos, sin, k, v, ctx, self.bf16)
+        for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, k, v in self.layers:
+            self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv, bias, o,
+                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16)
         return x

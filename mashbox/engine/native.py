@@ -27,17 +27,15 @@ from mashbox.engine.catalog import cache_dir
 
 log = logging.getLogger("mashbox.engine")
 SOURCE = Path(__file__).with_name("kernels.c")
-BLOCK = 32  # weights are int8 in blocks of BLOCK along K, one fp32 scale per block
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "mb_q41_repack": (_P, _P, _I, _I),
-    "mb_linear": (_P, _P, _P, _P, _I, _I, _I),
-    "mb_q8_quantize": (_P, _P, _P, _I, _I),
-    "mb_q8_repack": (_P, _P, _P, _P, _I, _I),
+    "mb_matmul": (_P, _P, _P, _I, _I),
+    "mb_dequantize": (_P, _I, _P, _I, _I, _P),
+    "mb_q8_quantize": (_P, _P, _I, _I),
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I),
     "mb_chunk_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I),
-    "mb_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 17, _I, _I),
+    "mb_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 13, _I, _I),
     "mb_rms_norm": (_P, _P, _P, _I, _I, _F),
     "mb_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
     "mb_silu_mul": (_P, _P, _I, _I),

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from mashbox.engine import native
-from mashbox.engine.blocks import Q41_BYTES
+from mashbox.engine import native, quant
 from mashbox.engine.checkpoint import SUPPORTED, Checkpoint, Spec
 from mashbox.engine.loader import pick_dtype
 from mashbox.engine.native import ptr
@@ -18,52 +18,46 @@ from mashbox.engine.ops import TorchOps
 from mashbox.errors import ModelLoadError
 
 TILE = 16
+log = logging.getLogger("mashbox.engine")
 
 
 class Linear:
-    """``x @ weight.T`` in one of five forms, chosen once per model.
+    """``x @ weight.T`` in one of four forms, chosen once per model.
 
-    ``q41``: a GGUF's own Q4_1 blocks (``blocks.py``; 5 bits a weight), regrouped by 8 rows for
-    mashbox's compiled kernel, fp32 activations. ``q8``: int8 weights in blocks of 32 with a scale each, the same
-    way (a quarter of fp32's memory traffic). Both compute each row alone.
+    ``blocks``: mashbox's CPU kernels over ``Blocks`` (``quant.py``): a GGUF's own, as the file has
+    them, or int8 blocks made from float weights; up to three matrices stacked by rows (q, k and v;
+    gate and up), each of its own format; fp32 activations, each row computed alone.
     ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
     memory traffic (fbgemm does not promise a row's bits independent of the batch).
     ``plain``: one matmul. ``tiled``: every row goes through a matmul of exactly
     ``TILE`` rows, so its result never depends on how many rows run beside it.
     """
 
-    __slots__ = ("weight", "scales", "shape", "mode", "_packed", "_bias", "_lib")
+    __slots__ = ("weight", "parts", "shape", "mode", "_packed", "_bias", "_lib", "_struct")
 
-    def __init__(self, weight: torch.Tensor | None, mode: str, lib: ctypes.CDLL | None = None,
-                 blocks: torch.Tensor | None = None) -> None:
-        """``weight`` may be None where the kernels take ``blocks`` (mode ``gguf`` with ``lib``): the
-        blocks then give the shape and no float weight is needed."""
-        if mode == "gguf":
-            mode = "q8" if blocks is None else "q41"
-        if weight is not None:
-            shape = tuple(weight.shape)
-        else:
-            shape = (blocks.shape[0], blocks.shape[1] // Q41_BYTES * native.BLOCK)
-        if mode in ("q8", "q41") and (lib is None or shape[1] % native.BLOCK):
-            mode = "packed" if fbgemm_available() else "plain"
+    def __init__(self, mode: str, weight: torch.Tensor | None = None, lib: ctypes.CDLL | None = None,
+                 parts: list[quant.Blocks] | None = None) -> None:
         self.mode = mode
         self.weight = weight
-        self.shape = shape
-        self.scales = self._packed = self._bias = self._lib = None
+        self.parts = parts or []
+        self._packed = self._bias = self._lib = self._struct = None
+        if mode == "blocks":
+            self._lib = lib
+            self._struct = quant.Parts.of(self.parts)
+            self.shape = (sum(p.rows for p in self.parts), self.parts[0].k)
+            return
+        self.shape = tuple(weight.shape)
         if mode == "packed":
             self._packed = _quiet(torch.fbgemm_pack_gemm_matrix_fp16, weight.float().contiguous())
             self._bias = torch.zeros(weight.shape[0])
             self.weight = None
-        elif mode == "q8":
-            self._lib = lib
-            self.weight, self.scales = _quantize(lib, weight.float().contiguous())
-        elif mode == "q41":
-            self._lib = lib
-            self.weight = _repack(lib, blocks, shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._lib is not None:
-            return self._native(x)
+        if self._struct is not None:
+            x = x.contiguous()
+            out = x.new_empty(x.shape[0], self.shape[0])
+            self._lib.mb_matmul(ptr(x), self.address, ptr(out), x.shape[0], self.shape[1])
+            return out
         if self.mode == "packed":
             return torch.fbgemm_linear_fp16_weight(x.contiguous(), self._packed, self._bias)
         if self.mode == "plain":
@@ -71,47 +65,52 @@ class Linear:
         return _tiled(x, self.weight)
 
     @property
-    def nbytes(self) -> int:
+    def address(self) -> int:
+        """Where ``mb_matmul``'s description of the blocks lies (for ``mb_layer``)."""
+        return ctypes.addressof(self._struct)
+
+    @property
+    def formats(self) -> list[str]:
+        return [p.name for p in self.parts]
+
+    @property
+    def storages(self) -> dict[int, int]:
+        """Bytes by storage (a tied lm_head's blocks are the embedding's)."""
+        if self.parts:
+            return {p.data.data_ptr(): p.data.nbytes for p in self.parts}
         if self._packed is not None:
-            return self.shape[0] * self.shape[1] * 2
-        return sum(t.nbytes for t in (self.weight, self.scales) if t is not None)
-
-    def _native(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        rows, k = x.shape
-        out = x.new_empty(rows, self.shape[0])
-        scales = None if self.scales is None else ptr(self.scales)
-        self._lib.mb_linear(ptr(x), ptr(self.weight), scales, ptr(out), rows, out.shape[1], k)
-        return out
+            return {id(self._packed): self.shape[0] * self.shape[1] * 2}
+        return {self.weight.data_ptr(): self.weight.nbytes}
 
 
-def _quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp32 weight [N, K] as int8 blocks of 32 with one fp32 scale each, in the kernel's groups of
-    8 rows (``kernels.c``): int8 [ceil(N / 8), K / 32 * 256] and scales [ceil(N / 8), K / 32 * 8]."""
-    n, k = weight.shape
-    q, scales = quantize_rows(lib, weight)
-    groups, blocks = -(-n // 8), k // native.BLOCK
-    grouped, grouped_scales = torch.empty(groups, blocks * 256, dtype=torch.int8), torch.empty(groups, blocks * 8)
-    lib.mb_q8_repack(ptr(q), ptr(scales), ptr(grouped), ptr(grouped_scales), n, k)
-    return grouped, grouped_scales
+class Embedding:
+    """The token embedding, looked up by id: a GGUF's blocks dequantized a step's rows at a time (the
+    table is never widened whole) where the kernels read them, else a float table."""
 
+    def __init__(self, ckpt: Checkpoint, lib: ctypes.CDLL | None) -> None:
+        blocks = ckpt.blocks.get(EMBED)
+        floats = ckpt.tensors.dtype in (None, torch.float32) and ckpt.inv_freq.device.type == "cpu"
+        self.blocks = blocks if lib is not None and blocks is not None and blocks.readable and floats else None
+        self.table = None if self.blocks is not None else ckpt.tensors[EMBED]
+        self._lib = lib
 
-def quantize_rows(lib: ctypes.CDLL, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], fp32 scales [N, K / 32]) of an fp32 weight, row by row."""
-    n, k = weight.shape
-    q = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, k // native.BLOCK)
-    lib.mb_q8_quantize(ptr(weight), ptr(q), ptr(scales), n, k)
-    return q, scales
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return self.table[ids]
+        return quant.dequantize(self.blocks, self._lib, ids)
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.blocks is not None else self.table.device
 
-def _repack(lib: ctypes.CDLL, blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """A GGUF's Q4_1 rows [N, K / 32 * 20] in the kernel's groups of 8 rows (``kernels.c``):
-    uint8 [ceil(N / 8), K / 32 * 160], the same bytes moved (a last group padded with zeros)."""
-    n = blocks.shape[0]
-    out = torch.empty(-(-n // 8), k // native.BLOCK * 160, dtype=torch.uint8)
-    lib.mb_q41_repack(ptr(blocks.contiguous()), ptr(out), n, k)
-    return out
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.blocks is not None else self.table.dtype
+
+    @property
+    def storages(self) -> dict[int, int]:
+        data = self.table if self.blocks is None else self.blocks.data
+        return {data.data_ptr(): data.nbytes}
 
 
 def _quiet(fn, *args):
@@ -146,12 +145,12 @@ INT8 = ("int8", "q8")
 
 
 def weight_mode(device: torch.device, dtype: str | None, batch_invariant: bool) -> tuple[torch.dtype, str]:
-    """(dtype to load the model in, Linear mode) for a device and the dtype asked for.
+    """(dtype to load the model in, weight mode) for a device and the dtype asked for.
 
     On CPU the default is mashbox's own kernels (fp32 activations), where a C compiler could build
-    them: a GGUF's Q4_1 blocks as the file has them, int8 for every other weight (``gguf``); else
-    fp16 weights packed for fbgemm. ``int8`` asks for int8 everywhere, ``float16`` for the packed
-    form, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
+    them: a GGUF's blocks as the file has them, int8 blocks for every other weight (``gguf``); else
+    fp16 weights packed for fbgemm. ``int8`` asks for int8 blocks everywhere (``q8``), ``float16``
+    for the packed form, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
     """
     if device.type != "cpu":
         return pick_dtype(dtype, device), "plain"
@@ -210,7 +209,7 @@ class Layer:
 @dataclass(slots=True)
 class Weights:
     spec: Spec
-    embed: torch.Tensor
+    embed: Embedding
     layers: list[Layer]
     norm: torch.Tensor
     lm_head: Linear
@@ -223,10 +222,12 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weights hold in memory (the embedding stays in full precision for lookups; a
-        tied lm_head kept as the embedding itself is counted once)."""
-        own = [lin for lin in self.linears if lin.weight is None or lin.weight.data_ptr() != self.embed.data_ptr()]
-        return self.embed.nbytes + sum(lin.nbytes for lin in own)
+        """Bytes the weights hold in memory, or map from the GGUF (each storage once: a tied lm_head
+        is the embedding)."""
+        storages = dict(self.embed.storages)
+        for lin in self.linears:
+            storages.update(lin.storages)
+        return sum(storages.values())
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, ctx: int, mode: str, lib: ctypes.CDLL | None = None) -> Weights:
@@ -235,18 +236,24 @@ class Weights:
                 f"model type {ckpt.model_type!r} is not supported; mashbox runs {', '.join(SUPPORTED)} models"
             )
         t = ckpt.tensors
-        embed = t["model.embed_tokens.weight"]
         act = _activation(ckpt.hidden_act)
-        cos, sin = ckpt.cos_sin(ctx, embed.dtype)
-        return cls(
+        cos, sin = ckpt.cos_sin(ctx, t.dtype or t["model.norm.weight"].dtype)
+        weights = cls(
             spec=ckpt.spec,
-            embed=embed,
+            embed=Embedding(ckpt, lib),
             layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, lib) for i in range(ckpt.spec.num_layers)],
             norm=t["model.norm.weight"],
             lm_head=_linear(ckpt, ["lm_head.weight"], mode, lib),
             cos=cos,
             sin=sin,
         )
+        widened = sorted({ckpt.blocks[n].name for n in ckpt.blocks if not ckpt.blocks[n].readable})
+        if widened and mode == "gguf":
+            log.info("weights in %s have no kernel here: widened to int8 blocks at load", ", ".join(widened))
+        return weights
+
+
+EMBED = "model.embed_tokens.weight"
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -281,13 +288,19 @@ def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None) -
 
 
 def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None) -> Linear:
-    """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one),
-    with the GGUF's blocks when every part has them."""
-    blocks = None
-    if all(name in ckpt.blocks for name in names):
-        parts = [ckpt.blocks[name] for name in names]
-        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if blocks is not None and mode == "gguf" and lib is not None:
-        return Linear(None, mode, lib, blocks)  # the float weights are never read
+    """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one). With the
+    kernels: each a GGUF's own blocks where the kernels read them (mode ``gguf``), else int8 blocks
+    made from its floats; their float weights are then never read."""
+    if mode in ("gguf", "q8") and lib is not None and ckpt.tensors.shape(names[0])[1] % 32 == 0:
+        return Linear("blocks", lib=lib, parts=[_blocks(ckpt, name, mode, lib) for name in names])
+    if mode in ("gguf", "q8"):
+        mode = "packed" if fbgemm_available() else "plain"
     tensors = [ckpt.tensors[name] for name in names]
-    return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), mode, lib, blocks)
+    return Linear(mode, tensors[0] if len(tensors) == 1 else torch.cat(tensors), lib)
+
+
+def _blocks(ckpt: Checkpoint, name: str, mode: str, lib: ctypes.CDLL) -> quant.Blocks:
+    found = ckpt.blocks.get(name)
+    if mode == "gguf" and found is not None and found.readable:
+        return found
+    return quant.quantize(lib, ckpt.tensors[name].float())

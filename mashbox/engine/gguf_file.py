@@ -1,0 +1,210 @@
+"""A GGUF file read as it is: its metadata, and each tensor a view of the memory-mapped file.
+
+Only the header is parsed (in well under a second, however large the file); a tensor's bytes are
+touched when the kernels first read them, so memory and start-up follow what a step reads and the
+page cache shares the weights between processes. ``checkpoint()`` gives the model as the runner
+reads it: the shape and rotary frequencies from the metadata, float tensors (norms, biases) as fp32,
+and every matrix as ``Blocks`` (``quant.py``) under its HF name, which the CPU kernels multiply as
+they are and other forms dequantize on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mashbox.engine import quant
+from mashbox.engine.checkpoint import SUPPORTED, Checkpoint, Spec, Tensors, rotary
+from mashbox.errors import ModelLoadError
+
+log = logging.getLogger("mashbox.engine")
+MAGIC = b"GGUF"
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml type -> torch dtype
+_LAYER = {  # GGUF tensor -> HF name, in each layer
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    type: int  # ggml's type number
+    shape: tuple[int, ...]  # rows first (the file lists ne0, the row width, first)
+    offset: int  # from the start of the file
+
+
+class GGUFFile:
+    """The metadata and tensors of a GGUF file (v2 or v3), the file mapped once (privately: a page
+    written by mistake is copied, never written back)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+        self.fields: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            self._parse()
+        except (struct.error, ValueError, IndexError, UnicodeDecodeError) as err:
+            raise ValueError(f"not a readable GGUF file ({type(err).__name__}: {err})") from err
+        self._buffer = np.frombuffer(self._map, dtype=np.uint8)
+
+    def _parse(self) -> None:
+        data, at = self._map, 0
+        if data[:4] != MAGIC:
+            raise ValueError("no GGUF magic at its start")
+        version, tensors, fields = struct.unpack_from("<IQQ", data, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (mashbox reads 2 and 3)")
+        at = 24
+        for _ in range(fields):
+            key, at = _string(data, at)
+            (kind,), at = struct.unpack_from("<I", data, at), at + 4
+            self.fields[key], at = _value(data, at, kind)
+        infos = []
+        for _ in range(tensors):
+            name, at = _string(data, at)
+            (dims,), at = struct.unpack_from("<I", data, at), at + 4
+            shape, at = struct.unpack_from(f"<{dims}Q", data, at), at + 8 * dims
+            kind, offset = struct.unpack_from("<IQ", data, at)
+            at += 12
+            infos.append((name, kind, tuple(reversed(shape)), offset))
+        align = int(self.fields.get("general.alignment", 32))
+        start = -(-at // align) * align
+        self.tensors = {name: TensorInfo(kind, shape, start + offset) for name, kind, shape, offset in infos}
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes, uint8 [rows, row bytes] (a view of the file)."""
+        info = self.tensors[name]
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        width = _row_bytes(info.type, info.shape[-1])
+        view = self._buffer[info.offset : info.offset + rows * width]
+        if view.size != rows * width:
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        return torch.from_numpy(view).view(rows, width)
+
+    def tensor(self, name: str) -> torch.Tensor | quant.Blocks:
+        """A float tensor as fp32/fp16/bf16 in its shape, or a matrix as its blocks."""
+        info = self.tensors[name]
+        data = self.raw(name)
+        if info.type in _FLOATS:
+            return data.view(-1).view(_FLOATS[info.type]).view(info.shape)
+        return quant.Blocks(info.type, data, info.shape[-1])
+
+    def close(self) -> None:
+        self._buffer = None
+        self._map.close()
+
+
+def _string(data, at: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", data, at)
+    return bytes(data[at + 8 : at + 8 + n]).decode("utf-8"), at + 8 + n
+
+
+def _value(data, at: int, kind: int) -> tuple[Any, int]:
+    if kind in _SCALARS:
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack_from(fmt, data, at)[0], at + struct.calcsize(fmt)
+    if kind == _STRING:
+        return _string(data, at)
+    if kind == _ARRAY:
+        inner, n = struct.unpack_from("<IQ", data, at)
+        at += 12
+        if inner in _SCALARS:  # read at once, as numbers
+            size = struct.calcsize(_SCALARS[inner])
+            return list(struct.unpack_from(f"<{n}{_SCALARS[inner]}", data, at)), at + n * size
+        values = []
+        for _ in range(n):
+            value, at = _value(data, at, inner)
+            values.append(value)
+        return values, at
+    raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def _row_bytes(kind: int, width: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if kind in _FLOATS:
+        return width * _FLOATS[kind].itemsize
+    try:
+        values, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except ValueError as err:
+        raise ValueError(f"unknown tensor type {kind}") from err
+    if width % values:
+        raise ValueError(f"a row of {width} is not whole blocks of {values}")
+    return width // values * size
+
+
+def hf_name(name: str) -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    parts = name.split(".")
+    if len(parts) == 2 and parts[0] in _TOP:
+        return f"{_TOP[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None) -> Checkpoint:
+    """The model in a GGUF file, its matrices as blocks (``lib``: the kernels that dequantize them on
+    first use as floats, where a form needs floats; gguf-py's numpy code without them)."""
+    try:
+        gguf = GGUFFile(path)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"Cannot read the GGUF file '{path}': {err}") from err
+    arch = gguf.fields.get("general.architecture")
+    if arch not in SUPPORTED:
+        raise ModelLoadError(f"'{path}' holds a {arch!r} model; mashbox runs {', '.join(SUPPORTED)} models")
+    meta = lambda key, default=None: gguf.fields.get(f"{arch}.{key}", default)
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    spec = Spec(num_layers=int(meta("block_count")), num_heads=heads,
+                num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
+                eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)))
+    found, floats = {}, {}
+    for name in gguf.tensors:
+        hf = hf_name(name)
+        if hf is None:
+            continue
+        value = gguf.tensor(name)
+        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):  # the converter's rotary order undone
+            value = _unpermute(value, spec.num_heads if "attn_q" in name else spec.num_kv_heads)
+        (found if isinstance(value, quant.Blocks) else floats)[hf] = value
+    if "lm_head.weight" not in found and "lm_head.weight" not in floats:  # tied: the embedding is the output
+        found["lm_head.weight"] = found.get("model.embed_tokens.weight")
+        floats["lm_head.weight"] = floats.get("model.embed_tokens.weight")
+        found, floats = ({k: v for k, v in d.items() if v is not None} for d in (found, floats))
+    inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), int(meta("rope.dimension_count", head_dim)))
+    if "rope_freqs.weight" in gguf.tensors:  # llama 3's long-context factors, per frequency
+        inv_freq = inv_freq / gguf.tensor("rope_freqs.weight").float()
+    scaling = meta("rope.scaling.type", "none")
+    if scaling == "linear":
+        inv_freq = inv_freq / float(meta("rope.scaling.factor", 1.0))
+    elif scaling not in ("none", None):
+        raise ModelLoadError(f"'{path}' uses {scaling} rotary scaling, which mashbox does not run yet")
+    tensors = Tensors.of(floats, found, dtype, device, lib)
+    eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
+    return Checkpoint(arch, spec, "silu", meta("context_length"), inv_freq.to(device), 1.0, tuple(int(i) for i in eos),
+                      tensors, found)
+
+
+def _unpermute(value: torch.Tensor | quant.Blocks, heads: int) -> torch.Tensor | quant.Blocks:
+    """llama.cpp's converter interleaves each head's rotary halves of q and k: put the rows back (as
+    transformers' LlamaTensorProcessor does)."""
+    rows = value.rows if isinstance(value, quant.Blocks) else value.shape[0]
+    order = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    return value.select(order) if isinstance(value, quant.Blocks) else value[order].contiguous()

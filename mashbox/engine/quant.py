@@ -1,0 +1,109 @@
+"""Weights as blocks: a GGUF's own quantized rows, which mashbox's CPU kernels multiply as they are.
+
+A ``Blocks`` is one matrix as the file has it: uint8 [rows, row bytes], each row its blocks in
+order, in one of ggml's formats (Q4_0 ... Q6_K; a view of the memory-mapped file, never copied) or
+``MB_Q8``, mashbox's int8 blocks (an fp32 scale, then 32 int8), for weights that come as floats or
+in a format the kernels do not read. ``dequantize`` gives fp32 rows of any of them (the kernels'
+``mb_dequantize``, else gguf-py's numpy code): the embedding's rows for a step, or whole matrices
+where a device or form needs floats.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MB_Q8 = 100
+FORMATS = {  # ggml type -> (name, weights a block, bytes a block): the ones the kernels read
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), MB_Q8: ("int8", 32, 36),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """A matrix of ``rows`` x ``k`` weights as blocks of format ``fmt`` (a ggml type number)."""
+
+    fmt: int
+    data: torch.Tensor  # uint8 [rows, row bytes]
+    k: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def name(self) -> str:
+        return FORMATS[self.fmt][0] if self.fmt in FORMATS else _ggml_name(self.fmt)
+
+    @property
+    def readable(self) -> bool:
+        """Whether mashbox's kernels multiply this format as it is."""
+        return self.fmt in FORMATS
+
+    def select(self, rows: torch.Tensor) -> Blocks:
+        """These rows, in this order (a copy)."""
+        return Blocks(self.fmt, self.data[rows].contiguous(), self.k)
+
+
+def cat(parts: list[Blocks]) -> Blocks:
+    """Matrices of one format stacked by rows (a copy)."""
+    return Blocks(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].k)
+
+
+def dequantize(blocks: Blocks, lib: ctypes.CDLL | None, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [len(ids) or rows, k]: the rows ``ids`` (all by default), exactly as the file defines them."""
+    n = blocks.rows if ids is None else ids.shape[0]
+    if lib is not None and blocks.readable:
+        out = torch.empty(n, blocks.k)
+        ids = None if ids is None else ids.to(torch.long).contiguous()
+        lib.mb_dequantize(blocks.data.data_ptr(), blocks.fmt, None if ids is None else ids.data_ptr(), n, blocks.k,
+                          out.data_ptr())
+        return out
+    data = blocks.data if ids is None else blocks.data[ids]
+    if blocks.fmt == MB_Q8:
+        raw = data.view(data.shape[0], -1, 36)
+        scales = raw[..., :4].contiguous().view(torch.float32)
+        return (raw[..., 4:].contiguous().view(torch.int8).float() * scales).view(n, blocks.k)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return torch.from_numpy(gguf_dequantize(data.numpy(), GGMLQuantizationType(blocks.fmt)).astype(np.float32))
+
+
+def quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> Blocks:
+    """An fp32 weight [N, K] (K a multiple of 32) as MB_Q8 blocks, each block of 32 scaled by its
+    largest magnitude / 127 as activation rows are."""
+    n, k = weight.shape
+    out = torch.empty(n, k // 32 * 36, dtype=torch.uint8)
+    lib.mb_q8_quantize(weight.float().contiguous().data_ptr(), out.data_ptr(), n, k)
+    return Blocks(MB_Q8, out, k)
+
+
+class Parts(ctypes.Structure):
+    """What ``mb_matmul`` takes: up to 3 matrices stacked by rows (``struct weight`` in kernels.c)."""
+
+    _fields_ = [("data", ctypes.c_void_p * 3), ("fmt", ctypes.c_int64 * 3), ("n", ctypes.c_int64 * 3),
+                ("parts", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, parts: list[Blocks]) -> Parts:
+        if not 1 <= len(parts) <= 3 or len({p.k for p in parts}) != 1:
+            raise ValueError("a matmul takes 1 to 3 parts of the same width")
+        s = cls()
+        for i, p in enumerate(parts):
+            s.data[i], s.fmt[i], s.n[i] = p.data.data_ptr(), p.fmt, p.rows
+        s.parts = len(parts)
+        return s
+
+
+def _ggml_name(fmt: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(fmt).name
+    except ValueError:
+        return f"type {fmt}"

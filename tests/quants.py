@@ -1,0 +1,129 @@
+"""GGUF blocks for tests: random blocks of each format the kernels read, and tiny models written as
+GGUF files (gguf-py's writer) whose matrices are such blocks, with the SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mashbox.engine import quant
+from mashbox.engine.catalog import resolve
+
+FORMATS = {name: fmt for fmt, (name, _, _) in quant.FORMATS.items() if fmt != quant.MB_Q8}
+SCALE = {"Q4_0": 2e-3, "Q4_1": 2e-3, "Q5_0": 1e-3, "Q5_1": 1e-3, "Q8_0": 2e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 5e-5}
+MIDDLE = {"Q4_1": 7.5, "Q5_1": 15.5, "Q4_K": 7.5, "Q5_K": 15.5}  # the mid quant, taken off by the min
+
+
+def random_blocks(name: str, rows: int, k: int, seed: int) -> quant.Blocks:
+    """``rows`` x ``k`` weights in format ``name``: random quants, random scales in a sane range, and
+    where the format has mins, mins that centre the weights on 0 (as a real model's are); every
+    byte a valid block."""
+    fmt = FORMATS[name]
+    _, values, size = quant.FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, k // values, size), generator=g, dtype=torch.uint8)
+    d = (torch.rand(rows, k // values, generator=g) + 0.5) * SCALE[name]
+    put = lambda at, value: raw[..., at : at + 2].copy_(value.half().unsqueeze(-1).view(torch.uint8))
+    if name == "Q6_K":
+        put(208, d)
+    elif name in ("Q4_K", "Q5_K"):  # each sub-block's 6-bit min equal to its scale: w = d sc (q - middle)
+        put(0, d)
+        put(2, d * MIDDLE[name])
+        sc = torch.randint(1, 64, (rows, k // values, 8), generator=g, dtype=torch.uint8)
+        raw[..., 4:16] = _scales_k4(sc, sc)
+    else:
+        put(0, d)
+        if name in MIDDLE:
+            put(2, -d * MIDDLE[name])
+    return quant.Blocks(fmt, raw.view(rows, -1).contiguous(), k)
+
+
+def _scales_k4(sc: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Eight 6-bit scales and mins as Q4_K and Q5_K pack them in 12 bytes."""
+    out = torch.empty(*sc.shape[:-1], 12, dtype=torch.uint8)
+    out[..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
+    out[..., 4:8] = mins[..., :4] | (mins[..., 4:] >> 4) << 6
+    out[..., 8:12] = (sc[..., 4:] & 15) | (mins[..., 4:] & 15) << 4
+    return out
+
+
+def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks], floats: dict[str, torch.Tensor]) -> Path:
+    """A GGUF model file: ``matrices`` (GGUF names) as their blocks, ``floats`` (norms, biases) as fp32,
+    the metadata of ``config`` (a transformers config) and the SmolLM2 tokenizer's fields."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    source = GGUFReader(str(resolve("smollm2-135m").path))
+    for key, field in source.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    for name, blocks in matrices.items():
+        writer.add_tensor(name, blocks.data.numpy(), raw_dtype=GGMLQuantizationType(blocks.fmt))
+    for name, tensor in floats.items():
+        writer.add_tensor(name, tensor.float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+
+
+def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str], seed: int = 0) -> Path:
+    """Write ``model`` (a tiny transformers Llama or Qwen2, its matrices a multiple of 256 wide) as a GGUF
+    whose matrices are random blocks, cycling through ``formats`` (the embedding in Q8_0), and set the
+    model's own weights to what those blocks hold, so that it is the reference for the file."""
+    matrices, floats, turn = {}, {}, 0
+    config = model.config
+    with torch.no_grad():
+        for hf, param in model.state_dict().items():
+            if hf == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            name = gguf_name(hf)
+            if param.dim() == 1:
+                floats[name] = param.clone()
+                continue
+            fmt = "Q8_0" if hf == "model.embed_tokens.weight" else formats[turn % len(formats)]
+            turn += hf != "model.embed_tokens.weight"
+            blocks = random_blocks(fmt, param.shape[0], param.shape[1], seed + turn)
+            param.copy_(quant.dequantize(blocks, None))
+            if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):  # the file's rotary order
+                heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
+                blocks = blocks.select(_permute(param.shape[0], heads))
+            matrices[name] = blocks
+    return write_gguf(path, arch, config, matrices, floats)
+
+
+def _permute(rows: int, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's order of q or k rows: each head's rotary halves interleaved."""
+    return torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)

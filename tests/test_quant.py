@@ -1,0 +1,149 @@
+"""The kernels over a GGUF's own blocks: each format against gguf-py's dequantization, the batch
+invariance they promise, and whole models read straight from a GGUF file."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from mashbox import Engine
+from mashbox.engine import native, quant
+from mashbox.engine.gguf_file import GGUFFile, checkpoint
+from mashbox.engine.model_runner import ModelRunner
+from mashbox.engine.weights import Linear
+
+from quants import FORMATS, random_blocks, tiny_gguf
+from tiny import greedy
+
+
+@pytest.fixture(scope="module")
+def lib():
+    assert shutil.which("cc") or shutil.which("gcc"), "these tests need a C compiler, as the set-up installs"
+    lib = native.load()
+    assert lib is not None, "the kernels should build wherever a C compiler is"
+    return lib
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: each block of 32 as int8 times max |x| / 127."""
+    xb = x.view(x.shape[0], -1, 32)
+    xs = xb.abs().amax(-1) / 127
+    return (torch.round(xb / torch.where(xs > 0, xs, 1)[..., None]) * xs[..., None]).view_as(x)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantize_is_gguf_pys_to_the_bit(lib, name):
+    blocks = random_blocks(name, 37, 512, seed=1)
+    ours = quant.dequantize(blocks, lib)
+    assert torch.equal(ours, quant.dequantize(blocks, None)), "the kernels and gguf-py disagree"
+    rows = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(quant.dequantize(blocks, lib, rows), ours[rows])
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("n,k", [(37, 256), (64, 512), (203, 1536)])  # partial groups of 8 rows, long rows
+def test_matmul_over_blocks_is_exact_and_each_row_stands_alone(lib, name, n, k):
+    blocks = random_blocks(name, n, k, seed=n + k)
+    weight = quant.dequantize(blocks, lib)
+    linear = Linear("blocks", lib=lib, parts=[blocks])
+    assert linear.shape == (n, k) and linear.formats == [name]
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+    out = linear(x)
+    expected = (int8_rows(x).double() @ weight.double().T).float()
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+    for rows in range(1, 9):
+        assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(linear(x), out), f"the output changed on {t} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_parts_of_several_formats_are_one_matmul(lib):
+    parts = [random_blocks("Q5_0", 24, 256, 1), random_blocks("Q4_K", 13, 256, 2), random_blocks("Q6_K", 8, 256, 3)]
+    linear = Linear("blocks", lib=lib, parts=parts)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([Linear("blocks", lib=lib, parts=[p])(x) for p in parts], dim=1)
+    assert linear.shape == (45, 256) and torch.equal(linear(x), alone)
+
+
+def test_float_weights_become_int8_blocks_close_to_them(lib):
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+    blocks = quant.quantize(lib, weight)
+    assert blocks.name == "int8" and blocks.data.shape == (40, 96 // 32 * 36)
+    back = quant.dequantize(blocks, lib)
+    assert torch.equal(back, quant.dequantize(blocks, None))
+    assert (back - weight).abs().max() <= weight.abs().max() / 127
+    out = Linear("blocks", lib=lib, parts=[blocks])(weight[:3])
+    assert torch.allclose(out, int8_rows(weight[:3]) @ back.T, rtol=1e-4, atol=1e-3)
+
+
+def test_a_gguf_tensor_is_a_view_of_the_file(tmp_path):
+    model = _tiny(LlamaConfig, LlamaForCausalLM)
+    path = tiny_gguf(tmp_path / "m.gguf", model, "llama", ["Q4_K"])
+    f = GGUFFile(path)
+    info = f.tensors["blk.0.ffn_down.weight"]
+    assert info.type == FORMATS["Q4_K"] and info.shape == (256, 512)
+    blocks = f.tensor("blk.0.ffn_down.weight")
+    assert blocks.data.data_ptr() == f._buffer.ctypes.data + info.offset  # mapped, not copied
+    assert f.fields["general.architecture"] == "llama" and f.fields["llama.block_count"] == 2
+
+
+def _tiny(config_cls, model_cls, **extra):
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, **extra)
+    return model_cls(config).eval()
+
+
+def _generate(model, prompt: list[int], n: int = 12) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch,formats", [("llama", ["Q4_K", "Q6_K", "Q5_K", "Q8_0"]),
+                                          ("qwen2", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q6_K"])])
+def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, arch, formats):
+    """Read straight from the file: dequantized (the exact float form) it answers token for token as
+    transformers does on the same weights (names, llama's rotary order, biases, the tied embedding,
+    the metadata); as blocks, the kernels' form, every answer is the same alone and batched, fused or
+    not, and mostly the exact form's."""
+    model = _tiny(LlamaConfig, LlamaForCausalLM) if arch == "llama" else _tiny(Qwen2Config, Qwen2ForCausalLM)
+    path = tiny_gguf(tmp_path / f"{arch}.gguf", model, arch, formats)
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
+    exact = ModelRunner(checkpoint(path, cpu, torch.float32, lib), num_slots=4, ctx=512, mode="plain")
+    expected = [_generate(model, p) for p in prompts]
+    assert len({tuple(e) for e in expected}) == len(prompts)
+    assert greedy(exact, prompts) == expected
+
+    ckpt = checkpoint(path, cpu, torch.float32, lib)
+    assert ckpt.blocks["lm_head.weight"] is ckpt.blocks["model.embed_tokens.weight"]
+    runner = ModelRunner(ckpt, num_slots=4, ctx=512, mode="gguf")
+    assert {f for layer in runner.weights.layers for lin in (layer.qkv_proj, layer.o, layer.gate_up, layer.down)
+            for f in lin.formats} == set(formats)
+    assert runner.weights.lm_head.formats == ["Q8_0"] and runner.weights.embed.blocks is not None
+    assert runner._fused is not None and runner.cut_anywhere
+    assert not [n for n in ckpt.tensors._loaded if n in ckpt.blocks], "a float copy of the blocks was made"
+    batched = greedy(runner, prompts)
+    assert [greedy(runner, [p])[0] for p in prompts] == batched
+    runner._fused = None
+    assert greedy(runner, prompts) == batched
+    assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
+
+
+def test_the_engine_runs_a_gguf_it_was_given(tmp_path):
+    model = _tiny(Qwen2Config, Qwen2ForCausalLM)
+    path = tiny_gguf(tmp_path / "tiny.gguf", model, "qwen2", ["Q4_K", "Q6_K"])
+    with Engine(str(path), slots=2, ctx=256, quiet=True) as engine:
+        assert engine.info.dtype.startswith("Q4_K + Q6_K + Q8_0 blocks") or "Q4_K" in engine.info.dtype
+        answer = engine.complete(prompt="The three largest planets are", max_tokens=8, temperature=0)
+        assert answer.usage.completion_tokens == 8
