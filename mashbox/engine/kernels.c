@@ -610,13 +610,14 @@ static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk
 static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row0, int64_t stride, int64_t K,
                          uint8_t *q, float *d, float *m, const uint8_t *next, int64_t ahead) {
     int V = f->values, units = V / f->unit, mins = V / 32, sign = SIGNED(f);
-    int64_t nb = K / V, share = (ahead + nb - 1) / nb;
-    for (int64_t b = 0; b < nb; b++) {
-        for (int64_t at = b * share; next && at < (b + 1) * share && at < ahead; at += 64)
-            __builtin_prefetch(next + at, 0, 1);
+    int64_t chunks = K / 32, share = (ahead + chunks - 1) / chunks;
+    for (int64_t b = 0; b < K / V; b++) {
         const uint8_t *blk = row0 + b * f->bytes;
         group_scales(fmt, f, blk, stride, d + b * units * GR, m + b * mins * GR);
         for (int k = 0; k < V / 32; k++) {
+            int64_t chunk = b * V / 32 + k;
+            for (int64_t at = chunk * share; next && at < (chunk + 1) * share && at < ahead; at += 64)
+                __builtin_prefetch(next + at, 0, 1);
             uint8_t *out = q + (b * V / 32 + k) * 32 * GR;
 #ifdef MB_AVX2
             __m256i r[8];
@@ -823,8 +824,8 @@ static void tile_task(void *arg, int64_t task, int who) {
         }
         float *y = mm->y + col + row0, part[TR * GR];
         for (int64_t r = 0; r < mm->M; r += TR) {
-            int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
             int64_t nb = K / QK;
+            int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
             struct acts x = {mm->a.q + r * K, mm->a.s + r * nb, mm->a.sm + r * nb, mm->a.t + r * 2 * nb};
             if (n == GR) {
                 tile_any(&f, x, q, d, m, K, rows_here, y + r * mm->N, mm->N);
