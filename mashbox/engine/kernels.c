@@ -643,6 +643,8 @@ static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row
     }
 }
 
+typedef int32_t int32_u __attribute__((may_alias, aligned(1))); /* 4 bytes read where they lie */
+
 /* Outputs are computed in tiles of up to TR activation rows x one group of GR weight rows. */
 #define TR 4
 
@@ -672,9 +674,8 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < 8; j++) {
             gvi w = gv_load(blk + 4 * GR * j);
             int chain = unit == 16 ? j >> 2 : j & 1;
-            for (int r = 0; r < rows; r++) {
-                int32_t x4;
-                memcpy(&x4, x.q + r * K + b * 32 + 4 * j, 4);
+            for (int r = 0; r < rows; r++) { /* 4 activations broadcast from memory, into the multiply where it can */
+                int32_t x4 = *(const int32_u *)(x.q + r * K + b * 32 + 4 * j);
                 if (sign) sum[r][chain] = gv_dots(sum[r][chain], w, gv_set1(x4));
                 else sum[r][chain] = gv_dotu(sum[r][chain], w, gv_set1(x4));
             }
