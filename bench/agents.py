@@ -175,7 +175,7 @@ def write_log(log_dir: Path, run: Run, proxy: Proxy) -> None:
 
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     if args.llama_server:
-        from mashbox.engine.catalog import resolve
+        from mashbox.engine.load.catalog import resolve
 
         command = [args.llama_server, "-m", str(resolve(MODEL).path), "--host", "127.0.0.1", "--port", str(port),
                    "-c", str(args.ctx), "-np", "1", "--jinja", "--no-webui"]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from mashbox.engine import native
+from mashbox.engine.model import native
 
 
 def call(lib, q, keys, values, rows: int, depth: int, heads: int, kv_heads: int, dim: int, bf16: int) -> float:

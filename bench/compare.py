@@ -66,7 +66,7 @@ def free_port() -> int:
 
 def gguf_of(model: str) -> tuple[str, Path]:
     """(id, GGUF path) of a catalog id or a GGUF path."""
-    from mashbox.engine.catalog import resolve
+    from mashbox.engine.load.catalog import resolve
 
     source = resolve(model)
     if source.kind != "gguf":
@@ -76,7 +76,7 @@ def gguf_of(model: str) -> tuple[str, Path]:
 
 def bytes_per_token(gguf: Path) -> int:
     """Bytes of weights a decode step reads: every matrix once, the embedding only where it is the output."""
-    from mashbox.engine.gguf_file import GGUFFile
+    from mashbox.engine.load.gguf_file import GGUFFile
 
     f = GGUFFile(gguf)
     sizes = {name: f.raw(name).numel() for name, info in f.tensors.items() if len(info.shape) > 1}
@@ -118,8 +118,8 @@ def llama_cpp_python_server(model: str, python: str, port: int, threads: int) ->
 
 def transformers_server(port: int, threads: int) -> Server:
     """``transformers serve`` on the embedded model, dequantized once into an HF directory for it."""
-    from mashbox.engine.catalog import cache_dir
-    from mashbox.engine.loader import hf_model, load
+    from mashbox.engine.load.catalog import cache_dir
+    from mashbox.engine.load.loader import hf_model, load
 
     model = cache_dir() / "bench" / "smollm2-135m-hf"
     if not (model / "config.json").is_file():

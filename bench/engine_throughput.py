@@ -18,7 +18,7 @@ import time
 import torch
 
 from mashbox import Engine, EngineRequest, Finish, Message, Queued, SamplingParams, Started
-from mashbox.engine.loader import hf_model
+from mashbox.engine.load.loader import hf_model
 
 TOPICS = ["the sea", "a lighthouse", "mountains", "a robot", "the moon", "a forest", "a train", "rain",
           "a library", "a volcano", "bees", "a desert", "winter", "a city at night", "a garden", "the wind"]

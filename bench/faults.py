@@ -137,8 +137,8 @@ def _worker_pid(url: str, proc: subprocess.Popen, timeout: float = 60) -> int | 
 
 
 def corrupt_cache() -> list[str]:
-    from mashbox.engine.catalog import cache_dir, resolve
-    from mashbox.engine.loader import converted_dir
+    from mashbox.engine.load.catalog import cache_dir, resolve
+    from mashbox.engine.load.loader import converted_dir
 
     source = resolve("smollm2-135m")
     own = converted_dir(source)

@@ -22,7 +22,7 @@ rm -f .gpu/wheels/numpy-*.whl  # the machine's torch is built against its own nu
 "$PYTHON" - <<'PY'
 from transformers import AutoTokenizer
 
-from mashbox.engine.catalog import resolve
+from mashbox.engine.load.catalog import resolve
 
 source = resolve("smollm2-135m")
 AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(".gpu/tokenizer")

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from quants import FORMATS, random_blocks
 
-from mashbox.engine import native
-from mashbox.engine.weights import Linear
+from mashbox.engine.model import native
+from mashbox.engine.model.weights import Linear
 
 SHAPES = [(1536, 17920), (8960, 1536)]  # (K, N): gate and up together; down
 

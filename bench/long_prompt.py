@@ -77,7 +77,7 @@ def serving(command: list[str], url: str, env: dict[str, str], log: str) -> Iter
     with open(log, "w") as out:
         proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=out, start_new_session=True)
     try:
-        if wait_ready(url, proc, 600) is None:
+        if wait_ready(url + "/health", proc, 600) is None:  # both answer 200 there once loaded
             raise SystemExit(f"{command[0]} did not become ready; see {log}")
         yield
     finally:
@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--only", choices=["mashbox", "llama-server"])
     args = parser.parse_args()
-    from mashbox.engine.catalog import resolve
+    from mashbox.engine.load.catalog import resolve
 
     gguf = resolve(args.model).path
     messages = flatten(json.loads(args.request.read_text()))

@@ -15,8 +15,8 @@ import warnings
 
 import torch
 
-from mashbox.engine import native
-from mashbox.engine.weights import Linear
+from mashbox.engine.model import native
+from mashbox.engine.model.weights import Linear
 
 
 def seconds(fn, reps: int) -> float:

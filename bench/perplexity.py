@@ -26,13 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from quality import text  # noqa: E402
 
-from mashbox.engine.catalog import resolve  # noqa: E402
-from mashbox.engine.loader import load  # noqa: E402
-from mashbox.engine.model_runner import ModelRunner  # noqa: E402
-from mashbox.engine.scheduler import Scheduler  # noqa: E402
-from mashbox.engine.sequence import Sequence  # noqa: E402
-from mashbox.engine.weights import weight_mode  # noqa: E402
 from mashbox import SamplingParams  # noqa: E402
+from mashbox.engine.load.catalog import resolve  # noqa: E402
+from mashbox.engine.load.loader import load  # noqa: E402
+from mashbox.engine.model.form import decide  # noqa: E402
+from mashbox.engine.model.runner import ModelRunner  # noqa: E402
+from mashbox.engine.sched.scheduler import Scheduler  # noqa: E402
+from mashbox.engine.sched.sequence import Sequence  # noqa: E402
 
 CTX = 512
 DEFAULT_LLAMA = Path("/tmp/llama-peer/build/bin/llama-perplexity")
@@ -60,9 +60,9 @@ def chunk_nll(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:
 
 
 def mashbox_perplexity(model: str, tokens: list[int], chunks: int, bos: int | None) -> float:
-    dtype, mode = weight_mode(torch.device("cpu"), None, batch_invariant=True)
-    loaded = load(model, dtype=dtype)
-    runner = ModelRunner(loaded.checkpoint, 1, CTX + 1, mode)
+    form = decide(torch.device("cpu"), None, batch_invariant=True)
+    loaded = load(model, dtype=form.dtype)
+    runner = ModelRunner(loaded.checkpoint, 1, CTX + 1, form)
     nll, count = 0.0, 0
     for c in range(chunks):
         ids = tokens[c * CTX : (c + 1) * CTX]

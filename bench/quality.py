@@ -20,11 +20,11 @@ import math
 import torch
 
 from mashbox import Engine, EngineRequest, Message, SamplingParams
-from mashbox.engine.loader import hf_model, load
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
-from mashbox.engine.weights import weight_mode
+from mashbox.engine.load.loader import hf_model, load
+from mashbox.engine.model.form import decide
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
 
 MODULES = ["argparse", "json", "collections", "textwrap", "csv", "logging", "difflib", "heapq", "bisect",
            "pickle", "shutil", "tempfile", "unittest", "doctest", "calendar", "sched", "zipfile", "string"]
@@ -106,7 +106,7 @@ def main() -> None:
     print("form      Linear  perplexity  greedy: same 32 tokens  mean agreeing pieces")
     for form in args.forms:
         dtype = None if form == "gguf" else form
-        _, mode = weight_mode(torch.device("cpu"), dtype, batch_invariant=True)
+        mode = decide(torch.device("cpu"), dtype, batch_invariant=True).mode
         ppl = perplexity_engine(ModelRunner(loaded.checkpoint, 1, len(ids) + 1, mode), ids)
         with Engine(args.model, dtype=dtype, ctx=512, slots=16, quiet=True) as engine:
             outputs = greedy(engine, args.prompts, args.tokens)

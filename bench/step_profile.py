@@ -15,9 +15,9 @@ import time
 import torch
 
 from mashbox import Engine, SamplingParams
-from mashbox.engine import sampler
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
+from mashbox.engine.model import sampler
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
 
 PARTS = ("scheduler", "batch", "layers", "lm_head", "sampling")
 

@@ -45,7 +45,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("Engine", "IgnoredFieldsWarning"):
-        from mashbox.engine.openmp import prefer_passive_wait
+        from mashbox.engine.model.openmp import prefer_passive_wait
 
         prefer_passive_wait()  # before facade imports torch
         from mashbox import facade

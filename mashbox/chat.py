@@ -123,7 +123,7 @@ def _line_editing() -> None:
     """Arrow keys and history for input(), kept across sessions (where readline exists)."""
     import atexit
 
-    from mashbox.engine.catalog import cache_dir
+    from mashbox.engine.load.catalog import cache_dir
 
     try:
         import readline

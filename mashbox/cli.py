@@ -8,7 +8,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from mashbox.engine.catalog import catalog
+from mashbox.engine.load.catalog import catalog
 from mashbox.errors import ConfigError, MashboxError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def list_models() -> int:
     """The catalog: each model's default context, the size of its weights file, and whether it is
     installed (``/v1/models`` and ``engine.info`` give the loaded model's size in memory instead)."""
-    from mashbox.engine.catalog import installed
+    from mashbox.engine.load.catalog import installed
 
     for entry in catalog().values():
         where = "installed" if installed(entry) else f"not installed: {entry.install}"

@@ -38,8 +38,8 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.engine import Job, Runtime
 from mashbox.engine.events import Event
+from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import InvalidRequestError, MashboxError, ModelNotFoundError
 
 Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model

@@ -9,13 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 from server import (  # noqa: F401
-    claude, fuzz_server, idle_server, loading_server, long_engine, oai, smol_server, tiny_server,
+    claude,
+    fuzz_server,
+    idle_server,
+    loading_server,
+    long_engine,
+    oai,
+    smol_server,
+    tiny_server,
 )
 from tiny import tiny_config
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from mashbox import Engine
-from mashbox.engine.catalog import resolve
+from mashbox.engine.load.catalog import resolve
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mashbox.engine import quant
-from mashbox.engine.catalog import resolve
+from mashbox.engine.load.catalog import resolve
+from mashbox.engine.model import quant
 
 FORMATS = {name: fmt for fmt, (name, _, _) in quant.FORMATS.items() if fmt != quant.MB_Q8}
 SCALE = {"Q4_0": 2e-3, "Q4_1": 2e-3, "Q5_0": 1e-3, "Q5_1": 1e-3, "Q8_0": 2e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 5e-5}

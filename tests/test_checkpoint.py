@@ -10,10 +10,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams
-from mashbox.engine import checkpoint, native
-from mashbox.engine.checkpoint import Checkpoint
-from mashbox.engine.loader import load
-from mashbox.engine.weights import Weights
+from mashbox.engine.load import checkpoint
+from mashbox.engine.load.checkpoint import Checkpoint
+from mashbox.engine.load.loader import load
+from mashbox.engine.model import native
+from mashbox.engine.model.weights import Weights
 
 SHAPE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)

@@ -26,7 +26,7 @@ def test_unknown_model_is_one_clear_error():
 
 
 def test_models_lists_the_catalog_with_file_sizes_and_what_is_installed():
-    from mashbox.engine.catalog import catalog, installed
+    from mashbox.engine.load.catalog import catalog, installed
 
     done = mashbox("models")
     assert done.returncode == 0 and "smollm2-135m" in done.stdout and "qwen2.5-coder-0.5b" in done.stdout
@@ -38,7 +38,7 @@ def test_models_lists_the_catalog_with_file_sizes_and_what_is_installed():
 
 
 def test_a_model_is_installed_only_when_every_part_is(monkeypatch):
-    from mashbox.engine import catalog
+    from mashbox.engine.load import catalog
 
     qwen = catalog.catalog()["qwen2.5-coder-0.5b"]
     monkeypatch.setattr(catalog, "package_file", lambda part: None if part == qwen.source.parts[-1] else "x")

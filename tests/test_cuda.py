@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from tiny import tiny_config
 from transformers import LlamaForCausalLM
 
 from mashbox import Engine, SamplingParams
-from mashbox.engine.checkpoint import Checkpoint
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Plan, Work
-from mashbox.engine.sequence import Sequence
-
-from tiny import tiny_config
+from mashbox.engine.load.checkpoint import Checkpoint
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.sched.scheduler import Plan, Work
+from mashbox.engine.sched.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,7 +37,7 @@ def test_cuda_graph_replays_equal_the_eager_step():
     torch.manual_seed(3)
     device = f"cuda:{torch.cuda.device_count() - 1}"  # a device named by index (the last one), as EngineConfig allows
     model = LlamaForCausalLM(tiny_config(500)).eval().to(device, torch.bfloat16)
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=256, mode="plain", graphs=True)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=256, form="plain", graphs=True)
     seqs = []
     for slot, n in zip((0, 2, 3), (5, 9, 140)):
         seq = Sequence(str(slot), list(range(3, 3 + n)), SamplingParams(), 16)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mashbox import Engine, EngineRequest, SamplingParams, Started, TextDelta
-from mashbox.engine import native
-from mashbox.engine.disk_cache import PageStore
+from mashbox.engine.model import native
+from mashbox.engine.sched.disk_cache import PageStore
 
 PROMPT = " ".join(f"item {i}," for i in range(90))  # ~440 tokens: one whole page of 256
 

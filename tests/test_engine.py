@@ -9,9 +9,17 @@ import time
 import pytest
 
 from mashbox import (
-    ContextLengthError, Engine, EngineRequest, InvalidRequestError, Message, Queued, SamplingParams, Started, TextDelta,
+    ContextLengthError,
+    Engine,
+    EngineRequest,
+    InvalidRequestError,
+    Message,
+    Queued,
+    SamplingParams,
+    Started,
+    TextDelta,
 )
-from mashbox.engine.detokenizer import Detokenizer
+from mashbox.engine.text.detokenizer import Detokenizer
 
 
 def run(engine, prompt, **sampling):
@@ -311,13 +319,14 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
 def test_a_dtype_the_cpu_cannot_run_is_refused_before_loading(dtype):
     import torch
 
-    from mashbox.engine.weights import weight_mode
+    from mashbox.engine.model.form import decide
 
     with pytest.raises(ValueError, match="dtype"):
-        weight_mode(torch.device("cpu"), dtype, batch_invariant=True)
-    assert weight_mode(torch.device("cpu"), "float32", batch_invariant=True) == (torch.float32, "tiled")
-    assert weight_mode(torch.device("cpu"), "float32", batch_invariant=False) == (torch.float32, "plain")
-    assert weight_mode(torch.device("cuda"), None, batch_invariant=True) == (torch.bfloat16, "plain")
+        decide(torch.device("cpu"), dtype, batch_invariant=True)
+    assert decide(torch.device("cpu"), "float32", batch_invariant=True).mode == "tiled"
+    assert decide(torch.device("cpu"), "float32", batch_invariant=False).mode == "plain"
+    cuda = decide(torch.device("cuda"), None, batch_invariant=True)
+    assert (cuda.dtype, cuda.mode, cuda.kv_dtype) == (torch.bfloat16, "plain", torch.bfloat16)
 
 
 def test_a_twin_prompt_waits_for_the_prefill_in_flight_then_copies_it_and_answers_the_same(tiny_engine):
@@ -421,7 +430,7 @@ def test_a_kv_cache_larger_than_the_memory_free_is_refused_before_allocating(tin
 def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_path):
     import torch
 
-    from mashbox.engine.memory import available, check_fits
+    from mashbox.engine.model.memory import available, check_fits
     from mashbox.errors import ConfigError
 
     meminfo = tmp_path / "meminfo"
@@ -461,7 +470,7 @@ def test_the_engine_package_imports_no_protocol_and_the_facade_reads_the_registr
 
     from mashbox.api.protocols import PROTOCOLS
 
-    code = ("import sys, mashbox.engine.engine; "
+    code = ("import sys, mashbox.engine.runtime; "
             "print(sorted(m for m in sys.modules if m.startswith('mashbox.api')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -4,16 +4,15 @@ graphs themselves in test_cuda."""
 
 import pytest
 import torch
+from tiny import tiny_config
 from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
-from mashbox.engine.checkpoint import Checkpoint
-from mashbox.engine.graphs import LONGEST, DecodeGraphs, attended, row_sizes
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Plan, Work
-from mashbox.engine.sequence import Sequence
-
-from tiny import tiny_config
+from mashbox.engine.load.checkpoint import Checkpoint
+from mashbox.engine.model.graphs import LONGEST, DecodeGraphs, attended, row_sizes
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.sched.scheduler import Plan, Work
+from mashbox.engine.sched.sequence import Sequence
 
 
 def test_row_sizes_double_up_to_the_slots():
@@ -46,7 +45,7 @@ def test_steps_of_one_token_rows_within_the_longest_shape_are_taken():
 def runner():
     torch.manual_seed(5)
     model = LlamaForCausalLM(tiny_config(500)).eval()
-    return ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=256, mode="plain", graphs=True)
+    return ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=256, form="plain", graphs=True)
 
 
 def test_padding_rows_write_only_the_spare_slot(runner):
@@ -75,7 +74,7 @@ def test_padding_rows_write_only_the_spare_slot(runner):
 def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(caplog):
     torch.manual_seed(5)
     model = LlamaForCausalLM(tiny_config(500)).eval()
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=2, ctx=128, mode="plain", graphs=True)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=2, ctx=128, form="plain", graphs=True)
     seq = Sequence("a", [3, 4, 5], SamplingParams(), 8)
     seq.slot = 0
     runner.run(Plan([Work(seq, (3, 4, 5), 0, True)]))

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mashbox.engine import catalog, loader
-from mashbox.engine.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
-from mashbox.engine.loader import LoadedModel, converted_dir, hf_model, load
+from mashbox.engine.load import catalog, loader
+from mashbox.engine.load.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
+from mashbox.engine.load.loader import LoadedModel, converted_dir, hf_model, load
 from mashbox.errors import ModelLoadError
 
 CHAT = [{"role": "user", "content": "Hi"}]

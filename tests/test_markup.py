@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mashbox.engine.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from mashbox.engine.markup import Markup
+from mashbox.engine.text.markup import Markup
 
 
 def parse(pieces, **options):

@@ -6,18 +6,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import greedy, tiny_config
 from transformers import LlamaForCausalLM
 
 from mashbox import SamplingParams
-from mashbox.engine import native
-from mashbox.engine.checkpoint import Checkpoint, Tensors
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.ops import NativeOps, TorchOps
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
-from mashbox.engine.weights import _linear, weight_mode
-
-from tiny import greedy, tiny_config
+from mashbox.engine.load.checkpoint import Checkpoint, Tensors
+from mashbox.engine.model import native
+from mashbox.engine.model.form import decide
+from mashbox.engine.model.ops import NativeOps, TorchOps
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.model.weights import _linear
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_pat
     model = LlamaForCausalLM(tiny_config(1000)).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode="q8")
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form="q8")
     assert runner._fused is not None and runner.kv.keys.dtype == torch.float16 and runner.cut_anywhere
     assert {f for layer in runner.weights.layers for f in layer.gate_up.formats} == {"int8"}
     batched = greedy(runner, prompts)
@@ -148,7 +148,7 @@ def test_q8_forward_stays_close_to_fp32(lib):
     ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = model(ids).logits[0, -1]
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=1, ctx=64, mode="q8")
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=1, ctx=64, form="q8")
     scheduler = Scheduler(num_slots=1, ctx=64, chunk_tokens=64)
     seq = Sequence("a", ids[0].tolist(), SamplingParams(), 1)
     scheduler.add(seq)
@@ -161,15 +161,17 @@ def test_q8_forward_stays_close_to_fp32(lib):
 
 def test_gguf_blocks_are_the_cpu_default_and_the_fallback_works_without_kernels(lib, monkeypatch):
     cpu = torch.device("cpu")
-    assert weight_mode(cpu, None, batch_invariant=True) == (torch.float32, "gguf")
-    assert weight_mode(cpu, "int8", batch_invariant=True) == (torch.float32, "q8")
+    assert (decide(cpu, None, batch_invariant=True).mode, decide(cpu, None, True).dtype) == ("gguf", torch.float32)
+    assert decide(cpu, "int8", batch_invariant=True).mode == "q8"
+    assert decide(cpu, "int8", True).kv_dtype == torch.float16 and decide(cpu, "int8", True).bf16_attention
     monkeypatch.setenv("MASHBOX_NATIVE", "0")
     native.load.cache_clear()
     try:
         assert native.load() is None
-        assert weight_mode(cpu, None, batch_invariant=True)[1] in ("packed", "tiled")
+        assert decide(cpu, None, batch_invariant=True).mode in ("packed", "tiled")
+        assert decide(cpu, "float32", batch_invariant=True).kv_dtype == torch.float32
         with pytest.raises(ValueError, match="dtype: int8"):
-            weight_mode(cpu, "int8", batch_invariant=True)
+            decide(cpu, "int8", batch_invariant=True)
     finally:
         monkeypatch.delenv("MASHBOX_NATIVE")
         native.load.cache_clear()

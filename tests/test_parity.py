@@ -5,16 +5,15 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_config
 from transformers import LlamaForCausalLM
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams, TextDelta
-from mashbox.engine.checkpoint import Checkpoint
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
-from mashbox.engine.weights import fbgemm_available
-
-from tiny import tiny_config
+from mashbox.engine.load.checkpoint import Checkpoint
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.model.weights import fbgemm_available
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
 
 NEW = 24
 
@@ -53,7 +52,7 @@ def test_batched_greedy_equals_generate(model, mode, rows_at_once):
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert all(len(set(e)) > 3 for e in expected), "the oracle should not be a constant stream"
 
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, mode=mode, graphs=rows_at_once == "graphs")
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form=mode, graphs=rows_at_once == "graphs")
     if rows_at_once:  # as on CUDA: the one-token rows of a step in one masked SDPA call a layer
         runner._rows_at_once = True  # and with "graphs", steps of one-token rows padded to fixed shapes
     for cache in (runner.kv.keys, runner.kv.values):

@@ -14,10 +14,19 @@ from test_markup import coalesce
 
 from mashbox.api import anthropic_messages, openai_chat
 from mashbox.api.base import parse
-from mashbox.engine.events import Finish, ReasoningDelta, Started, TextDelta, Timings, ToolCallDelta, ToolCallEnd
-from mashbox.engine.events import ToolCallStart, Usage
-from mashbox.engine.markup import Markup
-from mashbox.engine.stop import StopMatcher
+from mashbox.engine.events import (
+    Finish,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    Timings,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from mashbox.engine.text.markup import Markup
+from mashbox.engine.text.stop import StopMatcher
 
 # Text rich in the machines' own markers, so that tags and stops are cut in every way.
 ALPHABET = st.sampled_from(["a", " ", "\n", "<", ">", "/", "tool_call", "think", "{", "}", '"', "é", "STOP", "ST"])

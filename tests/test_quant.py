@@ -5,16 +5,15 @@ import shutil
 
 import pytest
 import torch
+from quants import FORMATS, random_blocks, tiny_gguf
+from tiny import greedy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mashbox import Engine
-from mashbox.engine import native, quant
-from mashbox.engine.gguf_file import GGUFFile, checkpoint
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.weights import Linear
-
-from quants import FORMATS, random_blocks, tiny_gguf
-from tiny import greedy
+from mashbox.engine.load.gguf_file import GGUFFile, checkpoint
+from mashbox.engine.model import native, quant
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.model.weights import Linear
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +119,14 @@ def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, arch, formats):
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    exact = ModelRunner(checkpoint(path, cpu, torch.float32, lib), num_slots=4, ctx=512, mode="plain")
+    exact = ModelRunner(checkpoint(path, cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
     expected = [_generate(model, p) for p in prompts]
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert greedy(exact, prompts) == expected
 
     ckpt = checkpoint(path, cpu, torch.float32, lib)
     assert ckpt.blocks["lm_head.weight"] is ckpt.blocks["model.embed_tokens.weight"]
-    runner = ModelRunner(ckpt, num_slots=4, ctx=512, mode="gguf")
+    runner = ModelRunner(ckpt, num_slots=4, ctx=512, form="gguf")
     assert {f for layer in runner.weights.layers for lin in (layer.qkv_proj, layer.o, layer.gate_up, layer.down)
             for f in lin.formats} == set(formats)
     assert runner.weights.lm_head.formats == ["Q8_0"] and runner.weights.embed.blocks is not None

@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 
-from mashbox.engine.pace import Pace
 from mashbox.engine.request import SamplingParams
-from mashbox.engine.scheduler import Plan, Scheduler
-from mashbox.engine.sequence import Sequence, Status
-from mashbox.engine.slots import SlotTable
+from mashbox.engine.sched.pace import Pace
+from mashbox.engine.sched.scheduler import Plan, Scheduler
+from mashbox.engine.sched.sequence import Sequence, Status
+from mashbox.engine.sched.slots import SlotTable
 
 EOS = 0
 
@@ -162,7 +162,7 @@ def prompt(base: int, n: int = 200) -> list[int]:
 
 
 def test_evicted_prefix_goes_to_host_memory_and_comes_back():
-    from mashbox.engine.prefix_cache import Restore, Save
+    from mashbox.engine.sched.prefix_cache import Restore, Save
 
     s = Scheduler(num_slots=1, ctx=1024, chunk_tokens=64, host_cache_bytes=10_000, kv_bytes_per_token=10)
     run_to_end(s, Sequence("a", prompt(1000), SamplingParams(), 1))
@@ -179,7 +179,7 @@ def test_evicted_prefix_goes_to_host_memory_and_comes_back():
 
 
 def test_host_memory_cap_evicts_least_recently_used_but_never_the_prefix_being_restored():
-    from mashbox.engine.prefix_cache import Drop, Restore, Save
+    from mashbox.engine.sched.prefix_cache import Drop, Restore, Save
 
     s = Scheduler(num_slots=1, ctx=1024, chunk_tokens=64, host_cache_bytes=2500, kv_bytes_per_token=10)
     for base in (1000, 5000):

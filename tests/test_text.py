@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from mashbox.engine import sampler
+from mashbox.engine.model import sampler
 from mashbox.engine.request import SamplingParams
-from mashbox.engine.stop import StopMatcher
+from mashbox.engine.text.stop import StopMatcher
 
 
 def run_stop(stops, pieces):

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
 from mashbox.engine.core import EngineCore
 from mashbox.engine.events import Finish, ToolCallStart
-from mashbox.engine.markup import Markup
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
+from mashbox.engine.text.markup import Markup
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},

@@ -4,9 +4,9 @@ runner without an engine around it."""
 from transformers import LlamaConfig
 
 from mashbox import SamplingParams
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
 
 
 def tiny_config(vocab_size: int) -> LlamaConfig:

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mashbox.engine.channel import Channel
-from mashbox.engine.detokenizer import Detokenizer
 from mashbox.engine.events import Event, Finish, Started, Timings, Usage
-from mashbox.engine.markup import Markup
-from mashbox.engine.model_runner import ModelRunner
-from mashbox.engine.scheduler import Plan, Scheduler
-from mashbox.engine.sequence import Sequence, Status
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.sched.scheduler import Plan, Scheduler
+from mashbox.engine.sched.sequence import Sequence, Status
 from mashbox.engine.stats import Counters, EngineStats
-from mashbox.engine.stop import StopMatcher
+from mashbox.engine.text.detokenizer import Detokenizer
+from mashbox.engine.text.markup import Markup
+from mashbox.engine.text.stop import StopMatcher
 from mashbox.errors import EngineClosedError
 
 log = logging.getLogger("mashbox.engine")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mashbox.engine.catalog import cache_dir
+from mashbox.engine.load.catalog import cache_dir
 from mashbox.errors import NotReadyError
 from mashbox.server.admission import Admission
 from mashbox.server.backend import Backend

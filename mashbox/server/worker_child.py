@@ -22,10 +22,11 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from mashbox.engine.events import Event
-from mashbox.engine.openmp import prefer_passive_wait
+from mashbox.engine.model.openmp import prefer_passive_wait
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ConfigError
 from mashbox.server.worker_messages import (
+    STATS_EVERY,
     Abort,
     Command,
     Count,
@@ -35,7 +36,6 @@ from mashbox.server.worker_messages import (
     Events,
     Failed,
     Ready,
-    STATS_EVERY,
     Reply,
     StatsSnapshot,
     Stop,

@@ -10,11 +10,10 @@ from typing import Callable
 
 import torch
 
-from mashbox.engine import native, quant
-from mashbox.engine.checkpoint import SUPPORTED, Checkpoint, Spec
-from mashbox.engine.loader import pick_dtype
-from mashbox.engine.native import ptr
-from mashbox.engine.ops import TorchOps
+from mashbox.engine.load.checkpoint import SUPPORTED, Checkpoint, Spec
+from mashbox.engine.model import native, quant
+from mashbox.engine.model.native import ptr
+from mashbox.engine.model.ops import TorchOps
 from mashbox.errors import ModelLoadError
 
 TILE = 16
@@ -139,32 +138,6 @@ def fbgemm_available() -> bool:
         return True
     except (RuntimeError, AttributeError):
         return False
-
-
-INT8 = ("int8", "q8")
-
-
-def weight_mode(device: torch.device, dtype: str | None, batch_invariant: bool) -> tuple[torch.dtype, str]:
-    """(dtype to load the model in, weight mode) for a device and the dtype asked for.
-
-    On CPU the default is mashbox's own kernels (fp32 activations), where a C compiler could build
-    them: a GGUF's blocks as the file has them, int8 blocks for every other weight (``gguf``); else
-    fp16 weights packed for fbgemm. ``int8`` asks for int8 blocks everywhere (``q8``), ``float16``
-    for the packed form, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
-    """
-    if device.type != "cpu":
-        return pick_dtype(dtype, device), "plain"
-    if dtype in (None, *INT8) and native.load() is not None:
-        return torch.float32, "gguf" if dtype is None else "q8"
-    if dtype in INT8:
-        raise ValueError("dtype: int8 weights need mashbox's CPU kernels, which could not be built here "
-                         "(no C compiler, or MASHBOX_NATIVE=0); use float16 or float32")
-    asked = None if dtype is None else pick_dtype(dtype, device)
-    if asked in (None, torch.float16) and fbgemm_available():
-        return torch.float32, "packed"
-    if asked not in (None, torch.float16, torch.float32):
-        raise ValueError(f"dtype: {dtype!r} is not supported on CPU; use int8, float16 (packed) or float32")
-    return torch.float32, "tiled" if batch_invariant else "plain"
 
 
 @dataclass(slots=True)

@@ -15,25 +15,26 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mashbox.engine import native
-from mashbox.engine.catalog import cache_dir
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import CLOSED, EngineCore, ThinkBudget
-from mashbox.engine.disk_cache import PageStore
 from mashbox.engine.events import Event, Finish, Queued
-from mashbox.engine.grammar import Grammars
 from mashbox.engine.info import ModelInfo
-from mashbox.engine.loader import LoadedModel, load, pick_device
-from mashbox.engine.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
-from mashbox.engine.memory import available, check_fits, kv_bytes_per_token
-from mashbox.engine.model_runner import ModelRunner, kv_dtype
-from mashbox.engine.progress import loading
+from mashbox.engine.load.catalog import cache_dir
+from mashbox.engine.load.loader import LoadedModel, load, pick_device
+from mashbox.engine.load.progress import loading
+from mashbox.engine.model import native
+from mashbox.engine.model.form import Form, decide
+from mashbox.engine.model.memory import available, check_fits, kv_bytes_per_token
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.model.weights import Weights
 from mashbox.engine.request import EngineRequest
-from mashbox.engine.scheduler import Scheduler
-from mashbox.engine.sequence import Sequence
+from mashbox.engine.sched.disk_cache import PageStore
+from mashbox.engine.sched.scheduler import Scheduler
+from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
-from mashbox.engine.template import ChatTemplate
-from mashbox.engine.weights import Weights, weight_mode
+from mashbox.engine.text.grammar import Grammars
+from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
+from mashbox.engine.text.template import ChatTemplate
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -62,12 +63,12 @@ class Runtime:
 
     def _build(self, config: EngineConfig, step: Callable[[str], None]) -> None:
         device = pick_device(config.device)
-        load_dtype, mode = weight_mode(device, config.dtype, config.batch_invariant)
-        loaded = load(config.model, device=device, dtype=load_dtype, step=step)
+        form = decide(device, config.dtype, config.batch_invariant)
+        loaded = load(config.model, device=device, dtype=form.dtype, step=step)
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.ctx = _context(config, loaded)
-        per_token = kv_bytes_per_token(loaded.checkpoint.spec, kv_dtype(device, mode, load_dtype))
+        per_token = kv_bytes_per_token(loaded.checkpoint.spec, form.kv_dtype)
         graphs = config.cuda_graphs and device.type == "cuda"
         check_fits(self.ctx, config.slots + graphs, per_token, available(device),
                    "this machine" if device.type == "cpu" else str(device))
@@ -76,8 +77,8 @@ class Runtime:
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens)")
-        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, mode, graphs)
-        self.info = _info(loaded, self.ctx, config.slots, runner.weights)
+        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs)
+        self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
                               _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
@@ -253,22 +254,7 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
-def _info(loaded: LoadedModel, ctx: int, slots: int, weights: Weights) -> ModelInfo:
-    """What the weights are: their block formats, from the most common (e.g. "Q4_K + Q6_K + Q8_0 blocks,
-    float32 activations"), or the dtype of a float form."""
-    counts: dict[str, int] = {}
-    for lin in weights.linears:
-        for part in lin.parts:
-            counts[part.name] = counts.get(part.name, 0) + part.data.nbytes
-    modes = {lin.mode for lin in weights.linears}
-    if counts:
-        names = sorted(counts, key=lambda name: -counts[name])
-        dtype = " + ".join(names) + " blocks" + ("" if modes == {"blocks"} else " (float elsewhere)")
-        dtype += ", float32 activations"
-    elif modes == {"packed"}:
-        dtype = "float16 (packed) weights, float32 activations"
-    else:
-        dtype = str(loaded.dtype).removeprefix("torch.")
-    mode = "blocks" if counts else weights.linears[0].mode
+def _info(loaded: LoadedModel, ctx: int, slots: int, form: Form, weights: Weights) -> ModelInfo:
+    what, mode = form.describe(weights)
     return ModelInfo(loaded.id, ctx, slots, PurePath(loaded.weights).name, loaded.bpw, weights.nbytes / 1e9,
-                     str(loaded.device), dtype, mode)
+                     str(loaded.device), what, mode)

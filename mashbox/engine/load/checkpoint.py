@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mashbox.engine import quant
+from mashbox.engine.model import quant
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _NEEDED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mashbox.engine.checkpoint import Spec
+from mashbox.engine.load.checkpoint import Spec
 from mashbox.errors import ConfigError
 
 

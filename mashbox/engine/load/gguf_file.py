@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mashbox.engine import quant
-from mashbox.engine.checkpoint import SUPPORTED, Checkpoint, Spec, Tensors, rotary
+from mashbox.engine.load.checkpoint import SUPPORTED, Checkpoint, Spec, Tensors, rotary
+from mashbox.engine.model import quant
 from mashbox.errors import ModelLoadError
 
 log = logging.getLogger("mashbox.engine")

@@ -13,7 +13,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from mashbox.engine.native import ptr
+from mashbox.engine.model.native import ptr
 
 
 class TorchOps:
@@ -63,10 +63,4 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-NATIVE_MODES = ("gguf", "q8", "packed")  # weight modes whose models run on NativeOps
-
-
-def pick(device: torch.device, lib: ctypes.CDLL | None, mode: str) -> TorchOps:
-    """Native ops for the CPU's 8- and 16-bit weight forms where the kernels could be built, else
-    torch's (the exact ``float32`` forms keep torch's arithmetic and an fp32 KV cache)."""
-    return NativeOps(lib) if device.type == "cpu" and lib is not None and mode in NATIVE_MODES else TorchOps()
+NATIVE_MODES = ("gguf", "q8", "packed")  # weight modes whose models run on NativeOps (form.py)

@@ -5,7 +5,7 @@ is there, else CPU + float32), reads the tokenizer with transformers and the wei
 ``Checkpoint``: a GGUF's straight from the memory-mapped file (``gguf_file.py``: its matrices as the
 file's own blocks), an HF directory's safetensors directly (transformers builds the model only for
 what it alone can read), with ``local_files_only=True``, naming each step to a ``step`` callback as
-it begins (``mashbox.engine.progress`` shows them). transformers' own logging, warnings and tqdm
+it begins (``mashbox.engine.load.progress`` shows them). transformers' own logging, warnings and tqdm
 bars are silenced during the load.
 
 transformers reads a GGUF's tokenizer slowly (parsing the vocabulary and merges: seconds), so the
@@ -38,16 +38,13 @@ with warnings.catch_warnings():  # tqdm.auto warns on import in a Jupyter kernel
     warnings.filterwarnings("ignore", "IProgress not found")
     import transformers  # noqa: E402
 
-from mashbox.engine import checkpoint, gguf_file, native  # noqa: E402
-from mashbox.engine.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
+from mashbox.engine.load import checkpoint, gguf_file  # noqa: E402
+from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
+from mashbox.engine.model import native  # noqa: E402
+from mashbox.engine.model.form import pick_dtype  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
 
 CTX_CAP = 8192
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 _DONE = "complete"  # marker file in a converted directory, written last
 _SOURCE = "source.json"  # the GGUF a converted directory was made from: path, size, mtime
 log = logging.getLogger("mashbox.engine")
@@ -152,18 +149,6 @@ def pick_device(device: str | torch.device | None) -> torch.device:
         raise ModelLoadError(f"Device '{device}' was asked for but torch sees no CUDA GPU. "
                              "Leave the device unset or use 'cpu'.")
     return dev
-
-
-def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The given dtype, else bfloat16 on CUDA and float32 elsewhere."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = dtype.lower().removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"Unknown dtype '{dtype}'. Use one of: {', '.join(_DTYPES)}.")
-    return _DTYPES[name]
 
 
 @contextlib.contextmanager

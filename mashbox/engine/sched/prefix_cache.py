@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mashbox.engine.disk_cache import PageStore
+    from mashbox.engine.sched.disk_cache import PageStore
 
 
 @dataclass(slots=True, frozen=True)

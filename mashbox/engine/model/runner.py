@@ -23,17 +23,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from mashbox.engine import native, ops, sampler
-from mashbox.engine.checkpoint import Checkpoint
-from mashbox.engine.graphs import DecodeGraphs
-from mashbox.engine.kv_cache import KVCache
-from mashbox.engine.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
-from mashbox.engine.scheduler import Plan, Work
-from mashbox.engine.sequence import Sequence
-from mashbox.engine.weights import Weights
+from mashbox.engine.load.checkpoint import Checkpoint
+from mashbox.engine.model import ops, sampler
+from mashbox.engine.model.form import Form
+from mashbox.engine.model.graphs import DecodeGraphs
+from mashbox.engine.model.kv_cache import KVCache
+from mashbox.engine.model.weights import Weights
+from mashbox.engine.sched.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
+from mashbox.engine.sched.scheduler import Plan, Work
+from mashbox.engine.sched.sequence import Sequence
 
 if TYPE_CHECKING:
-    from mashbox.engine.disk_cache import PageStore
+    from mashbox.engine.sched.disk_cache import PageStore
 
 log = logging.getLogger("mashbox.engine")
 
@@ -52,30 +53,25 @@ class Batch:
     rest: list[tuple[Work, int, torch.Tensor | None]]  # item, first row, mask: attended by SDPA
 
 
-def kv_dtype(device: torch.device, mode: str, weights_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: float16 beside mashbox's CPU kernels, else the weights' (as ``ops.pick``)."""
-    native_ops = device.type == "cpu" and mode in ops.NATIVE_MODES and native.load() is not None
-    return torch.float16 if native_ops else weights_dtype
-
-
 class ModelRunner:
     """``graphs``: run steps of one-token rows at fixed shapes (``DecodeGraphs``), captured as CUDA
     graphs on a GPU; the KV cache gets one spare slot for the padding rows. Not with the CPU kernels."""
 
-    def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, mode: str = "tiled", graphs: bool = False) -> None:
-        lib = native.load() if mode in ops.NATIVE_MODES else None
-        self.weights = Weights.from_checkpoint(ckpt, ctx, mode, lib)
+    def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, form: Form | str = "tiled",
+                 graphs: bool = False) -> None:
+        """``form``: how the model runs (``form.decide``), or only its mode on the checkpoint's device."""
+        if isinstance(form, str):
+            form = Form(ckpt.inv_freq.device, ckpt.tensors.dtype or ckpt.tensors["model.norm.weight"].dtype, form)
+        lib = form.lib
+        self.weights = Weights.from_checkpoint(ckpt, ctx, form.mode, lib)
         self.device = self.weights.embed.device
-        self.ops = ops.pick(self.device, lib, mode)
+        self.ops = form.ops()
         native_ops = isinstance(self.ops, ops.NativeOps)
         graphs = graphs and not native_ops
-        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx,
-                                   kv_dtype(self.device, mode, self.weights.embed.dtype), self.device)
+        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx, form.kv_dtype, self.device)
         self._graphs = DecodeGraphs(self._padded_step, self.device, ctx, num_slots,
                                     capture=self.device.type == "cuda") if graphs else None
-        # The quantized forms attend with bf16 dot products where the kernels have them (their weights
-        # round far more); the float16 form keeps fp32 attention, like its reference (fp16 weights).
-        self._bf16 = int(mode in ("gguf", "q8"))
+        self._bf16 = form.bf16_attention  # where the kernels have bf16 dot products
         fused = FusedLayers.fits(self.weights)
         self._fused = FusedLayers(self.weights, self.kv, lib, self._bf16) if fused else None
         self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mashbox.engine.catalog import cache_dir
+from mashbox.engine.load.catalog import cache_dir
 
 log = logging.getLogger("mashbox.engine")
 SOURCE = Path(__file__).with_name("kernels.c")

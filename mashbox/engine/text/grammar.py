@@ -17,8 +17,8 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from mashbox.engine.markup import HERMES, CallFormat
 from mashbox.engine.request import Tool
+from mashbox.engine.text.markup import HERMES, CallFormat
 from mashbox.errors import InvalidRequestError
 
 STRICT_JSON = {"whitespace_flexible": False}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mashbox.engine.checkpoint import Spec
+    from mashbox.engine.load.checkpoint import Spec
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mashbox.engine.scheduler import Plan, Work
+from mashbox.engine.sched.scheduler import Plan, Work
 
 SHORTEST = 128  # the fewest positions a shape attends to
 LONGEST = 4096  # the most: a longer step runs eagerly (its time is attention, not launches, and a

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mashbox.engine.events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from mashbox.engine.stop import overlap
+from mashbox.engine.text.stop import overlap
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,13 +24,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mashbox.engine.pace import Pace
-from mashbox.engine.prefix_cache import CacheOp, Live, Persist, PrefixCache
-from mashbox.engine.sequence import Sequence, Status
-from mashbox.engine.slots import SlotTable
+from mashbox.engine.sched.pace import Pace
+from mashbox.engine.sched.prefix_cache import CacheOp, Live, Persist, PrefixCache
+from mashbox.engine.sched.sequence import Sequence, Status
+from mashbox.engine.sched.slots import SlotTable
 
 if TYPE_CHECKING:
-    from mashbox.engine.disk_cache import PageStore
+    from mashbox.engine.sched.disk_cache import PageStore
 
 PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, where prompts may be cut anywhere
 RATIO = 1.5  # how long a step with prompt tokens may take beside decoding requests, in decode steps

@@ -1,0 +1,1 @@
+"""Finding and reading a model: the catalog, GGUF files, checkpoints, the loader and its progress."""

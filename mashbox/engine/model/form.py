@@ -1,0 +1,113 @@
+"""How a model runs on its device, decided in one place: ``Form``.
+
+The device, the dtype its floats are read in, the form of its matrices (``mode``) and what follows
+from them: whether mashbox's CPU kernels run it, the per-row ops, the KV cache's dtype, whether
+attention multiplies in bf16, and how the info names the weights. ``decide()`` takes what a user
+asked for (``EngineConfig.dtype``, ``batch_invariant``); the runner and the engine read the rest
+from the ``Form``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mashbox.engine.model import native, ops
+
+if TYPE_CHECKING:
+    from mashbox.engine.model.weights import Weights
+
+MODES = ("gguf", "q8", "packed", "plain", "tiled")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+INT8 = ("int8", "q8")
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """``mode``: ``gguf``, a GGUF's blocks as the file has them and int8 blocks for every other
+    weight (mashbox's CPU kernels); ``q8``, int8 blocks for all; ``packed``, fp16 packed for fbgemm;
+    ``plain``, one torch matmul; ``tiled``, torch matmuls of fixed tiles (batch invariant)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    mode: str
+
+    @property
+    def lib(self) -> ctypes.CDLL | None:
+        """mashbox's CPU kernels, where this form runs on them."""
+        return native.load() if self.device.type == "cpu" and self.mode in ops.NATIVE_MODES else None
+
+    def ops(self) -> ops.TorchOps:
+        lib = self.lib
+        return ops.NativeOps(lib) if lib is not None else ops.TorchOps()
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """float16 beside mashbox's CPU kernels, else the floats' dtype."""
+        return torch.float16 if self.lib is not None else self.dtype
+
+    @property
+    def bf16_attention(self) -> int:
+        """1 where attention may multiply in bf16 pairs: the quantized forms, whose weights round far
+        more; the float16 form keeps fp32 attention, like its reference (fp16 weights)."""
+        return int(self.mode in ("gguf", "q8"))
+
+    def describe(self, weights: Weights) -> tuple[str, str]:
+        """(what the weights are, the weights mode) for the info: block formats from the most bytes
+        (e.g. "Q4_K + Q6_K blocks, float32 activations"), or a float form's dtype."""
+        counts: dict[str, int] = {}
+        for lin in weights.linears:
+            for part in lin.parts:
+                counts[part.name] = counts.get(part.name, 0) + part.data.nbytes
+        modes = {lin.mode for lin in weights.linears}
+        if counts:
+            names = sorted(counts, key=lambda name: -counts[name])
+            what = " + ".join(names) + " blocks" + ("" if modes == {"blocks"} else " (float elsewhere)")
+            return what + ", float32 activations", "blocks"
+        if modes == {"packed"}:
+            return "float16 (packed) weights, float32 activations", "packed"
+        return str(self.dtype).removeprefix("torch."), weights.linears[0].mode
+
+
+def decide(device: torch.device, dtype: str | None, batch_invariant: bool) -> Form:
+    """The form for a device and the dtype asked for.
+
+    On CPU the default is mashbox's own kernels (fp32 activations), where a C compiler could build
+    them: a GGUF's blocks as the file has them, int8 blocks for every other weight (``gguf``); else
+    fp16 weights packed for fbgemm. ``int8`` asks for int8 blocks everywhere (``q8``), ``float16``
+    for the packed form, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
+    """
+    if device.type != "cpu":
+        return Form(device, pick_dtype(dtype, device), "plain")
+    if dtype in (None, *INT8) and native.load() is not None:
+        return Form(device, torch.float32, "gguf" if dtype is None else "q8")
+    if dtype in INT8:
+        raise ValueError("dtype: int8 weights need mashbox's CPU kernels, which could not be built here "
+                         "(no C compiler, or MASHBOX_NATIVE=0); use float16 or float32")
+    from mashbox.engine.model.weights import fbgemm_available
+
+    asked = None if dtype is None else pick_dtype(dtype, device)
+    if asked in (None, torch.float16) and fbgemm_available():
+        return Form(device, torch.float32, "packed")
+    if asked not in (None, torch.float16, torch.float32):
+        raise ValueError(f"dtype: {dtype!r} is not supported on CPU; use int8, float16 (packed) or float32")
+    return Form(device, torch.float32, "tiled" if batch_invariant else "plain")
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The given dtype, else bfloat16 on CUDA and float32 elsewhere."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.lower().removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"Unknown dtype '{dtype}'. Use one of: {', '.join(_DTYPES)}.")
+    return _DTYPES[name]

@@ -1,0 +1,1 @@
+"""Tokens to text and back: the chat template, detokenizing, stop strings, markup (thinking, tool calls), grammars."""
