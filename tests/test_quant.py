@@ -139,10 +139,14 @@ def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, arch, formats):
     assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
 
 
-def test_the_engine_runs_a_gguf_it_was_given(tmp_path):
+def test_the_engine_runs_a_gguf_it_was_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path / "cache"))  # its tokenizer copy lands there
     model = _tiny(Qwen2Config, Qwen2ForCausalLM)
     path = tiny_gguf(tmp_path / "tiny.gguf", model, "qwen2", ["Q4_K", "Q6_K"])
     with Engine(str(path), slots=2, ctx=256, quiet=True) as engine:
-        assert engine.info.dtype.startswith("Q4_K + Q6_K + Q8_0 blocks") or "Q4_K" in engine.info.dtype
+        names, _, rest = engine.info.dtype.partition(" blocks")
+        assert set(names.split(" + ")) == {"Q4_K", "Q6_K", "Q8_0"} and rest == ", float32 activations"
+        assert engine.info.weights_mode == "blocks"
         answer = engine.complete(prompt="The three largest planets are", max_tokens=8, temperature=0)
         assert answer.usage.completion_tokens == 8
+    assert [p.name.endswith("-tokenizer") for p in (tmp_path / "cache" / "converted").iterdir()] == [True]
