@@ -1,9 +1,10 @@
-"""Shared fixtures: a tiny random Llama built here (fast, exact), and the real
-embedded SmolLM2 (slow to load, so loaded once per test session)."""
+"""Shared fixtures: a tiny random Llama built here (fast, exact), the real embedded SmolLM2 (slow
+to load, so loaded once per test session), and mashbox's compiled CPU kernels."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,14 @@ def tiny_engine(tiny_model_dir):
 def smol_engine():
     with Engine("smollm2-135m", ctx=2048, slots=16, quiet=True) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def lib():
+    """mashbox's CPU kernels, built with the machine's C compiler (the set-up installs one)."""
+    from mashbox.engine.model import native
+
+    assert shutil.which("cc") or shutil.which("gcc"), "these tests need a C compiler, as the set-up installs"
+    kernels = native.load()
+    assert kernels is not None, "the kernels should build wherever a C compiler is"
+    return kernels

@@ -1,6 +1,5 @@
 """mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
 
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -18,14 +17,6 @@ from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import _linear
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
-
-
-@pytest.fixture(scope="module")
-def lib():
-    assert shutil.which("cc") or shutil.which("gcc"), "these tests need a C compiler, as the set-up installs"
-    lib = native.load()
-    assert lib is not None, "the kernels should build wherever a C compiler is"
-    return lib
 
 
 def test_float_weights_are_int8_blocks_and_a_width_off_32_falls_back(lib):

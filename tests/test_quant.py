@@ -1,7 +1,6 @@
 """The kernels over a GGUF's own blocks: each format against gguf-py's dequantization, the batch
 invariance they promise, and whole models read straight from a GGUF file."""
 
-import shutil
 
 import pytest
 import torch
@@ -11,17 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from mashbox import Engine
 from mashbox.engine.load.gguf_file import GGUFFile, checkpoint
-from mashbox.engine.model import native, quant
+from mashbox.engine.model import quant
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Linear
-
-
-@pytest.fixture(scope="module")
-def lib():
-    assert shutil.which("cc") or shutil.which("gcc"), "these tests need a C compiler, as the set-up installs"
-    lib = native.load()
-    assert lib is not None, "the kernels should build wherever a C compiler is"
-    return lib
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
