@@ -49,9 +49,11 @@ def _scales_k4(sc: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks], floats: dict[str, torch.Tensor]) -> Path:
+def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks], floats: dict[str, torch.Tensor],
+               numbers: dict[str, int] | None = None) -> Path:
     """A GGUF model file: ``matrices`` (GGUF names) as their blocks, ``floats`` (norms, biases) as fp32,
-    the metadata of ``config`` (a transformers config) and the SmolLM2 tokenizer's fields."""
+    the metadata of ``config`` (a transformers config), ``numbers`` (more uint32 fields) and the SmolLM2
+    tokenizer's fields."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
@@ -63,6 +65,8 @@ def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks],
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    for key, value in (numbers or {}).items():
+        writer.add_uint32(key, value)
     source = GGUFReader(str(resolve("smollm2-135m").path))
     for key, field in source.fields.items():
         if not key.startswith("tokenizer."):

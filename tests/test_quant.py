@@ -4,7 +4,7 @@ invariance they promise, and whole models read straight from a GGUF file."""
 
 import pytest
 import torch
-from quants import FORMATS, random_blocks, tiny_gguf
+from quants import FORMATS, random_blocks, tiny_gguf, write_gguf
 from tiny import greedy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -13,6 +13,7 @@ from mashbox.engine.load.gguf_file import GGUFFile, checkpoint
 from mashbox.engine.model import quant
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Linear
+from mashbox.errors import ModelLoadError
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -141,3 +142,14 @@ def test_the_engine_runs_a_gguf_it_was_given(tmp_path, monkeypatch):
         answer = engine.complete(prompt="The three largest planets are", max_tokens=8, temperature=0)
         assert answer.usage.completion_tokens == 8
     assert [p.name.endswith("-tokenizer") for p in (tmp_path / "cache" / "converted").iterdir()] == [True]
+
+
+@pytest.mark.parametrize("arch,numbers,says", [
+    ("gemma3", {}, "'gemma3' model; mashbox runs llama, mistral, qwen2, qwen3"),
+    ("llama", {"llama.rope.dimension_count": 32}, "partial rotary"),
+])
+def test_a_gguf_mashbox_cannot_run_is_refused_before_loading(tmp_path, arch, numbers, says):
+    model = _tiny(LlamaConfig, LlamaForCausalLM)
+    path = write_gguf(tmp_path / "m.gguf", arch, model.config, {}, {}, numbers)
+    with pytest.raises(ModelLoadError, match=says):
+        checkpoint(path, torch.device("cpu"), torch.float32, None)

@@ -188,7 +188,9 @@ def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes
         found["lm_head.weight"] = found.get("model.embed_tokens.weight")
         floats["lm_head.weight"] = floats.get("model.embed_tokens.weight")
         found, floats = ({k: v for k, v in d.items() if v is not None} for d in (found, floats))
-    inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), int(meta("rope.dimension_count", head_dim)))
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(f"'{path}' rotates part of each head (partial rotary), which mashbox does not run yet")
+    inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), head_dim)
     if "rope_freqs.weight" in gguf.tensors:  # llama 3's long-context factors, per frequency
         inv_freq = inv_freq / gguf.tensor("rope_freqs.weight").float()
     scaling = meta("rope.scaling.type", "none")
