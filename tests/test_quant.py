@@ -32,8 +32,11 @@ def test_dequantize_is_gguf_pys_to_the_bit(lib, name):
     assert torch.equal(quant.dequantize(blocks, lib, rows), ours[rows])
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("n,k", [(37, 256), (64, 512), (203, 1536)])  # partial groups of 8 rows, long rows
+SHAPES = [(37, 256), (64, 512), (203, 1536), (24, 96)]  # partial groups of rows, long rows, an odd count of blocks
+
+
+@pytest.mark.parametrize("name,n,k", [(name, n, k) for name, fmt in FORMATS.items() for n, k in SHAPES
+                                      if k % quant.FORMATS[fmt][1] == 0])
 def test_matmul_over_blocks_is_exact_and_each_row_stands_alone(lib, name, n, k):
     blocks = random_blocks(name, n, k, seed=n + k)
     weight = quant.dequantize(blocks, lib)

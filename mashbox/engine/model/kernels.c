@@ -602,6 +602,52 @@ static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk
 }
 #endif
 
+#ifdef MB_AVX2
+/* 4-bit formats move their packed bytes, half the shuffles of moving the values: each row's 16 bytes
+ * at lo and at hi (stride bytes apart from row to row) are transposed as they are, each byte holding
+ * two weights, and then split: out[0..3] take the low nibbles of lo's bytes, out[4..7] their high
+ * nibbles, out[8..15] the same of hi's, each out[i] at `at[i]` in a chunk's layout (4 bytes of each
+ * row, one row a lane). */
+static inline void nibble_chunks(const uint8_t *lo, const uint8_t *hi, int64_t stride, uint8_t *const at[16]) {
+    __m256i r[8];
+    for (int c = 0; c < 8; c++) r[c] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(hi + c * stride)),
+                                                          _mm_loadu_si128((const __m128i *)(lo + c * stride)));
+    transpose8i(r);
+#if GR == 16
+    __m256i h[8];
+    for (int c = 0; c < 8; c++) h[c] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(hi + (8 + c) * stride)),
+                                                          _mm_loadu_si128((const __m128i *)(lo + (8 + c) * stride)));
+    transpose8i(h);
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int t = 0; t < 8; t++) { /* dword t: lo's bytes 4t.. (t < 4) or hi's bytes 4(t - 4).. */
+        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(r[t]), h[t], 1);
+        int i = t < 4 ? t : 4 + t;
+        _mm512_storeu_si512(at[i], _mm512_and_si512(v, low));
+        _mm512_storeu_si512(at[i + 4], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+#else
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int t = 0; t < 8; t++) {
+        int i = t < 4 ? t : 4 + t;
+        _mm256_storeu_si256((__m256i *)at[i], _mm256_and_si256(r[t], low));
+        _mm256_storeu_si256((__m256i *)at[i + 4], _mm256_and_si256(_mm256_srli_epi16(r[t], 4), low));
+    }
+#endif
+}
+
+/* Where nibble_chunks puts its 16 vectors: for Q4_K's 32 bytes of chunks k (low nibbles) and k + 1
+ * (high), that chunk's vectors 0..7 and then the next's; for two blocks of Q4_0 or Q4_1 (each 16
+ * bytes: weights 0..15 low, 16..31 high) the first block's vectors 0..3, 4..7, then the second's. */
+static inline void chunk_targets(uint8_t *first, int k_quant, uint8_t *at[16]) {
+    for (int i = 0; i < 16; i++) {
+        int chunk = i / 8, j = i % 8;
+        if (k_quant) /* i < 4: lo bytes 0..15 low nibbles = chunk k weights 0..15; i 4..7: high = chunk k+1 */
+            chunk = (i / 4) & 1, j = (i / 8) * 4 + i % 4;
+        at[i] = first + chunk * 32 * GR + 4 * GR * j;
+    }
+}
+#endif
+
 /* GR rows of a weight, `stride` bytes apart from row0, decoded for the tiles: q [K / 4][GR][4] (byte
  * 4Gj + 4c + t of each block of 32 holds row c's weight 4j + t), scales d [K / unit][GR], mins m
  * [K / 32][GR] (where the format has them). The rows are read a block of each in turn, which the
@@ -614,12 +660,33 @@ static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row
     for (int64_t b = 0; b < K / V; b++) {
         const uint8_t *blk = row0 + b * f->bytes;
         group_scales(fmt, f, blk, stride, d + b * units * GR, m + b * mins * GR);
+#ifdef MB_AVX2
+        if ((fmt == Q4_0 || fmt == Q4_1) && b + 1 < K / V) { /* blocks b and b + 1: their packed bytes at once */
+            for (int64_t at = b * share; next && at < (b + 2) * share && at < ahead; at += 64)
+                __builtin_prefetch(next + at, 0, 1);
+            group_scales(fmt, f, blk + f->bytes, stride, d + (b + 1) * GR, m + (b + 1) * GR);
+            uint8_t *to[16];
+            chunk_targets(q + b * 32 * GR, 0, to);
+            nibble_chunks(blk + (fmt == Q4_0 ? 2 : 4), blk + f->bytes + (fmt == Q4_0 ? 2 : 4), stride, to);
+            b++;
+            continue;
+        }
+#endif
         for (int k = 0; k < V / 32; k++) {
             int64_t chunk = b * V / 32 + k;
             for (int64_t at = chunk * share; next && at < (chunk + 1) * share && at < ahead; at += 64)
                 __builtin_prefetch(next + at, 0, 1);
             uint8_t *out = q + (b * V / 32 + k) * 32 * GR;
 #ifdef MB_AVX2
+            if (fmt == Q4_K) { /* chunks k and k + 1: their 32 packed bytes at once */
+                for (int64_t at = (chunk + 1) * share; next && at < (chunk + 2) * share && at < ahead; at += 64)
+                    __builtin_prefetch(next + at, 0, 1);
+                uint8_t *to[16];
+                chunk_targets(out, 1, to);
+                nibble_chunks(blk + 16 + 16 * k, blk + 32 + 16 * k, stride, to);
+                k++;
+                continue;
+            }
             __m256i r[8];
             for (int c = 0; c < 8; c++) r[c] = chunk_values(fmt, blk + c * stride, k, sign);
             transpose8i(r);
