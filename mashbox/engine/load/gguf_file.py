@@ -170,12 +170,19 @@ def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes
         raise ModelLoadError(f"'{path}' holds a {arch!r} model; mashbox runs {', '.join(SUPPORTED)} models")
     meta = lambda key, default=None: gguf.fields.get(f"{arch}.{key}", default)
     heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
+    head_dim = int(meta("attention.key_length", int(meta("embedding_length")) // heads))
     spec = Spec(num_layers=int(meta("block_count")), num_heads=heads,
                 num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
                 eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)))
-    found, floats = {}, {}
+    floats, found = _tensors(gguf, arch, spec)
+    eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
+    return Checkpoint(arch, spec, "silu", meta("context_length"), _rotary(gguf, meta, head_dim).to(device), 1.0,
+                      tuple(int(i) for i in eos), Tensors.of(floats, found, dtype, device, lib), found)
+
+
+def _tensors(gguf: GGUFFile, arch: str, spec: Spec) -> tuple[dict[str, torch.Tensor], dict[str, quant.Blocks]]:
+    """(float tensors, matrices as blocks) by HF name; a tied output is the embedding under both names."""
+    floats, found = {}, {}
     for name in gguf.tensors:
         hf = hf_name(name)
         if hf is None:
@@ -184,24 +191,26 @@ def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):  # the converter's rotary order undone
             value = _unpermute(value, spec.num_heads if "attn_q" in name else spec.num_kv_heads)
         (found if isinstance(value, quant.Blocks) else floats)[hf] = value
-    if "lm_head.weight" not in found and "lm_head.weight" not in floats:  # tied: the embedding is the output
-        found["lm_head.weight"] = found.get("model.embed_tokens.weight")
-        floats["lm_head.weight"] = floats.get("model.embed_tokens.weight")
-        found, floats = ({k: v for k, v in d.items() if v is not None} for d in (found, floats))
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    for table in (found, floats):
+        if embed in table and head not in found and head not in floats:
+            table[head] = table[embed]
+    return floats, found
+
+
+def _rotary(gguf: GGUFFile, meta, head_dim: int) -> torch.Tensor:
+    """The rotary inverse frequencies, llama 3's per-frequency factors and linear scaling applied."""
     if int(meta("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"'{path}' rotates part of each head (partial rotary), which mashbox does not run yet")
+        raise ModelLoadError(f"'{gguf.path}' rotates part of each head (partial rotary), which mashbox does not run yet")
     inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), head_dim)
     if "rope_freqs.weight" in gguf.tensors:  # llama 3's long-context factors, per frequency
         inv_freq = inv_freq / gguf.tensor("rope_freqs.weight").float()
     scaling = meta("rope.scaling.type", "none")
     if scaling == "linear":
-        inv_freq = inv_freq / float(meta("rope.scaling.factor", 1.0))
-    elif scaling not in ("none", None):
-        raise ModelLoadError(f"'{path}' uses {scaling} rotary scaling, which mashbox does not run yet")
-    tensors = Tensors.of(floats, found, dtype, device, lib)
-    eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
-    return Checkpoint(arch, spec, "silu", meta("context_length"), inv_freq.to(device), 1.0, tuple(int(i) for i in eos),
-                      tensors, found)
+        return inv_freq / float(meta("rope.scaling.factor", 1.0))
+    if scaling not in ("none", None):
+        raise ModelLoadError(f"'{gguf.path}' uses {scaling} rotary scaling, which mashbox does not run yet")
+    return inv_freq
 
 
 def _unpermute(value: torch.Tensor | quant.Blocks, heads: int) -> torch.Tensor | quant.Blocks:
