@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from mashbox.engine.load.checkpoint import SUPPORTED, Checkpoint, Spec
-from mashbox.engine.model import native, quant
+from mashbox.engine.model import quant
 from mashbox.engine.model.native import ptr
 from mashbox.engine.model.ops import TorchOps
 from mashbox.errors import ModelLoadError
