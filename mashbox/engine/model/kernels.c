@@ -276,26 +276,50 @@ static inline float half_at(const uint8_t *p) {
 #endif
 #define SIGNED(f) (SIGNED8 && (f)->offset == -128)
 
-static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+/* The scales of one block of `fmt` at b, one for each unit, and its mins, one for each 32 (where the
+ * format has them), as the file defines them: each exact in fp32 (an fp16 times a small integer). */
+static inline void block_scales(int64_t fmt, const uint8_t *b, float *d, float *m) {
+    switch (fmt) {
+    case Q4_0:
+    case Q5_0:
+    case Q8_0: d[0] = half_at(b); return;
+    case Q4_1:
+    case Q5_1:
+        d[0] = half_at(b);
+        m[0] = half_at(b + 2);
+        return;
+    case MB_Q8: memcpy(d, b, 4); return;
+    case Q4_K:
+    case Q5_K: { /* 8 six-bit scales and mins in 12 bytes, unpacked 4 at a time */
+        uint32_t u[3], sc[2], mn[2];
+        memcpy(u, b + 4, 12);
+        sc[0] = u[0] & 0x3f3f3f3f;
+        sc[1] = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
+        mn[0] = u[1] & 0x3f3f3f3f;
+        mn[1] = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
+        float dd = half_at(b), dmin = half_at(b + 2);
+        for (int j = 0; j < 8; j++) {
+            d[j] = dd * (float)(sc[j >> 2] >> 8 * (j & 3) & 0xFF);
+            m[j] = -dmin * (float)(mn[j >> 2] >> 8 * (j & 3) & 0xFF);
+        }
+        return;
+    }
+    case Q6_K: {
+        float dd = half_at(b + 208);
+        for (int j = 0; j < 16; j++) d[j] = dd * (float)(int8_t)b[192 + j];
+        return;
+    }
     }
 }
 
-/* One block of `fmt` at b: its weights' stored values u (f.values of them), a scale for each unit
- * and a min for each 32 (where the format has them), as the file defines them: every scale and min
- * is exact in fp32 (an fp16 times a small integer). */
+/* One block of `fmt` at b: its weights' stored values u (f.values of them), and its scales and mins
+ * (block_scales). */
 static void decode_block(int64_t fmt, const uint8_t *b, uint8_t *u, float *d, float *m, int sign) {
+    block_scales(fmt, b, d, m);
     switch (fmt) {
     case Q4_0:
     case Q4_1: {
         const uint8_t *qs = b + (fmt == Q4_0 ? 2 : 4);
-        d[0] = half_at(b);
-        if (fmt == Q4_1) m[0] = half_at(b + 2);
         for (int i = 0; i < 16; i++) {
             u[i] = qs[i] & 15;
             u[i + 16] = qs[i] >> 4;
@@ -308,8 +332,6 @@ static void decode_block(int64_t fmt, const uint8_t *b, uint8_t *u, float *d, fl
         const uint8_t *qs = b + (one ? 8 : 6);
         uint32_t qh;
         memcpy(&qh, b + (one ? 4 : 2), 4);
-        d[0] = half_at(b);
-        if (one) m[0] = half_at(b + 2);
         for (int i = 0; i < 16; i++) {
             u[i] = (uint8_t)((qs[i] & 15) | ((qh >> i) & 1) << 4);
             u[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
@@ -319,21 +341,12 @@ static void decode_block(int64_t fmt, const uint8_t *b, uint8_t *u, float *d, fl
     case Q8_0:
     case MB_Q8: {
         int at = fmt == Q8_0 ? 2 : 4;
-        if (fmt == Q8_0) d[0] = half_at(b);
-        else memcpy(d, b, 4);
         for (int i = 0; i < 32; i++) u[i] = b[at + i] ^ (sign ? 0 : 0x80);
         return;
     }
     case Q4_K:
     case Q5_K: {
-        float dd = half_at(b), dmin = half_at(b + 2);
-        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (fmt == Q4_K ? 16 : 48);
-        for (int j = 0; j < 8; j++) {
-            int s, mm;
-            scale_min_k4(j, sc, &s, &mm);
-            d[j] = dd * (float)s;
-            m[j] = -dmin * (float)mm;
-        }
+        const uint8_t *qh = b + 16, *qs = b + (fmt == Q4_K ? 16 : 48);
         for (int j = 0; j < 4; j++)
             for (int l = 0; l < 32; l++) {
                 uint8_t q = qs[32 * j + l], hi = fmt == Q5_K ? qh[l] >> (2 * j) : 0;
@@ -343,9 +356,6 @@ static void decode_block(int64_t fmt, const uint8_t *b, uint8_t *u, float *d, fl
         return;
     }
     case Q6_K: {
-        const int8_t *sc = (const int8_t *)(b + 192);
-        float dd = half_at(b + 208);
-        for (int j = 0; j < 16; j++) d[j] = dd * (float)sc[j];
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
             uint8_t *o = u + 128 * n;
@@ -457,41 +467,6 @@ static inline void transpose8i(__m256i r[8]) {
     }
 }
 #endif
-
-/* The scales (and mins) of one block of `fmt` at b, as decode_block gives them. */
-static inline void block_scales(int64_t fmt, const uint8_t *b, float *d, float *m) {
-    switch (fmt) {
-    case Q4_0:
-    case Q5_0:
-    case Q8_0: d[0] = half_at(b); return;
-    case Q4_1:
-    case Q5_1:
-        d[0] = half_at(b);
-        m[0] = half_at(b + 2);
-        return;
-    case MB_Q8: memcpy(d, b, 4); return;
-    case Q4_K:
-    case Q5_K: { /* 8 six-bit scales and mins in 12 bytes, unpacked 4 at a time */
-        uint32_t u[3], sc[2], mn[2];
-        memcpy(u, b + 4, 12);
-        sc[0] = u[0] & 0x3f3f3f3f;
-        sc[1] = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
-        mn[0] = u[1] & 0x3f3f3f3f;
-        mn[1] = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
-        float dd = half_at(b), dmin = half_at(b + 2);
-        for (int j = 0; j < 8; j++) {
-            d[j] = dd * (float)(sc[j >> 2] >> 8 * (j & 3) & 0xFF);
-            m[j] = -dmin * (float)(mn[j >> 2] >> 8 * (j & 3) & 0xFF);
-        }
-        return;
-    }
-    case Q6_K: {
-        float dd = half_at(b + 208);
-        for (int j = 0; j < 16; j++) d[j] = dd * (float)(int8_t)b[192 + j];
-        return;
-    }
-    }
-}
 
 #ifdef MB_AVX2
 /* Each byte 0xFF where its bit of `bits` is set, else 0. */
