@@ -1,11 +1,11 @@
 """A model as the runner reads it: its shape, its rotary frequencies and its tensors by name.
 
 ``read()`` takes it straight from an HF directory's ``config.json`` and safetensors files
-(each tensor read on first use, so a weight form that keeps a GGUF's blocks never reads the
-float weights they stand for; no model object built: a fraction of a second, where building the
+(each tensor read on first use; no model object built: a fraction of a second, where building the
 transformers model costs over a second of imports alone); ``from_model()`` takes it from a
-transformers model already in memory (a GGUF's first load, a directory of ``.bin`` files, the
-tests' tiny models). Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
+transformers model already in memory (a directory of ``.bin`` files, the tests' tiny models);
+``gguf_file.checkpoint()`` from a GGUF, its matrices as ``blocks`` whose floats are read only where
+a form needs them. Tensor names are the HF ones (``model.layers.0.self_attn.q_proj.weight``).
 """
 
 from __future__ import annotations

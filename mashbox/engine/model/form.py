@@ -20,13 +20,13 @@ from mashbox.engine.model import native, ops
 if TYPE_CHECKING:
     from mashbox.engine.model.weights import Weights
 
-MODES = ("gguf", "q8", "packed", "plain", "tiled")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 INT8 = ("int8", "q8")
+NATIVE_MODES = ("gguf", "q8", "packed")  # modes whose models run on mashbox's CPU kernels (NativeOps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class Form:
     @property
     def lib(self) -> ctypes.CDLL | None:
         """mashbox's CPU kernels, where this form runs on them."""
-        return native.load() if self.device.type == "cpu" and self.mode in ops.NATIVE_MODES else None
+        return native.load() if self.device.type == "cpu" and self.mode in NATIVE_MODES else None
 
     def ops(self) -> ops.TorchOps:
         lib = self.lib

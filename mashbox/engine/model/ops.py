@@ -62,5 +62,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
-
-NATIVE_MODES = ("gguf", "q8", "packed")  # weight modes whose models run on NativeOps (form.py)

@@ -49,11 +49,6 @@ class Blocks:
         return Blocks(self.fmt, self.data[rows].contiguous(), self.k)
 
 
-def cat(parts: list[Blocks]) -> Blocks:
-    """Matrices of one format stacked by rows (a copy)."""
-    return Blocks(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].k)
-
-
 def dequantize(blocks: Blocks, lib: ctypes.CDLL | None, ids: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [len(ids) or rows, k]: the rows ``ids`` (all by default), exactly as the file defines them."""
     n = blocks.rows if ids is None else ids.shape[0]

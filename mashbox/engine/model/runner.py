@@ -7,8 +7,8 @@ through every layer together; attention runs per request over exactly its
 own keys: with mashbox's CPU kernels, one native call per layer for all
 one-token rows and one for all prompt chunks; on CUDA, one masked SDPA call
 per layer for all one-token rows, and a step of one-token rows only replayed
-as a CUDA graph (``graphs.py``). On the CPU with int8 or Q4_1 weights, a step
-whose rows the kernels attend runs each layer as one native call
+as a CUDA graph (``graphs.py``). On the CPU with weights as blocks (a GGUF's own,
+or int8), a step whose rows the kernels attend runs each layer as one native call
 (``FusedLayers``), the same kernels in the same order as the general path.
 It makes no policy decisions.
 """
@@ -75,7 +75,7 @@ class ModelRunner:
         fused = FusedLayers.fits(self.weights)
         self._fused = FusedLayers(self.weights, self.kv, lib, self._bf16) if fused else None
         self._native_rows, self._native_chunks = native_ops, native_ops and self.weights.spec.head_dim % 16 == 0
-        # every row computed alone (int8/Q4_1 matmuls, native attention): where a prompt is cut never matters
+        # every row computed alone (block matmuls, native attention): where a prompt is cut never matters
         self.cut_anywhere = self._native_chunks and fused
         # one-token rows attend in one call a layer: the native kernel, or on CUDA one masked SDPA call
         self._rows_at_once = native_ops or self.device.type == "cuda"
