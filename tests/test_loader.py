@@ -15,9 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mashbox.engine.load import catalog, loader
 from mashbox.engine.load.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
 from mashbox.engine.load.loader import LoadedModel, converted_dir, hf_model, load
+from mashbox.engine.request import Message
+from mashbox.engine.text.template import ChatTemplate
+from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import ModelLoadError
-
-CHAT = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_embedded_model_loads(smol: LoadedModel) -> None:
     assert smol.device == torch.device("cpu") and smol.dtype == torch.float32
     assert smol.ctx_default == 8192
     assert 0.09 < smol.gb < 0.11 and 5 < smol.bpw < 6  # the file's size
-    assert smol.tokenizer.is_fast
+    assert isinstance(smol.tokenizer, Tokenizer) and smol.tokenizer.eos_token_id == 2  # <|im_end|>
 
 
 def test_gguf_tensors_are_the_weights_transformers_reads(smol: LoadedModel) -> None:
@@ -68,7 +69,7 @@ def test_gguf_tensors_are_the_weights_transformers_reads(smol: LoadedModel) -> N
 
 
 def test_embedded_chat_template_is_chatml(smol: LoadedModel) -> None:
-    text = smol.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    text = ChatTemplate(smol.tokenizer).render((Message("user", "Hi"),))
     assert "<|im_start|>user\nHi<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -131,7 +132,7 @@ def test_saving_a_tokenizer_copy_removes_the_stale_ones(tmp_path: Path, smol_tok
     (whole / "model.safetensors").write_bytes(b"an older mashbox's dequantized model")
     changed.write_bytes(b"GGUF after, longer")
     new = folder / "new"
-    loader._save_tokenizer(smol_tokenizer, new, kept)
+    loader._save_tokenizer(Tokenizer.of(smol_tokenizer), new, kept)
     assert (new / "complete").is_file() and json.loads((new / "source.json").read_text())["path"] == str(kept)
     assert (new / "tokenizer.json").is_file()
     assert {p.name for p in folder.iterdir()} == {"new", "stays", "writing.x1"}
@@ -143,12 +144,12 @@ def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=16384)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    smol.tokenizer.save_pretrained(tmp_path)
+    smol.tokenizer.save(tmp_path)
     tiny = load(str(tmp_path))
     assert tiny.id == tmp_path.name
     assert tiny.checkpoint.spec.num_layers == 2 and tiny.checkpoint.spec.num_kv_heads == 2
     assert tiny.ctx_default == 8192  # capped
-    assert "<|im_start|>" in tiny.tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert "<|im_start|>" in ChatTemplate(tiny.tokenizer).render((Message("user", "Hi"),))
 
 
 @pytest.mark.parametrize(("make", "words"), [

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mashbox.engine.config import EngineConfig
-from mashbox.engine.core import CLOSED, EngineCore, ThinkBudget
+from mashbox.engine.core import EngineCore, ThinkBudget
 from mashbox.engine.events import Event, Finish, Queued
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.load.catalog import cache_dir
@@ -73,7 +73,6 @@ class Runtime:
         check_fits(self.ctx, config.slots + graphs, per_token, available(device),
                    "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
-        self._chars_per_token = _most_chars_per_token(self.tokenizer)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens)")
@@ -101,7 +100,7 @@ class Runtime:
 
         A prompt that cannot fit the context whatever its tokens is refused first, from a cheap
         lower bound, so that a huge request costs no rendering or tokenizing."""
-        floor = _fewest_tokens(request, self._chars_per_token)
+        floor = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
         if floor > self.ctx:
             field = "prompt" if request.prompt is not None else "messages"
             raise ContextLengthError(
@@ -192,7 +191,7 @@ class Runtime:
 
     def _check_open(self) -> None:
         if self._core.closed:
-            raise EngineClosedError(CLOSED)
+            raise EngineClosedError(self._core.why_closed)
 
     def close(self) -> None:
         """Stop the engine thread and release the model and its KV cache."""
@@ -217,14 +216,6 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
     return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
-
-
-def _most_chars_per_token(tokenizer: Any) -> int:
-    """At most how many characters of text one token stands for: its longest vocabulary entry,
-    times 4 where the tokenizer normalizes text first (NFC/NFKC compose up to 4 code points into one)."""
-    longest = max(map(len, tokenizer.get_vocab()), default=1)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return longest * (1 if backend is not None and backend.normalizer is None else 4)
 
 
 def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:

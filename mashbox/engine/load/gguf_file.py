@@ -14,6 +14,7 @@ import ctypes
 import logging
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,12 +127,38 @@ def _value(data, at: int, kind: int) -> tuple[Any, int]:
         if inner in _SCALARS:  # read at once, as numbers
             size = struct.calcsize(_SCALARS[inner])
             return list(struct.unpack_from(f"<{n}{_SCALARS[inner]}", data, at)), at + n * size
+        if inner == _STRING:
+            return Strings.skip(data, at, n)
         values = []
         for _ in range(n):
             value, at = _value(data, at, inner)
             values.append(value)
         return values, at
     raise ValueError(f"unknown GGUF value type {kind}")
+
+
+class Strings(Sequence[str]):
+    """An array of strings in the header, each decoded when read: a vocabulary's 150k tokens and merges
+    are walked past at load (the cached tokenizer has them), not decoded."""
+
+    def __init__(self, data, starts: list[int]) -> None:
+        self._data, self._starts = data, starts
+
+    @classmethod
+    def skip(cls, data, at: int, n: int) -> tuple[Strings, int]:
+        starts = []
+        for _ in range(n):
+            starts.append(at)
+            at += 8 + struct.unpack_from("<Q", data, at)[0]
+        if at > len(data):
+            raise ValueError("a string array runs past the end of the file")
+        return cls(data, starts), at
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i):  # type: ignore[override]  # ints only
+        return _string(self._data, self._starts[i])[0]
 
 
 def _row_bytes(kind: int, width: int) -> int:

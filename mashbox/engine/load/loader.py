@@ -1,18 +1,20 @@
 """Load a model (catalog id, HF model directory or ``.gguf`` file), offline.
 
 ``load()`` resolves the argument through the catalog, picks the device (CUDA + bfloat16 when a GPU
-is there, else CPU + float32), reads the tokenizer with transformers and the weights as a
-``Checkpoint``: a GGUF's straight from the memory-mapped file (``gguf_file.py``: its matrices as the
-file's own blocks), an HF directory's safetensors directly (transformers builds the model only for
-what it alone can read), with ``local_files_only=True``, naming each step to a ``step`` callback as
-it begins (``mashbox.engine.load.progress`` shows them). transformers' own logging, warnings and tqdm
-bars are silenced during the load.
+is there, else CPU + float32), reads the tokenizer (``text.tokenizer``: its ``tokenizer.json`` with
+``tokenizers``, no transformers) and the weights as a ``Checkpoint``: a GGUF's straight from the
+memory-mapped file (``gguf_file.py``: its matrices as the file's own blocks), an HF directory's
+safetensors directly (transformers builds the model only for what it alone can read), with
+``local_files_only=True``, naming each step to a ``step`` callback as it begins
+(``mashbox.engine.load.progress`` shows them). transformers is imported only where it is needed (a
+GGUF's first load, a directory without ``tokenizer.json`` or safetensors), and its logging, warnings
+and tqdm bars are silenced while it runs.
 
-transformers reads a GGUF's tokenizer slowly (parsing the vocabulary and merges: seconds), so the
-first load of a GGUF saves its tokenizer files under ``<cache>/converted/`` (keyed by file path,
-size and mtime); later loads read those. Each copy names the GGUF it was made from; saving one
-removes the copies whose GGUF is gone or changed since, and those an older mashbox made (which held
-the whole model dequantized, ~4 bytes a weight).
+A GGUF holds its vocabulary, not a ``tokenizer.json``: its first load converts it with transformers
+(seconds) and saves the result under ``<cache>/converted/`` (keyed by file path, size and mtime);
+later loads read that. Each copy names the GGUF it was made from; saving one removes the copies
+whose GGUF is gone or changed since, and those an older mashbox made (which held the whole model
+dequantized, ~4 bytes a weight).
 """
 
 from __future__ import annotations
@@ -29,20 +31,21 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a model hub
 
 import torch  # noqa: E402
 
-with warnings.catch_warnings():  # tqdm.auto warns on import in a Jupyter kernel without ipywidgets
-    warnings.filterwarnings("ignore", "IProgress not found")
-    import transformers  # noqa: E402
-
 from mashbox.engine.load import checkpoint, gguf_file  # noqa: E402
 from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
 from mashbox.engine.model import native  # noqa: E402
 from mashbox.engine.model.form import pick_dtype  # noqa: E402
+from mashbox.engine.text.tokenizer import Tokenizer  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
+
+if TYPE_CHECKING:
+    import transformers
 
 CTX_CAP = 8192
 _DONE = "complete"  # marker file in a converted directory, written last
@@ -56,7 +59,7 @@ class LoadedModel:
 
     id: str
     checkpoint: checkpoint.Checkpoint
-    tokenizer: transformers.PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     weights: str
     bpw: float
     gb: float
@@ -90,32 +93,37 @@ class _CacheUnreadable(ModelLoadError):
 
 def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: torch.dtype,
           step: Callable[[str], None]) -> LoadedModel:
-    with _hush():
-        if source.kind == "gguf":
-            tokenizer = _gguf_tokenizer(source, converted, step)
-            step("mapping the weights")
-            ckpt = gguf_file.checkpoint(source.path, dev, dt, native.load())
-            size = source.path.stat().st_size
-        else:
-            step("reading the tokenizer")
-            tokenizer = _load_tokenizer(source)
-            step("reading the weights")
-            ckpt = _read_checkpoint(source, dev, dt)
-            if ckpt is None:
+    if source.kind == "gguf":
+        tokenizer = _gguf_tokenizer(source, converted, step)
+        step("mapping the weights")
+        ckpt = gguf_file.checkpoint(source.path, dev, dt, native.load())
+        size = source.path.stat().st_size
+    else:
+        step("reading the tokenizer")
+        tokenizer = _load_tokenizer(source)
+        step("reading the weights")
+        ckpt = _read_checkpoint(source, dev, dt)
+        if ckpt is None:
+            with _hush():
                 ckpt = checkpoint.Checkpoint.from_model(_load_model(source, dt).to(dev))
-            size = ckpt.nbytes
+        size = ckpt.nbytes
     return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt), size / 1e9,
                        _ctx_default(source, ckpt), dev, dt)
 
 
-def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], None]):
+def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], None]) -> Tokenizer:
     """The GGUF's tokenizer: from its copy in the cache, made on the first load."""
     if (converted / _DONE).is_file():
         step("reading the tokenizer")
         with _cached(converted / "tokenizer.json"):
-            return _load_tokenizer(_as_hf(source, converted))
+            return Tokenizer.read(converted)
     step("converting the GGUF's tokenizer (first load only)")
-    tokenizer = _load_tokenizer(source)
+    with _hush():
+        from transformers import AutoTokenizer
+
+        tokenizer = Tokenizer.of(_gguf_call(source, AutoTokenizer.from_pretrained))
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = gguf_chat_template(source.path)
     _save_tokenizer(tokenizer, converted, source.path)
     return tokenizer
 
@@ -153,7 +161,12 @@ def pick_device(device: str | torch.device | None) -> torch.device:
 
 @contextlib.contextmanager
 def _hush() -> Iterator[None]:
-    """Silence transformers' logging, Python warnings and stray tqdm bars; restore afterwards."""
+    """Import transformers and silence its logging, Python warnings and stray tqdm bars while it
+    runs; restore them afterwards."""
+    with warnings.catch_warnings():  # tqdm.auto warns on import in a Jupyter kernel without ipywidgets
+        warnings.filterwarnings("ignore", "IProgress not found")
+        import transformers
+
     tlog = transformers.utils.logging
     verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
     tlog.set_verbosity_error()
@@ -168,26 +181,20 @@ def _hush() -> Iterator[None]:
             tlog.enable_progress_bar()
 
 
-def _load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+def _load_tokenizer(source: ModelSource) -> Tokenizer:
+    """An HF directory's tokenizer: its ``tokenizer.json``, else the one transformers makes of what
+    the directory has (a sentencepiece model, a vocabulary and merges)."""
+    if (source.path / "tokenizer.json").is_file():
+        try:
+            return Tokenizer.read(source.path)
+        except Exception as err:  # OSError, json's ValueError, tokenizers' own kinds
+            raise ModelLoadError(
+                f"Cannot read the tokenizer of the HF model directory '{source.path}' "
+                f"({type(err).__name__}: {err}).") from err
+    with _hush():
+        from transformers import AutoTokenizer
 
-    if source.kind == "hf":
-        # The generic class when the directory names it: AutoTokenizer's class lookup imports
-        # most of transformers (a second here).
-        generic = _tokenizer_class(source.path) in ("TokenizersBackend", "PreTrainedTokenizerFast")
-        cls = PreTrainedTokenizerFast if generic else AutoTokenizer
-        return _hf_call(source, cls.from_pretrained, str(source.path))
-    tokenizer = _gguf_call(source, AutoTokenizer.from_pretrained)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = gguf_chat_template(source.path)
-    return tokenizer
-
-
-def _tokenizer_class(path: Path) -> str | None:
-    try:
-        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
+        return Tokenizer.of(_hf_call(source, AutoTokenizer.from_pretrained, str(source.path)))
 
 
 def _read_checkpoint(source: ModelSource, device: torch.device, dtype: torch.dtype) -> checkpoint.Checkpoint | None:
@@ -260,11 +267,7 @@ def _prune_converted(folder: Path, keep: Path) -> None:
             shutil.rmtree(copy_dir, ignore_errors=True)
 
 
-def _as_hf(source: ModelSource, converted: Path) -> ModelSource:
-    return ModelSource(source.id, "hf", converted, source.ctx_default, source.bpw, source.install)
-
-
-def _save_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, dest: Path, gguf: Path) -> None:
+def _save_tokenizer(tokenizer: Tokenizer, dest: Path, gguf: Path) -> None:
     """Save the tokenizer read from ``gguf`` to ``dest`` (best effort: a failure only costs the next load
     the same seconds), then remove the stale copies beside it."""
     try:
@@ -273,7 +276,7 @@ def _save_tokenizer(tokenizer: transformers.PreTrainedTokenizerBase, dest: Path,
     except OSError:
         return
     try:
-        tokenizer.save_pretrained(tmp)
+        tokenizer.save(tmp)
         (tmp / _SOURCE).write_text(json.dumps(_made_from(gguf)))
         (tmp / _DONE).write_text("ok\n")
         shutil.rmtree(dest, ignore_errors=True)

@@ -37,4 +37,4 @@ class Detokenizer:
         return after[len(before) :].rstrip("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
 from mashbox.engine.request import Tool
 from mashbox.engine.text.markup import HERMES, CallFormat
+from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 STRICT_JSON = {"whitespace_flexible": False}
@@ -46,15 +46,15 @@ def tool_grammar(tools: Iterable[Tool], many: bool, fmt: CallFormat = HERMES) ->
 class Grammars:
     """Builds constraints for one tokenizer (its llguidance view made once, on first use)."""
 
-    def __init__(self, tokenizer: Any, eos_ids: Iterable[int]) -> None:
-        self._hf = tokenizer
+    def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int]) -> None:
+        self._source = tokenizer
         self._eos = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+            self._tokenizer = llguidance.LLTokenizer(self._source.backend_tokenizer.to_str(), eos_token=self._eos)
         return self._tokenizer
 
     def for_tools(self, tools: tuple[Tool, ...], choice: str, parallel: bool = True) -> Constraint | None:

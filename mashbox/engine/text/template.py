@@ -11,25 +11,33 @@ and tool results render back in the form the template knows, or as
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mashbox.engine.request import Message, Tool, ToolCall
+from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        if not tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; use a plain prompt (complete)")
-        self.tokenizer = tokenizer
         self.source: str = tokenizer.chat_template
+        self.specials = tokenizer.special_tokens_map
+        try:
+            self.compiled = environment().from_string(self.source)
+        except jinja2.TemplateSyntaxError as err:
+            raise InvalidRequestError("messages", f"the model's chat template does not read: {err}") from err
         self.knows_tools = "tool_calls" in self.source
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
 
     def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None) -> str:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {**self.specials, "tools": None, "documents": None, "add_generation_prompt": True}
         if tools and self.knows_tools:
             kwargs["tools"] = [_tool(t) for t in tools]
         if enable_thinking is not None:
@@ -38,10 +46,8 @@ class ChatTemplate:
         if not conversation:
             raise InvalidRequestError("messages", "holds no message with content")
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True, **kwargs
-            )
-        except (jinja2.TemplateError, ValueError) as err:
+            return self.compiled.render(messages=conversation, **kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError) as err:
             raise InvalidRequestError("messages", f"the model's chat template refuses this conversation: {err}") from err
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
@@ -53,7 +59,7 @@ class ChatTemplate:
     def _turn(self, m: Message) -> dict[str, Any]:
         turn: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.role == "assistant" and m.reasoning:
-            turn["reasoning_content"] = m.reasoning
+            turn["reasoning_content"] = turn["thinking"] = m.reasoning  # gpt-oss templates read "thinking"
         if m.tool_calls:
             if self.knows_tools:
                 turn["tool_calls"] = [_call(c) for c in m.tool_calls]
@@ -99,3 +105,23 @@ def tool_prompt(tools: tuple[Tool, ...]) -> str:
         '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n</tool_call>\n'
         "The result comes back in a <tool_response></tool_response> message."
     )
+
+
+def environment() -> ImmutableSandboxedEnvironment:
+    """Where chat templates run, as transformers sets it up (templates are written for it): a sandbox,
+    trimmed blocks, loop controls, and its ``tojson``, ``raise_exception`` and ``strftime_now``."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """jinja2's ``tojson`` without its HTML escaping, with json.dumps' options."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)

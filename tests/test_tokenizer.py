@@ -1,0 +1,119 @@
+"""The tokenizer and the chat template read without transformers, against transformers on the same files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from mashbox.engine.request import Message, Tool, ToolCall
+from mashbox.engine.text.template import ChatTemplate, _tool
+from mashbox.engine.text.tokenizer import Tokenizer
+from mashbox.errors import InvalidRequestError
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+TEXTS = ["The capital of France is", "  two  spaces\tand a tab\n\nnew lines", "naïve café 東京 🙂 ﬁ",
+         "<|im_start|>user\nHi<|im_end|>", "def f(x):\n    return x ** 2  # squared", ""]
+# A template that uses what transformers gives templates: loop controls, tojson's options,
+# raise_exception, strftime_now, namespace, the special tokens by name.
+FEATURES = (
+    "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}{% continue %}{% endif %}{% set ns.n = ns.n + 1 %}"
+    "[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}\n{% if ns.n > 3 %}{% break %}{% endif %}{% endfor %}"
+    "{% if tools %}{{ tools | tojson(indent=2, sort_keys=True) }}{% endif %}"
+    "{% if strftime_now('%Y') | length != 4 %}{{ raise_exception('no year') }}{% endif %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+WEATHER = Tool("get_weather", "The weather in a city.", {"type": "object", "properties": {
+    "city": {"type": "string", "description": "e.g. Zürich"}}, "required": ["city"]})
+CONVERSATIONS = [
+    (Message("user", "Hi"),),
+    (Message("system", "Be brief."), Message("user", "Weather in Paris?"),
+     Message("assistant", "", tool_calls=(ToolCall("c1", "get_weather", '{"city": "Paris"}'),)),
+     Message("tool", '{"temp": 21}', tool_call_id="c1"), Message("assistant", "21 °C."), Message("user", "Thanks")),
+    (Message("user", "Think first"), Message("assistant", "Done.", reasoning="I thought."), Message("user", "Again")),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(smol_tokenizer, tmp_path_factory) -> tuple[Tokenizer, object]:
+    """The SmolLM2 tokenizer saved by mashbox and read back, and transformers' reading of the same files."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    Tokenizer.of(smol_tokenizer).save(folder)
+    return Tokenizer.read(folder), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_and_text_are_transformers(pair, text: str) -> None:
+    ours, theirs = pair
+    for special in (True, False):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ids == theirs.encode(text, add_special_tokens=special)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_special_tokens_and_vocabulary_are_transformers(pair) -> None:
+    ours, theirs = pair
+    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
+    assert ours.special_tokens_map == {k: v for k, v in theirs.special_tokens_map.items() if isinstance(v, str)}
+    assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
+    assert ours.chat_template == theirs.chat_template
+
+
+def test_config_forms_of_special_tokens_and_templates(tmp_path: Path, pair) -> None:
+    """AddedToken dicts for special tokens; the template in chat_template.jinja or as a named list."""
+    ours, _ = pair
+    ours.save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<|im_end|>", "special": True, "__type": "AddedToken"}
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    read = Tokenizer.read(tmp_path)
+    assert read.eos_token_id == ours.eos_token_id and read.chat_template == "D"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert Tokenizer.read(tmp_path).chat_template == "J"
+
+
+@pytest.mark.parametrize("source", ["qwen2.5-coder.jinja", "smol", "features"])
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("tools", [(), (WEATHER,)])
+def test_templates_render_as_transformers_renders_them(pair, source, conversation, tools) -> None:
+    ours, theirs = pair
+    template = {"smol": ours.chat_template, "features": FEATURES}.get(source) or (TEMPLATES / source).read_text()
+    ours.chat_template = theirs.chat_template = template
+    chat = ChatTemplate(ours)
+    kept = () if chat.knows_tools else tools
+    expected = theirs.apply_chat_template(chat.conversation(conversation, kept), tokenize=False, add_generation_prompt=True,
+                                          tools=[_tool(t) for t in tools] if tools and chat.knows_tools else None)
+    assert chat.render(conversation, tools) == expected
+
+
+def test_a_template_error_is_the_request_s(pair) -> None:
+    ours, _ = pair
+    ours.chat_template = "{{ raise_exception('only user turns, please') }}"
+    with pytest.raises(InvalidRequestError, match="only user turns, please"):
+        ChatTemplate(ours).render((Message("user", "Hi"),))
+    ours.chat_template = "{% for m in messages %}"
+    with pytest.raises(InvalidRequestError, match="does not read"):
+        ChatTemplate(ours)
+
+
+def test_a_second_load_imports_no_transformers(tiny_model_dir: Path) -> None:
+    """The worker is ready sooner without transformers: a GGUF whose tokenizer copy is made, and an HF
+    directory with its tokenizer.json, load and answer without importing it."""
+    code = ("import sys; from mashbox import Engine\n"
+            "for model in sys.argv[1:]:\n"
+            "    with Engine(model, quiet=True) as e:\n"
+            "        e.chat(messages=[{'role': 'user', 'content': 'Hi'}], max_tokens=2)\n"
+            "print('transformers' in sys.modules)")
+    models = ["smollm2-135m", str(tiny_model_dir)]
+    subprocess.run([sys.executable, "-c", code, "smollm2-135m"], check=True, capture_output=True)  # the copy made
+    done = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
