@@ -26,6 +26,7 @@ from mashbox.errors import (
     ConfigError,
     ContextLengthError,
     EngineClosedError,
+    GenerationError,
     InvalidRequestError,
     MashboxError,
     ModelLoadError,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConfigError", "ContextLengthError", "Engine", "EngineClosedError", "EngineConfig", "EngineRequest", "Event",
-    "Finish", "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo", "ModelLoadError",
+    "Finish", "GenerationError", "IgnoredFieldsWarning", "InvalidRequestError", "MashboxError", "Message", "ModelInfo", "ModelLoadError",
     "ModelNotFoundError", "Queued", "ReasoningDelta", "SamplingParams", "Started", "TextDelta", "Timings", "Tool",
     "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallStart", "Usage",
 ]

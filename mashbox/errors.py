@@ -53,3 +53,8 @@ class EngineClosedError(MashboxError):
 
 class NotReadyError(MashboxError):
     """The model is still loading, or its worker is starting again."""
+
+
+class GenerationError(MashboxError):
+    """A request failed while it ran (a device fault, an internal error); other requests go on. A
+    non-streamed call raises it; a stream ends with its protocol's error event instead."""

@@ -38,9 +38,9 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.events import Event
+from mashbox.engine.events import Event, Finish
 from mashbox.engine.runtime import Job, Runtime
-from mashbox.errors import InvalidRequestError, MashboxError, ModelNotFoundError
+from mashbox.errors import GenerationError, InvalidRequestError, MashboxError, ModelNotFoundError
 
 Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model
 
@@ -176,6 +176,7 @@ class Engine(Runtime):
         if req.stream:
             return _translated(translator, events)
         for event in events:
+            _check(name, event)
             translator.feed(event)
         return translator.response()
 
@@ -185,6 +186,7 @@ class Engine(Runtime):
         if req.stream:
             return _atranslated(translator, events)
         async for event in events:
+            _check(name, event)
             translator.feed(event)
         return translator.response()
 
@@ -196,6 +198,12 @@ class Engine(Runtime):
 
     async def atask(self, request: Any = None, /, **fields: Any) -> Any:
         return await local_tasks.run_async(_merge(request, fields, CreateTask, "atask"), self.astream)
+
+
+def _check(method: str, event: Event) -> None:
+    """A failed request raises, but where its protocol has a failed answer (a Response's status)."""
+    if isinstance(event, Finish) and event.reason == "error" and method != "respond":
+        raise GenerationError(f"the request failed: {event.error or 'generation failed'}")
 
 
 def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:

@@ -477,3 +477,45 @@ def test_the_engine_package_imports_no_protocol_and_the_facade_reads_the_registr
     assert {p.method for p in PROTOCOLS.values()} == {"chat", "complete", "respond", "message"}
     assert all(callable(getattr(Engine, p.method)) and callable(getattr(Engine, "a" + p.method))
                for p in PROTOCOLS.values())
+
+
+
+def test_a_fault_past_the_device_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, monkeypatch):
+    """A bug in the text path (here the detokenizer) ends the requests of that step with an error
+    naming it, instead of killing the engine's thread and leaving every caller waiting."""
+    from mashbox import GenerationError
+
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+
+    def broken(self, token):
+        raise RuntimeError("a broken detokenizer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Detokenizer, "push", broken)
+        events = []
+        assert _raised_within(10, lambda: events.extend(engine.stream(EngineRequest(prompt="Count")))) is None
+        assert events[-1].reason == "error" and "a broken detokenizer" in events[-1].error
+        raised = _raised_within(10, lambda: engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=4))
+        assert isinstance(raised, GenerationError) and "a broken detokenizer" in str(raised)
+    text, last = run(engine, "Count", max_tokens=8)
+    assert last.reason == "length" and text, "the engine answers the next request"
+    engine.close()
+
+
+def test_a_scheduler_fault_ends_every_stream_and_refuses_new_requests_at_once(tiny_model_dir):
+    from mashbox import EngineClosedError
+
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    running = engine.stream(EngineRequest(prompt="Count", sampling=SamplingParams(max_tokens=200)))
+    next(running)
+
+    def broken():
+        raise RuntimeError("a broken scheduler")
+
+    engine._core.scheduler.schedule = broken
+    events = []
+    assert _raised_within(10, lambda: events.extend(running)) is None
+    assert events[-1].reason == "error" and "a broken scheduler" in events[-1].error
+    raised = _raised_within(5, lambda: engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+    assert isinstance(raised, EngineClosedError) and "a broken scheduler" in str(raised)
+    engine.close()

@@ -92,6 +92,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._closing = threading.Lock()  # no request joins the inbox behind "close"
         self.closed = False
+        self.why_closed = CLOSED
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
         self._thread.start()
 
@@ -100,7 +101,7 @@ class EngineCore:
         stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget)
         with self._closing:
             if self.closed:
-                raise EngineClosedError(CLOSED)
+                raise EngineClosedError(self.why_closed)
             self._inbox.put(("add", stream))
         return stream.channel
 
@@ -116,12 +117,24 @@ class EngineCore:
             self.scheduler.cache.disk.close()  # the pages computed so far reach the disk
 
     def _loop(self) -> None:
-        while self._drain(block=not self.scheduler.has_work):
-            if self.scheduler.has_work:
-                self.step()
-            self.snapshot = self._stats()
+        status, reason = Status.FINISHED_ABORT, "engine closed"
+        try:
+            while self._drain(block=not self.scheduler.has_work):
+                if self.scheduler.has_work:
+                    self.step()
+                self.snapshot = self._stats()
+        except Exception as exc:  # the scheduler itself failed: refuse new requests rather than hang them
+            log.exception("the engine stopped")
+            status, reason = Status.FINISHED_ERROR, f"the engine stopped: {type(exc).__name__}: {exc}"
+            with self._closing:
+                self.closed = True
+                self.why_closed = f"this Engine stopped after an internal error ({reason}); make a new Engine()"
+            while not self._inbox.empty():  # requests sent before it closed end too
+                kind, payload = self._inbox.get()
+                if kind == "add":
+                    self.streams[payload.seq.id] = payload
         for stream in list(self.streams.values()):
-            self._end(stream, Status.FINISHED_ABORT, "engine closed")
+            self._end(stream, status, reason)
 
     def _drain(self, block: bool) -> bool:
         """Handle inbox messages; False once asked to close."""
@@ -145,6 +158,11 @@ class EngineCore:
         stepped = {item.seq.id: self.streams.get(item.seq.id) for item in plan.work}
         try:
             self._step(plan)
+        except Exception as exc:  # a fault past the device step (text, stops, markup) fails its requests only
+            log.exception("step failed")
+            for seq_id, stream in stepped.items():
+                if stream is not None and seq_id in self.streams:
+                    self._end(stream, Status.FINISHED_ERROR, f"internal error: {type(exc).__name__}: {exc}")
         finally:
             Channel.wake_all(stream.channel for stream in stepped.values() if stream is not None)
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from mashbox.engine.events import Event
 from mashbox.engine.model.openmp import prefer_passive_wait
 from mashbox.engine.request import EngineRequest
-from mashbox.errors import ConfigError
+from mashbox.errors import ConfigError, EngineClosedError
 from mashbox.server.worker_messages import (
     STATS_EVERY,
     Abort,
@@ -86,13 +86,14 @@ class Worker:
         self._pump = threading.Thread(target=self._loop.run_forever, name="mashbox-pump", daemon=True)
         self._streams: dict[int, Future[None]] = {}
         self._outgoing: list[EventMsg] = []  # the pump thread's events not yet sent
+        self._engine_stopped = False  # after an internal error: this worker ends and the server starts another
 
     def run(self) -> None:
         self._pump.start()
         done = threading.Event()
         threading.Thread(target=self._publish_stats, args=(done,), name="mashbox-stats", daemon=True).start()
         try:
-            while (command := self._receive()) is not None:
+            while not self._engine_stopped and (command := self._receive()) is not None:
                 self._handle(command)
         finally:
             done.set()
@@ -131,6 +132,7 @@ class Worker:
             events = self._engine.astream(request)  # a bad request raises here, before any work
         except Exception as exc:
             self._send(Error.of(request_id, exc))
+            self._engine_stopped = isinstance(exc, EngineClosedError)  # not closed by a Stop: it failed
             return
         stream = asyncio.run_coroutine_threadsafe(self._relay(request_id, events), self._loop)
         self._streams[request_id] = stream
