@@ -1,7 +1,8 @@
-"""The worker process: one ``Engine``, fed by typed commands over a pipe.
+"""The worker process: one engine (the ``Runtime``: no protocol is imported here, so it is ready
+sooner), fed by typed commands over a pipe.
 
 The main thread reads commands in order. Each submitted request streams on
-one asyncio loop in a pump thread (``Engine.astream``), which sends the
+one asyncio loop in a pump thread (``Runtime.astream``), which sends the
 events back as they come, all those ready at once (one engine step's, for
 every stream) in one message; an ``Abort`` cancels that stream, which frees the
 request's slot at the engine's next step. A stats thread sends the engine's
@@ -44,7 +45,7 @@ from mashbox.server.worker_messages import (
 )
 
 if TYPE_CHECKING:
-    from mashbox.facade import Engine
+    from mashbox.engine.runtime import Runtime
 
 
 def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
@@ -59,14 +60,14 @@ def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
     os._exit(0)  # skips tearing down torch's modules, which takes seconds; nothing is left to save
 
 
-def _load(conn: Connection, model: str, options: dict[str, Any]) -> Engine | None:
+def _load(conn: Connection, model: str, options: dict[str, Any]) -> Runtime | None:
     try:
         prefer_passive_wait()  # before torch loads OpenMP
         import torch
 
-        from mashbox.facade import Engine
+        from mashbox.engine.runtime import Runtime
 
-        engine = Engine(model, **options)
+        engine = Runtime(model, **options)
     except ConfigError as exc:  # a setting refused: the message says which and what to do
         conn.send(Failed(str(exc), refused=True))
         return None
@@ -78,7 +79,7 @@ def _load(conn: Connection, model: str, options: dict[str, Any]) -> Engine | Non
 
 
 class Worker:
-    def __init__(self, engine: Engine, conn: Connection) -> None:
+    def __init__(self, engine: Runtime, conn: Connection) -> None:
         self._engine = engine
         self._conn = conn
         self._send_lock = threading.Lock()
