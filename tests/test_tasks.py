@@ -30,6 +30,7 @@ from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
 from mashbox.server.task_store import TaskStore
 
+SHORT = {"max_tokens": 8, "stop": [" "], "temperature": 0}  # an answer that ends by itself, at its first space
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -89,24 +90,36 @@ def test_create(tasks):
 
 
 def test_max_tokens_cuts_the_answer_short(tasks):
-    """The task is done, but its answer was cut by max_tokens: the item is incomplete and the task
-    says why in incomplete_details (as the spec's task examples carry it)."""
+    """An answer cut by max_tokens is not a complete one: the task fails, its error says why and
+    what to do, incomplete_details too, and what was produced stays in the output, incomplete."""
     task = tasks.create(stream=False, user_message_content="Name three planets.",
                         inference_args={"max_tokens": 6}).result
-    assert task.status == "completed" and task.usage["output_tokens"] == 6
+    assert task.status == "failed" and task.usage["output_tokens"] == 6
+    assert task.error.code == -32011 and "max_tokens (6)" in task.error.message
+    assert task.error.data == {"reason": "max_output_tokens", "max_tokens": 6}
     assert task.incomplete_details == {"reason": "max_output_tokens"} and task.output[-1].status == "incomplete"
+    assert task.output[-1].message_content[0].text
     with tasks.with_streaming_response.create(stream=True, user_message_content="Name three planets.",
                                               inference_args={"max_tokens": 6}) as response:
         results = [e["result"] for e in events_of(response)]
     done = [r["item"] for r in results if r["type"] == "task.output_item.done"]
     assert [item["status"] for item in done] == ["incomplete"]
-    assert results[-1]["type"] == "task.completed"
+    assert results[-1]["type"] == "task.failed"
     assert results[-1]["task"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert results[-1]["task"]["error"]["code"] == -32011
+
+
+def test_a_forced_call_cut_by_max_tokens_fails_the_task(tasks):
+    """tool_choice required with too few tokens for the call: not `completed` with nothing in it."""
+    task = tasks.create(stream=False, user_message_content="Weather in Paris?", client_tools=[WEATHER],
+                        inference_args={"tool_choice": "required", "max_tokens": 12}).result
+    assert task.status == "failed" and task.input_required is None and task.usage["output_tokens"] == 12
+    assert task.error.code == -32011 and "raise max_tokens" in task.error.message
 
 
 def test_create_stream(tasks):
     with tasks.with_streaming_response.create(stream=True, user_message_content="Say hello.", request_id="req-s",
-                                              inference_args={"max_tokens": 8}) as response:
+                                              inference_args={"max_tokens": 64, "temperature": 0}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         envelopes = events_of(response)
     assert {e["id"] for e in envelopes} == {"req-s"}
@@ -131,9 +144,9 @@ def test_the_clients_own_stream_path(url, tasks):
     answer as JSON (it has no stream class for tasks). The server answers as the spec says, SSE, so
     the strict client refuses the content type and a lax one returns the SSE text, whole."""
     with pytest.raises(agentlin_client.APIResponseValidationError, match="text/event-stream"):
-        tasks.create(stream=True, user_message_content="Hi.", inference_args={"max_tokens": 3})
+        tasks.create(stream=True, user_message_content="Hi.", inference_args=SHORT)
     lax = agentlin_client.Client(base_url=url + "/v1", api_key="unused", max_retries=0)
-    text = lax.tasks.create(stream=True, user_message_content="Hi.", inference_args={"max_tokens": 3})
+    text = lax.tasks.create(stream=True, user_message_content="Hi.", inference_args=SHORT)
     assert isinstance(text, str)
     names = [name for name, _ in frames(text)]
     assert names[0] == "task.created" and names[-1] == "task.completed"
@@ -202,7 +215,7 @@ def test_pause_and_resume(url, tasks, smol_engine):
     results = _streamed(url, {"user_message_content": "Count to ten.", "inference_args": {"max_tokens": 16}},
                         on_event)
     kinds = [r["type"] for r in results]
-    assert kinds.index("task.paused") < kinds.index("task.working", 3) and kinds[-1] == "task.completed"
+    assert kinds.index("task.paused") < kinds.index("task.working", 3) and kinds[-1] == "task.failed"
     final = results[-1]["task"]
     # the paused step's item stays incomplete; the step ran again as a new item, cut by max_tokens this time
     assert [item["status"] for item in final["output"]] == ["incomplete", "incomplete"]
@@ -210,8 +223,8 @@ def test_pause_and_resume(url, tasks, smol_engine):
 
 
 def test_list_retrieve_delete(tasks):
-    made = [tasks.create(stream=False, user_message_content=f"Say {n}.", session_id="list-test",
-                         inference_args={"max_tokens": 2}).result.id for n in range(3)]
+    made = [tasks.create(stream=False, user_message_content=f"Hi, {name}.", session_id="list-test",
+                         inference_args=SHORT).result.id for name in ("Ann", "Bo", "Cy")]
     page = tasks.list(limit=2, session_id="list-test")
     assert [t.id for t in page.result] == made[::-1][:2]
     assert [t.id for t in page] == made[::-1]  # the client pages on with starting_after
@@ -237,7 +250,7 @@ def test_restart(backend, db, tasks):
 
 
 def test_bad_input(url, tasks):
-    raw = tasks.with_raw_response.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 2},
+    raw = tasks.with_raw_response.create(stream=False, user_message_content="Hi.", inference_args=SHORT,
                                          extra_body={"frobnicate": 1})
     assert raw.headers["x-mashbox-ignored-fields"] == "frobnicate" and raw.parse().result.status == "completed"
     for n, (body, param) in enumerate([
@@ -293,7 +306,7 @@ def test_engine_task(smol_engine):
     assert calls and [o.type for o in task.output[:2]] == ["tool_call", "tool_result"]
     assert task.output[1].message_content[0].text == f"Sunny in {calls[0]}"
     assert task.status == "completed" and task.usage["steps"] >= 2
-    events = list(smol_engine.task(user_message_content="Hi.", stream=True, inference_args={"max_tokens": 3}))
+    events = list(smol_engine.task(user_message_content="Hi.", stream=True, inference_args=SHORT))
     assert events[0].type == "task.created" and events[-1].type == "task.completed"
 
 
@@ -350,7 +363,7 @@ def _row(db, task_id: str):
         return conn.execute("SELECT status FROM tasks WHERE id=?", (task_id,)).fetchone()
 
 
-@pytest.mark.parametrize(("background", "final"), [(False, "canceled"), (True, "completed")])
+@pytest.mark.parametrize(("background", "final"), [(False, "canceled"), (True, "failed")])
 def test_a_client_gone_cancels_its_task_unless_background(url, tasks, background, final):
     body = {"stream": True, "background": background, "user_message_content": "Tell a long story.",
             "inference_args": {"max_tokens": 96, "temperature": 0}}
@@ -362,8 +375,9 @@ def test_a_client_gone_cancels_its_task_unless_background(url, tasks, background
                 break  # and hang up
     task = _until_final(tasks, task_id)
     assert task.status == final
-    if background:  # it ran to its end (max_tokens) with nobody listening
+    if background:  # it ran with nobody listening until max_tokens cut it (so: failed, its text kept)
         assert task.usage["output_tokens"] == 96 and task.output[0].message_content[0].text
+        assert task.error.code == -32011
     else:
         assert task.output[0].status == "incomplete"  # stopped mid-generation
 
@@ -372,8 +386,8 @@ def test_background_create_answers_at_once(tasks):
     first = tasks.create(stream=False, user_message_content="Tell a long story.", extra_body={"background": True},
                          inference_args={"max_tokens": 48}).result
     assert first.status in ("queued", "working") and not first.output  # not waited for
-    task = _until_final(tasks, first.id)
-    assert task.status == "completed" and task.output[0].message_content[0].text
+    task = _until_final(tasks, first.id)  # cut by max_tokens: failed, with what it wrote
+    assert task.status == "failed" and task.output[0].message_content[0].text and task.error.code == -32011
 
 
 def _until(condition, timeout: float = 5) -> None:
@@ -411,8 +425,7 @@ def test_a_full_queue_refuses_tasks_with_429(backend, tmp_path):
     gated = Gated(backend)
     settings = Settings(tasks_db=str(tmp_path / "t.sqlite3"), max_waiting_per_tenant=1, max_waiting=1)
     for url in serve(gated, settings):
-        tasks, body = client(url).tasks, {"stream": False, "user_message_content": "Hi.",
-                                          "inference_args": {"max_tokens": 2}}
+        tasks, body = client(url).tasks, {"stream": False, "user_message_content": "Hi.", "inference_args": SHORT}
         waiting = threading.Thread(target=tasks.create, kwargs=body)
         waiting.start()
         deadline = time.monotonic() + 20
@@ -471,7 +484,7 @@ def test_every_client_call_of_a_step_waits_for_the_client():
 def test_a_call_cut_by_max_tokens_never_runs():
     generate = scripted(([("get_weather", '{"city": "Par')], "length"))
     task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
-    assert task.status == "completed" and task.input_required is None
+    assert task.status == "failed" and task.input_required is None and "a call of get_weather" in task.error.message
     assert task.incomplete_details.reason == "max_output_tokens" and task.output[0].status == "incomplete"
     # a whole call before the cut one still counts: the task waits for it alone
     generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Ro')], "length"))

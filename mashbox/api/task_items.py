@@ -269,7 +269,7 @@ class RpcError(OutModel):
 
 
 class IncompleteDetails(OutModel):
-    """Why a completed task's answer is cut short (as the spec's task examples and OpenAI's Responses)."""
+    """Why a task's answer is cut short (as the spec's task examples and OpenAI's Responses)."""
 
     reason: Literal["max_output_tokens"] = "max_output_tokens"
 

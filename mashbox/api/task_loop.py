@@ -3,8 +3,9 @@
 ``TaskLoop.run`` yields the task's events: ``task.created``, ``task.queued`` when the engine takes
 its first generation, ``task.working`` once that has a slot, then each step's output. A step is one
 generation with the task's tools. After it: no call, or a call of a ``stop_tools`` name, completes
-the task, and so does a generation cut short by ``max_tokens`` with no whole call
-(``incomplete_details``; a call cut short never runs); a call of
+the task; a generation cut short by ``max_tokens`` with no whole call fails it (``error`` says so,
+``incomplete_details`` too, and its items stay in the output as ``incomplete``; a call cut short never
+runs); a call of
 a server tool runs it and adds its ``tool_result``; then calls of client tools stop it
 ``input-required`` (the client continues with a new task), or the next step starts (a forced
 ``tool_choice`` holds for the first step only). More
@@ -48,6 +49,7 @@ Generate = Callable[[EngineRequest], AsyncIterator[Event]]
 Action = Literal["cancel", "pause", "resume", "expire"]
 DEFAULT_MAX_STEPS = 10
 STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
+OUTPUT_LIMIT = -32011
 GENERATION_FAILED = -32603
 EXPIRED = -32002  # of an expired one
 _PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
@@ -218,9 +220,15 @@ class TaskLoop:
         self._messages.append(Message("assistant", translator.text(),
                                       tuple(ToolCall(c.call_id, c.name, c.arguments) for c in calls),
                                       reasoning=translator.reasoning() or None))
-        if finish.reason == "length" and not calls:  # cut short, nothing to go on with: its last item incomplete
+        if finish.reason == "length" and not calls:  # cut short, nothing to go on with: not a complete answer
+            limit = self._first.sampling.max_tokens
+            where = f"max_tokens ({limit})" if limit else "the end of the context"
             self.task.incomplete_details = IncompleteDetails()
-            yield self.status("completed")
+            self.task.error = RpcError(
+                code=OUTPUT_LIMIT, data={"reason": "max_output_tokens", "max_tokens": limit},
+                message=f"the answer was cut at {where} before it ended{_cut(translator)}; "
+                        + ("raise max_tokens in inference_args" if limit else "start a shorter task"))
+            yield self.status("failed")
             return
         waiting = []  # the client's calls: answered by the client, after the server's have run
         for call in calls:
@@ -263,3 +271,10 @@ class TaskLoop:
         self.task.usage = {**total, "total_tokens": total["input_tokens"] + total["output_tokens"],
                            "input_tokens_details": {"cached_tokens": cached},
                            "output_tokens_details": {"reasoning_tokens": reasoning}, "steps": self._step}
+
+
+def _cut(translator: StepTranslator) -> str:
+    """What the cut answer was doing, for the task's error."""
+    if translator.calls:
+        return f", in the middle of a call of {translator.calls[-1].name}"
+    return "" if translator.text() or translator.reasoning() else ", before any text or complete tool call"
