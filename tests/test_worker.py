@@ -163,3 +163,26 @@ def test_request_in_flight_when_the_worker_dies_is_answered_over_http(worker, ti
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == expected
     assert worker.worker_pid != old_pid and worker.state == "ready"
+
+
+def test_metrics_count_an_answer_before_its_client_has_it(worker):
+    """A scrape straight after a non-streamed answer returns already counts its prompt tokens and
+    its prefix-cache hits (the worker sends its figures before the request's last event)."""
+    from server import serve
+
+    from mashbox.server.settings import Settings
+
+    def counters(url):
+        text = httpx.get(f"{url}/metrics").text
+        wanted = ("mashbox:prompt_tokens", "mashbox:prefix_cache_hits")
+        return [float(line.split()[-1]) for name in wanted for line in text.splitlines()
+                if line.split("{")[0].split(" ")[0] == name + "_total"]
+
+    for url in serve(worker, Settings()):
+        for n in range(6):
+            before = counters(url)
+            body = {"messages": [{"role": "user", "content": f"Question {n % 3}: is it counted?" * 20}], "max_tokens": 2}
+            usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+            after = counters(url)
+            assert after[0] - before[0] == usage["prompt_tokens"], n
+            assert after[1] - before[1] == usage["prompt_tokens_details"]["cached_tokens"], n

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from mashbox.engine.events import Event
+from mashbox.engine.events import Event, Finish
 from mashbox.engine.model.openmp import prefer_passive_wait
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ConfigError, EngineClosedError
@@ -87,6 +87,7 @@ class Worker:
         self._pump = threading.Thread(target=self._loop.run_forever, name="mashbox-pump", daemon=True)
         self._streams: dict[int, Future[None]] = {}
         self._outgoing: list[EventMsg] = []  # the pump thread's events not yet sent
+        self._stats_sent: Any = None  # the last snapshot sent
         self._engine_stopped = False  # after an internal error: this worker ends and the server starts another
 
     def run(self) -> None:
@@ -103,13 +104,18 @@ class Worker:
             self._pump.join(timeout=5)
 
     def _publish_stats(self, done: threading.Event) -> None:
-        sent = None
         while True:
-            if (stats := self._engine.stats()) is not sent:
-                self._send(StatsSnapshot(stats))
-                sent = stats
+            self._send_stats()
             if done.wait(STATS_EVERY):
                 return
+
+    def _send_stats(self) -> None:
+        """The engine's snapshot, if it changed since the last one sent; read under the send lock, so
+        a newer snapshot never goes out before an older one."""
+        with self._send_lock:
+            if (stats := self._engine.stats()) is not self._stats_sent:
+                self._stats_sent = stats
+                self._send_unlocked(StatsSnapshot(stats))
 
     def _receive(self) -> Command | None:
         try:
@@ -142,6 +148,8 @@ class Worker:
     async def _relay(self, request_id: int, events: AsyncIterator[Event]) -> None:
         try:
             async for event in events:
+                if isinstance(event, Finish):  # its figures reach the server before its client sees the end
+                    self._send_stats()
                 self._post(EventMsg(request_id, event))
         except Exception as exc:  # the engine ends every stream with a Finish; this is a safety net
             self._post(EventMsg(request_id, error_finish(f"{type(exc).__name__}: {exc}")))
@@ -165,7 +173,10 @@ class Worker:
 
     def _send(self, reply: Reply) -> None:
         with self._send_lock:
-            try:
-                self._conn.send(reply)
-            except OSError:  # the server is gone; the command loop sees EOF and stops
-                pass
+            self._send_unlocked(reply)
+
+    def _send_unlocked(self, reply: Reply) -> None:
+        try:
+            self._conn.send(reply)
+        except OSError:  # the server is gone; the command loop sees EOF and stops
+            pass
