@@ -20,6 +20,7 @@ from mashbox.engine.events import (
     Finish,
     Queued,
     Started,
+    TextDelta,
     Timings,
     ToolCallDelta,
     ToolCallEnd,
@@ -491,3 +492,31 @@ def test_a_call_cut_by_max_tokens_never_runs():
     task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
     assert task.status == "input-required" and task.input_required.call_id == "call_0"
     assert [o.status for o in task.output] == ["completed", "incomplete"] and task.incomplete_details is None
+
+
+class Stalled(Gated):
+    """The backend whose generations stop after their first text, and never end (a wedged run)."""
+
+    async def astream(self, request):
+        async for event in self.inner.astream(request):
+            yield event
+            if isinstance(event, TextDelta):
+                await asyncio.sleep(3600)
+
+
+def test_a_working_task_with_no_event_for_its_time_to_live_expires(backend, tmp_path):
+    """Not only paused tasks: a task still working whose generation gives nothing for the time to
+    live expires on the server's timer, with what it wrote kept (incomplete), and frees its slot."""
+    db = tmp_path / "t.sqlite3"
+    for url in serve(Stalled(backend), Settings(tasks_db=str(db), tasks_ttl_s=1.0, keepalive_s=60)):
+        tasks = client(url).tasks
+        first = tasks.create(stream=False, user_message_content="Count to ten.", extra_body={"background": True},
+                             inference_args={"max_tokens": 64}).result
+        deadline = time.monotonic() + 15
+        while _row(db, first.id) != ("expired",):  # the file, not the API: no request sweeps for it
+            assert time.monotonic() < deadline, _row(db, first.id)
+            time.sleep(0.05)
+        task = tasks.info(first.id).result
+        assert task.status == "expired" and task.error.code == -32002 and "no event" in task.error.message
+        assert task.output[0].status == "incomplete" and task.output[0].message_content[0].text
+        _until(lambda: backend.stats().running == 0)

@@ -164,8 +164,9 @@ class TaskLoop:
                         yield self.status("working")
                         continue
                 if action == "expire":
-                    self.task.error = RpcError(code=EXPIRED, message="the task expired: it stayed paused for "
-                                                                     "the tasks' time to live")
+                    how = "stayed paused" if self.task.status == "paused" else "had no event from its generation"
+                    self.task.error = RpcError(code=EXPIRED, message=f"the task expired: it {how} for the "
+                                                                     "tasks' time to live")
                 yield self.status("expired" if action == "expire" else "canceled")
                 return
             async for event in self._after(translator):

@@ -44,6 +44,7 @@ class Live:
     def __init__(self, tenant: str, loop: TaskLoop, ticket: Ticket, background: bool) -> None:
         self.tenant, self.loop, self.ticket, self.background = tenant, loop, ticket, background
         self.events: list[dict[str, Any]] = []
+        self.touched = time.monotonic()  # its last event
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finished = False
         self.runner: asyncio.Future[None] | None = None  # its loop's asyncio task (held: tasks are weakly kept)
@@ -55,6 +56,7 @@ class Live:
 
     def add(self, event: dict[str, Any]) -> None:
         self.events.append(event)
+        self.touched = time.monotonic()
         self.wake()
 
     def wake(self) -> None:
@@ -205,10 +207,12 @@ class TaskRuns:
         return [self.find(tenant, t["id"], strict=False) or t for t in tasks]
 
     def sweep(self) -> None:
-        """Expire what is old; a running task paused that long is expired by its loop."""
+        """Expire what is old; a running task paused that long, or with no event that long (a
+        generation that stalled), is expired by its loop."""
         for key in self.store.sweep(set(self._live)):
             live = self._live.get(key)
-            if live is not None and live.task.status == "paused":
+            if live is not None and (live.task.status == "paused"
+                                     or time.monotonic() - live.touched > self.store.ttl_s):
                 live.loop.control.ask("expire")
 
     def abandon(self, live: Live) -> None:
