@@ -3,14 +3,13 @@
 Registered in conftest.py. Each server is started once per session over a session engine:
 ``smol_server`` (the real SmolLM2, for the SDK tests), ``tiny_server`` (a tiny random Llama with
 a context large enough for agent prompts of 25k tokens), ``idle_server`` (same engine, 1 s idle
-timeout, a small send buffer) and ``loading_server`` (a backend whose model never finishes loading).
+timeout) and ``loading_server`` (a backend whose model never finishes loading).
 ``oai`` and ``claude`` are the official SDKs on ``smol_server``, strict, one per test module.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import uvicorn
 from mashbox import Engine
 from mashbox.server.app import create_app
 from mashbox.server.backend import Backend, InProcessBackend
+from mashbox.server.launch import listen
 from mashbox.server.settings import Settings
 
 
@@ -36,12 +36,8 @@ class Running:
     engine: Engine | None
 
 
-def serve(backend: Backend, settings: Settings, send_buffer: int | None = None) -> Iterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if send_buffer:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
-    sock.bind(("127.0.0.1", 0))
+def serve(backend: Backend, settings: Settings) -> Iterator[str]:
+    sock = listen("127.0.0.1", 0)  # `mashbox run`'s own listening socket
     config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="on")  # as `mashbox run`
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -58,9 +54,9 @@ def serve(backend: Backend, settings: Settings, send_buffer: int | None = None) 
         sock.close()
 
 
-def _running(engine: Engine, settings: Settings, send_buffer: int | None = None) -> Iterator[Running]:
+def _running(engine: Engine, settings: Settings) -> Iterator[Running]:
     backend = InProcessBackend.of(engine)
-    for url in serve(backend, settings, send_buffer):
+    for url in serve(backend, settings):
         yield Running(url, backend, engine)
 
 
@@ -89,7 +85,7 @@ def fuzz_server(tiny_engine, tmp_path_factory) -> Iterator[Running]:
 
 @pytest.fixture(scope="session")
 def idle_server(long_engine) -> Iterator[Running]:
-    yield from _running(long_engine, Settings(idle_timeout_s=1.0), send_buffer=4096)
+    yield from _running(long_engine, Settings(idle_timeout_s=1.0))
 
 
 @pytest.fixture(scope="session")
