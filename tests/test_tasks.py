@@ -520,3 +520,23 @@ def test_a_working_task_with_no_event_for_its_time_to_live_expires(backend, tmp_
         assert task.status == "expired" and task.error.code == -32002 and "no event" in task.error.message
         assert task.output[0].status == "incomplete" and task.output[0].message_content[0].text
         _until(lambda: backend.stats().running == 0)
+
+
+def test_the_task_file_is_used_off_the_event_loop(backend, tmp_path, monkeypatch):
+    """Every SQLite call of the task store runs on its own thread, never on the server's event loop."""
+    threads = []
+    for name in ("save", "get", "page", "sweep", "delete"):
+        def recorded(self, *args, _call=getattr(TaskStore, name), **kwargs):
+            threads.append(threading.current_thread().name)
+            return _call(self, *args, **kwargs)
+
+        monkeypatch.setattr(TaskStore, name, recorded)
+    for url in serve(backend, Settings(tasks_db=str(tmp_path / "t.sqlite3"))):
+        tasks = client(url).tasks
+        done = tasks.create(stream=False, user_message_content="Hi.", inference_args=SHORT).result
+        assert tasks.info(done.id).result.status == "completed" and [t.id for t in tasks.list()] == [done.id]
+        running = tasks.create(stream=False, user_message_content="Tell a long story.", extra_body={"background": True},
+                               inference_args={"max_tokens": 200}).result
+        assert tasks.cancel(running.id).status == "canceled"
+        assert tasks.delete(done.id).result.id == done.id
+    assert len(threads) > 10 and all(name.startswith("mashbox-tasks-db") for name in threads), set(threads)

@@ -81,9 +81,9 @@ async def list_tasks(ctx: Ctx, request: Request) -> dict[str, Any]:
     statuses = [s for key in ("status", "status[]") for value in query.getall(key, []) for s in value.split(",") if s]
     if bad := [s for s in statuses if s not in STATUSES]:
         raise InvalidRequestError("status", f"unknown status {bad[0]!r}; expected some of {list(STATUSES)}")
-    tasks = ctx.tasks.page(_tenant(ctx, request), _limit(query.get("limit")), after=query.get("starting_after"),
-                           before=query.get("ending_before"), statuses=statuses,
-                           session_id=query.get("session_id"), user_id=query.get("user_id"))
+    tasks = await ctx.tasks.page(_tenant(ctx, request), _limit(query.get("limit")), after=query.get("starting_after"),
+                                 before=query.get("ending_before"), statuses=statuses,
+                                 session_id=query.get("session_id"), user_id=query.get("user_id"))
     return envelope(request_id(request), tasks)
 
 
@@ -97,7 +97,7 @@ def _limit(text: str | None) -> int:
 
 @get(paths("/{task_id:str}"), summary="Retrieve an agent task")
 async def get_task(ctx: Ctx, request: Request, task_id: FromPath[str]) -> dict[str, Any]:
-    return envelope(request_id(request), ctx.tasks.find(_tenant(ctx, request), task_id))
+    return envelope(request_id(request), await ctx.tasks.find(_tenant(ctx, request), task_id))
 
 
 @delete(paths("/{task_id:str}"), status_code=200, summary="Delete an agent task")

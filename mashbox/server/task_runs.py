@@ -4,7 +4,8 @@ cancel, pause or resume it from another request, and retrieve it later.
 
 A task takes an admission ticket like any request (its tenant's allowance; 429 when spent) until
 its first generation has a slot. Its events are kept in memory only while it runs; the task
-object is saved at every change of status (``TaskStore``). A client that goes away cancels the
+object is saved at every change of status (``TaskStore``), on a thread of the store's own, one call
+after another (the event loop never waits on the file; a read sees every save queued before it). A client that goes away cancels the
 task it created, unless it was created with ``background: true``.
 """
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from mashbox.api.base import new_id
 from mashbox.api.task_events import TaskLifecycleEvent
@@ -28,6 +31,7 @@ from mashbox.server.errors import ApiError
 from mashbox.server.task_store import TaskStore
 
 log = logging.getLogger("mashbox.server")
+T = TypeVar("T")
 ACT_TIMEOUT_S = 30.0
 MAX_SWEEP_EVERY_S = 60.0  # old tasks expire this long after their time to live at most
 # what each action needs of a running task, and the statuses that show it took effect
@@ -89,6 +93,22 @@ class TaskRuns:
         self._backend, self._admission, self.store, self._salted = backend, admission, store, salted
         self._live: dict[tuple[str, str], Live] = {}
         self.sweep_every_s = min(store.ttl_s / 2, MAX_SWEEP_EVERY_S)
+        self._file = ThreadPoolExecutor(1, thread_name_prefix="mashbox-tasks-db")  # the store's calls, in order
+
+    async def _stored(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call`` on the store's thread, awaited (behind every call queued before it)."""
+        return await asyncio.wrap_future(self._file.submit(partial(call, *args, **kwargs)))
+
+    def _save(self, tenant: str, task: dict[str, Any]) -> None:
+        """Save on the store's thread without waiting; a failure is logged."""
+        def saved(done: Future[None]) -> None:
+            if (error := done.exception()) is not None:
+                log.error("saving task %s failed: %s", task["id"], error)
+
+        try:
+            self._file.submit(self.store.save, tenant, task).add_done_callback(saved)
+        except RuntimeError:  # the server is stopping (its thread is gone): saved here
+            self.store.save(tenant, task)
 
     @asynccontextmanager
     async def sweeping(self) -> AsyncIterator[None]:
@@ -98,7 +118,7 @@ class TaskRuns:
             while True:
                 await asyncio.sleep(self.sweep_every_s)
                 try:
-                    self.sweep()
+                    await self.sweep()
                 except Exception:  # a locked or broken file: said, and tried again next time
                     log.exception("expiring old tasks failed")
 
@@ -109,15 +129,16 @@ class TaskRuns:
             timer.cancel()
             with suppress(asyncio.CancelledError):
                 await timer
+            await asyncio.to_thread(self._file.shutdown)  # the saves queued reach the file
 
     async def start(self, req: CreateTask, tenant: str) -> Live:
         """Start a task; returns once the engine has taken its first generation (a request it
         refuses raises here, and leaves no task behind)."""
-        self.sweep()
+        await self.sweep()
         task_id = req.task_id or new_id("task_")
-        if (tenant, task_id) in self._live or self.store.get(tenant, task_id) is not None:
+        if (tenant, task_id) in self._live or await self._stored(self.store.get, tenant, task_id) is not None:
             raise ApiError(409, f"a task with id {task_id!r} exists; choose another task_id", param="task_id")
-        if req.previous_task_id is not None and self.find(tenant, req.previous_task_id, strict=False) is None:
+        if req.previous_task_id is not None and await self.find(tenant, req.previous_task_id, strict=False) is None:
             raise InvalidRequestError("previous_task_id", f"no task {req.previous_task_id!r} is known here")
         task = TaskObject(id=task_id, created_at=int(time.time()), session_id=req.session_id or "",
                           user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
@@ -149,9 +170,9 @@ class TaskRuns:
             if event.type == "task.working":
                 live.ticket.running()
             if live.accepted.done():
-                self.store.save(live.tenant, live.task.dump())
+                self._save(live.tenant, live.task.dump())
             elif event.type == "task.queued":
-                self.store.save(live.tenant, live.task.dump())
+                self._save(live.tenant, live.task.dump())
                 live.accepted.set_result(None)
         live.add(event.dump())
 
@@ -162,26 +183,27 @@ class TaskRuns:
         live.task.error = RpcError(code=GENERATION_FAILED, message=message)
         self._on(live, live.loop.status("failed"))
 
-    def find(self, tenant: str, task_id: str, strict: bool = True) -> dict[str, Any] | None:
+    async def find(self, tenant: str, task_id: str, strict: bool = True) -> dict[str, Any] | None:
         """The task as it is now (a running one from memory); 404 when ``strict`` and unknown.
         A strict look (a client's) expires what is old first, so none sees a task past its time."""
         if strict:
-            self.sweep()
+            await self.sweep()
         live = self._live.get((tenant, task_id))
-        found = live.task.dump() if live is not None and live.accepted.done() else self.store.get(tenant, task_id)
+        found = live.task.dump() if live is not None and live.accepted.done() else \
+            await self._stored(self.store.get, tenant, task_id)
         if found is None and strict:
             raise ApiError(404, f"no task {task_id!r}", param="task_id", code="task_not_found")
         return found
 
     async def act(self, tenant: str, task_id: str, action: Action) -> dict[str, Any]:
         """Cancel, pause or resume a task; answers once the loop has done it."""
-        found = self.find(tenant, task_id)
+        found = await self.find(tenant, task_id)
         assert found is not None
         live = self._live.get((tenant, task_id))
         needs, shows = NEEDS[action]
         if live is None and action == "cancel" and found["status"] == "input-required":
             found = {**found, "status": "canceled"}  # waiting for its client, not running: canceled at once
-            self.store.save(tenant, found)
+            await self._stored(self.store.save, tenant, found)
             return found
         if live is None or live.task.status not in needs:
             raise ApiError(409, f"the task is {found['status']}: only a task that is {' or '.join(sorted(needs))} "
@@ -194,22 +216,27 @@ class TaskRuns:
         return live.task.dump()
 
     async def delete(self, tenant: str, task_id: str) -> dict[str, Any]:
-        found = self.find(tenant, task_id)
+        found = await self.find(tenant, task_id)
         assert found is not None
         if (tenant, task_id) in self._live:
             found = await self.act(tenant, task_id, "cancel")
-        self.store.delete(tenant, task_id)
+        await self._stored(self.store.delete, tenant, task_id)
         return found
 
-    def page(self, tenant: str, limit: int, **filters: Any) -> list[dict[str, Any]]:
-        self.sweep()
-        tasks = self.store.page(tenant, limit, **filters)
-        return [self.find(tenant, t["id"], strict=False) or t for t in tasks]
+    async def page(self, tenant: str, limit: int, **filters: Any) -> list[dict[str, Any]]:
+        await self.sweep()
+        tasks = await self._stored(self.store.page, tenant, limit, **filters)
+        return [self._now(tenant, t) for t in tasks]
 
-    def sweep(self) -> None:
+    def _now(self, tenant: str, task: dict[str, Any]) -> dict[str, Any]:
+        """A stored task as it is now: a running one from memory."""
+        live = self._live.get((tenant, task["id"]))
+        return live.task.dump() if live is not None and live.accepted.done() else task
+
+    async def sweep(self) -> None:
         """Expire what is old; a running task paused that long, or with no event that long (a
         generation that stalled), is expired by its loop."""
-        for key in self.store.sweep(set(self._live)):
+        for key in await self._stored(self.store.sweep, set(self._live)):
             live = self._live.get(key)
             if live is not None and (live.task.status == "paused"
                                      or time.monotonic() - live.touched > self.store.ttl_s):
