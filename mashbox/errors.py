@@ -33,8 +33,8 @@ class ModelNotFoundError(InvalidRequestError):
     it with 404 ``model_not_found``. Anthropic Messages requests may name any model."""
 
     def __init__(self, model: str, served: str) -> None:
-        super().__init__("model", f"model {model!r} is not served here; this engine runs {served!r} "
-                                  "(leave model out, or name that one)")
+        super().__init__("model", f"model {model!r} is not served here; {served!r} is "
+                                  "(leave model out, or name that one)", code="model_not_found")
         self.model = model
 
 

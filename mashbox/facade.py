@@ -24,7 +24,6 @@ from pydantic import BaseModel
 from mashbox.api import anthropic_messages, local_tasks
 from mashbox.api.anthropic_messages import AnthropicMessage, TokenCount
 from mashbox.api.anthropic_messages import StreamEvent as MessageEvent
-from mashbox.api.base import parse
 from mashbox.api.chat_output import ChatCompletion, ChatCompletionChunk
 from mashbox.api.openai_completions import Completion
 from mashbox.api.openai_responses import Response
@@ -36,11 +35,11 @@ from mashbox.api.params import (
     MessagesParams,
     ResponsesParams,
 )
-from mashbox.api.protocols import PROTOCOLS
+from mashbox.api.protocols import PROTOCOLS, counting, prepare
 from mashbox.api.task_items import CreateTask
 from mashbox.engine.events import Event, Finish
 from mashbox.engine.runtime import Job, Runtime
-from mashbox.errors import GenerationError, InvalidRequestError, MashboxError, ModelNotFoundError
+from mashbox.errors import GenerationError, InvalidRequestError, MashboxError
 
 Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model
 
@@ -155,20 +154,16 @@ class Engine(Runtime):
     def count_tokens(self, request: Any = None, /, **fields: Any) -> TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
         self._check_open()
-        req = parse(anthropic_messages.CountTokensRequest,
-                    _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens"))
-        return TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
+        body = _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens")
+        return TokenCount(input_tokens=len(self.encode(counting(body))))
 
     def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
         protocol = PROTOCOLS[name]
-        req = parse(protocol.request, _merge(request, fields, protocol.request, name))
-        model = getattr(req, "model", None)
-        if model not in (None, self.model_id) and not protocol.any_model:
-            raise ModelNotFoundError(model, self.model_id)
-        if ignored := req.ignored_fields():  # stacklevel: the caller's line, past _prepare, _call and chat
-            warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=4)
-        translator = protocol.module.Translator(req, self.model_id)
-        return req, translator, self._job(protocol.module.to_engine(req))
+        prepared = prepare(protocol, _merge(request, fields, protocol.request, name), self.model_id)
+        if prepared.ignored:  # stacklevel: the caller's line, past _prepare, _call and chat
+            warnings.warn(f"ignored fields: {', '.join(prepared.ignored)}", IgnoredFieldsWarning, stacklevel=4)
+        translator = protocol.module.Translator(prepared.req, self.model_id)
+        return prepared.req, translator, self._job(prepared.engine)
 
     def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
         req, translator, job = self._prepare(name, request, fields)

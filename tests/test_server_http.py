@@ -303,3 +303,35 @@ def test_openapi_describes_every_route(http):
         for path in handler.paths - {p for p in handler.paths if p.startswith("/tasks")}:  # /tasks: /v1/tasks' alias
             described = path.replace(":str}", "}")
             assert set(m.lower() for m in handler.http_methods) <= set(doc["paths"][described]), path
+
+
+@pytest.mark.parametrize(("path", "method", "body", "status"), [
+    ("/v1/chat/completions", "chat", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+    ("/v1/completions", "complete", {"prompt": "a", "max_tokens": 0}, 400),
+    ("/v1/responses", "respond", {"input": "a", "tools": [{"type": "function"}]}, 400),
+    ("/v1/messages", "message", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    ("/v1/messages/count_tokens", "count_tokens", {"messages": "hi"}, 400),
+])
+def test_the_server_and_the_engine_refuse_a_request_alike(http, tiny_server, path, method, body, status):
+    """One front half for both: the same rule gives the same error (field, words) on each."""
+    from mashbox import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as raised:
+        getattr(tiny_server.engine, method)(body)
+    answer = http.post(path, json=body)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert error["message"] == raised.value.message or error["message"] == f"{raised.value.param}: {raised.value.message}"
+    if "param" in error:
+        assert error["param"] == raised.value.param
+
+
+def test_the_server_app_imports_no_torch():
+    """The HTTP process stays light: torch (and the model) live in the worker."""
+    import subprocess
+    import sys
+
+    code = "import sys; import mashbox.server.app, mashbox.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"

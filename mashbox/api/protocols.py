@@ -2,12 +2,15 @@
 
 Each names its request model, the module that translates it (``to_engine(request)`` into an
 ``EngineRequest``; ``Translator(request, model)`` from engine events back), the Engine method that
-answers it, and how its stream is framed.
+answers it, and how its stream is framed. ``prepare`` is the front half of every request, the same
+for the Engine facade and the server: parse, check the model, build the engine request, and name the
+fields ignored (the facade warns of them, the server says them in a header); ``counting`` the same
+for Anthropic's count_tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -18,8 +21,10 @@ from mashbox.api import (
     openai_completions,
     openai_responses,
 )
-from mashbox.api.base import RequestModel
+from mashbox.api.base import RequestModel, parse
 from mashbox.api.frames import COMMENT, DONE, PING, data_frame, event_frame
+from mashbox.engine.request import EngineRequest
+from mashbox.errors import ModelNotFoundError
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +48,27 @@ RESPONSES = Protocol("responses", "respond", openai_responses, openai_responses.
 MESSAGES = Protocol("messages", "message", anthropic_messages, anthropic_messages.MessagesRequest, event_frame,
                     keepalive=PING, any_model=True)
 PROTOCOLS = {p.method: p for p in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)}  # by Engine method
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request read and checked: its protocol model, the engine request, the fields it ignores."""
+
+    req: Any
+    engine: EngineRequest
+    ignored: list[str]
+
+
+def prepare(protocol: Protocol, body: Mapping[str, Any], served: str) -> Prepared:
+    """Read ``body`` as a ``protocol`` request for the model ``served``; InvalidRequestError naming the
+    field when it is wrong, ModelNotFoundError when it names another model."""
+    req = parse(protocol.request, body)
+    model = getattr(req, "model", None)
+    if model not in (None, served) and not protocol.any_model:
+        raise ModelNotFoundError(model, served)
+    return Prepared(req, protocol.module.to_engine(req), req.ignored_fields())
+
+
+def counting(body: Mapping[str, Any]) -> EngineRequest:
+    """The engine request whose prompt an Anthropic count_tokens body counts."""
+    return anthropic_messages.to_engine(parse(anthropic_messages.CountTokensRequest, body))

@@ -13,7 +13,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, SerializationException
 
-from mashbox.errors import ContextLengthError, InvalidRequestError, NotReadyError
+from mashbox.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, NotReadyError
 from mashbox.server.admission import QueueFull
 
 log = logging.getLogger("mashbox.server")
@@ -80,6 +80,8 @@ def api_error(exc: Exception, retry_after: int) -> ApiError:
     if isinstance(exc, ContextLengthError):  # the code and wording agents look for to compact their history
         return ApiError(400, exc.message, param=exc.param, code="context_length_exceeded",
                         anthropic_message=f"prompt is too long: {exc.tokens} tokens > {exc.ctx} maximum")
+    if isinstance(exc, ModelNotFoundError):
+        return ApiError(404, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, exc.message, param=exc.param or None, code=exc.code)
     if isinstance(exc, NotReadyError):

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 from litestar import Request, Response
 from litestar.types import Receive
 
-from mashbox.api.base import RequestModel, parse
-from mashbox.api.protocols import Protocol
+from mashbox.api.base import RequestModel
+from mashbox.api.protocols import Protocol, prepare
 from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ContextLengthError
@@ -69,8 +69,7 @@ def request_id(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id", ""))
 
 
-def ignored_header(req: RequestModel) -> dict[str, str]:
-    ignored = req.ignored_fields()
+def ignored_header(ignored: list[str]) -> dict[str, str]:
     if not ignored:
         return {}
     log.debug("ignored fields: %s", ", ".join(ignored))
@@ -83,17 +82,13 @@ async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], reque
     """Answer one request of ``protocol``: a JSON body, or its stream of events."""
     served = ctx.served()
     refuse_overlong(ctx, body, protocol.turns)
-    req = parse(protocol.request, body)
-    model = getattr(req, "model", None)
-    if model not in (None, served) and not protocol.any_model:
-        raise ApiError(404, f"model {model!r} is not served here; this server runs {served!r}",
-                       param="model", code="model_not_found")
+    prepared = prepare(protocol, body, served)
+    req, engine = prepared.req, prepared.engine
     tag = Tag.of(request, req, ctx)
-    engine = protocol.module.to_engine(req)
     if ctx.settings.auth_required:  # one tenant's prompts never make another's cache hits (nor timings)
         engine = dataclasses.replace(engine, cache_salt=tag.tenant)
     run = Run(ctx, protocol, req, engine, tag)
-    headers = ignored_header(req)
+    headers = ignored_header(prepared.ignored)
     if getattr(req, "stream", False):
         return await run.streamed(headers)
     return Response(await run.whole(request.receive), headers=headers)

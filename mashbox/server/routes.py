@@ -8,11 +8,10 @@ from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
-from mashbox.api.anthropic_messages import CountTokensRequest, TokenCount, to_engine
-from mashbox.api.base import parse
-from mashbox.api.protocols import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from mashbox.api.anthropic_messages import TokenCount
+from mashbox.api.protocols import CHAT, COMPLETIONS, MESSAGES, RESPONSES, counting
+from mashbox.errors import ModelNotFoundError
 from mashbox.server.context import Context
-from mashbox.server.errors import ApiError
 from mashbox.server.generation import generate, refuse_overlong
 from mashbox.server.health import health
 from mashbox.server.metrics import CONTENT_TYPE
@@ -57,8 +56,7 @@ async def list_models(ctx: Ctx, request: Request) -> dict[str, Any]:
 async def get_model(ctx: Ctx, request: Request, model: FromPath[str]) -> dict[str, Any]:
     served, info = ctx.served(), ctx.backend.info
     if model != served or info is None:
-        raise ApiError(404, f"model {model!r} is not served here; this server runs {served!r}",
-                       param="model", code="model_not_found")
+        raise ModelNotFoundError(model, served)
     if "anthropic-version" in request.headers:
         return AnthropicModel.of(info).dump()
     return Model.of(info, ctx.settings).dump()
@@ -83,8 +81,7 @@ async def messages(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
 async def count_tokens(ctx: Ctx, data: Body) -> dict[str, Any]:
     ctx.served()
     refuse_overlong(ctx, data, "messages")
-    req = parse(CountTokensRequest, data)
-    return TokenCount(input_tokens=await ctx.backend.count(to_engine(req))).dump()
+    return TokenCount(input_tokens=await ctx.backend.count(counting(data))).dump()
 
 
 @post("/v1/responses", status_code=200, summary="Responses (OpenAI)")

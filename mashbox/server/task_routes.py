@@ -49,7 +49,7 @@ async def create_task(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
     rid = req.request_id if req.request_id is not None else request_id(request)
     request.scope["state"]["request_id"] = rid  # an error from here on (a 429, a 409) echoes it too
     live = await ctx.tasks.start(req, _tenant(ctx, request))
-    headers = ignored_header(req)
+    headers = ignored_header(req.ignored_fields())
     if req.stream:
         async def left() -> None:
             ctx.tasks.abandon(live)
