@@ -540,3 +540,32 @@ def test_the_task_file_is_used_off_the_event_loop(backend, tmp_path, monkeypatch
         assert tasks.cancel(running.id).status == "canceled"
         assert tasks.delete(done.id).result.id == done.id
     assert len(threads) > 10 and all(name.startswith("mashbox-tasks-db") for name in threads), set(threads)
+
+
+def test_a_continuation_answers_every_client_call():
+    """A step with two client calls stops input-required; the client's continuation holds both calls
+    (from the output) and a result for each: the next generation sees one assistant turn with both
+    calls, then each result under its call's id."""
+    seen = []
+    first = scripted(([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')], "tool_calls"))
+    task = asyncio.run(run_async({"user_message_content": "Weather in Paris and Rome?", "client_tools": [WEATHER]},
+                                 first))
+    assert task.status == "input-required" and [o.call_id for o in task.output] == ["call_0", "call_1"]
+    history = [{"type": "message", "role": "user", "message_content": "Weather in Paris and Rome?"},
+               *[o.model_dump(exclude_none=True) for o in task.output],
+               *[{"type": "tool_result", "call_id": o.call_id, "message_content": f"Sunny in {city}", "block_list": []}
+                 for o, city in zip(task.output, ("Paris", "Rome"), strict=True)]]
+    answer = scripted(([], "stop"))
+
+    async def generate(request):
+        seen.append(request)
+        async for event in answer(request):
+            yield event
+
+    done = asyncio.run(run_async({"user_message_content": "", "history_messages": history,
+                                  "client_tools": [WEATHER]}, generate))
+    assert done.status == "completed"
+    messages = seen[0].messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert [(c.id, c.name) for c in messages[1].tool_calls] == [("call_0", "get_weather"), ("call_1", "get_weather")]
+    assert [(m.tool_call_id, m.content) for m in messages[2:]] == [("call_0", "Sunny in Paris"), ("call_1", "Sunny in Rome")]
