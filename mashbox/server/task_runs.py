@@ -5,8 +5,8 @@ cancel, pause or resume it from another request, and retrieve it later.
 A task takes an admission ticket like any request (its tenant's allowance; 429 when spent) until
 its first generation has a slot. Its events are kept in memory only while it runs; the task
 object is saved at every change of status (``TaskStore``), on a thread of the store's own, one call
-after another (the event loop never waits on the file; a read sees every save queued before it). A client that goes away cancels the
-task it created, unless it was created with ``background: true``.
+after another (the event loop never waits on the file; a read sees every save queued before it).
+A client that goes away cancels the task it created, unless it was created with ``background: true``.
 """
 
 from __future__ import annotations
@@ -188,9 +188,7 @@ class TaskRuns:
         A strict look (a client's) expires what is old first, so none sees a task past its time."""
         if strict:
             await self.sweep()
-        live = self._live.get((tenant, task_id))
-        found = live.task.dump() if live is not None and live.accepted.done() else \
-            await self._stored(self.store.get, tenant, task_id)
+        found = self._running(tenant, task_id) or await self._stored(self.store.get, tenant, task_id)
         if found is None and strict:
             raise ApiError(404, f"no task {task_id!r}", param="task_id", code="task_not_found")
         return found
@@ -226,12 +224,12 @@ class TaskRuns:
     async def page(self, tenant: str, limit: int, **filters: Any) -> list[dict[str, Any]]:
         await self.sweep()
         tasks = await self._stored(self.store.page, tenant, limit, **filters)
-        return [self._now(tenant, t) for t in tasks]
+        return [self._running(tenant, t["id"]) or t for t in tasks]
 
-    def _now(self, tenant: str, task: dict[str, Any]) -> dict[str, Any]:
-        """A stored task as it is now: a running one from memory."""
-        live = self._live.get((tenant, task["id"]))
-        return live.task.dump() if live is not None and live.accepted.done() else task
+    def _running(self, tenant: str, task_id: str) -> dict[str, Any] | None:
+        """A running task as it is now, from memory (None if it is not running, or not yet accepted)."""
+        live = self._live.get((tenant, task_id))
+        return live.task.dump() if live is not None and live.accepted.done() else None
 
     async def sweep(self) -> None:
         """Expire what is old; a running task paused that long, or with no event that long (a
