@@ -124,7 +124,7 @@ def transformers_server(port: int, threads: int) -> Server:
     model = cache_dir() / "bench" / "smollm2-135m-hf"
     if not (model / "config.json").is_file():
         hf_model("smollm2-135m").save_pretrained(model)
-        load("smollm2-135m").tokenizer.save_pretrained(model)
+        load("smollm2-135m").tokenizer.save(model)
     command = [str(ROOT / ".venv/bin/transformers"), "serve", str(model), "--port", str(port), "--continuous-batching"]
     return Server("transformers serve", command, str(model), {"OMP_NUM_THREADS": str(threads)})
 

@@ -1,6 +1,7 @@
 """A coding agent's long first prompt on mashbox and llama-server, side by side: prefill and decode at depth.
 
     .venv/bin/python bench/long_prompt.py [--llama-server PATH] [--request REQUEST.json] [--model qwen2.5-coder-0.5b]
+    .venv/bin/python bench/long_prompt.py --tokens 8192 --ctx 9216 --kv-dtype q8_0    # a prompt of a given length
 
 The prompt is a captured agent request (default: Claude Code's first ``POST /v1/messages`` in
 ../shared/clients, about 18k tokens on qwen2.5-coder), flattened to one system and one user
@@ -9,6 +10,10 @@ template. Each server starts fresh (mashbox with an empty prefix folder: nothing
 same GGUF and the same number of threads, gets the request once, streaming, greedy, and reports:
 prompt tokens (as it counts them), seconds to the first token, prompt tokens per second, and
 decode tokens per second at that depth (the answer's tokens after the first, over their time).
+
+``--tokens N`` asks instead about a text of about N tokens (bench/quality.py's standard-library
+docstrings, repeated as needed); ``--kv-dtype q8_0`` runs both KV caches in q8_0 (llama-server's
+``-ctk/-ctv q8_0``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from compare import DEFAULT_LLAMA, ROOT, amx_without_support, free_port, stop, w
 
 CLAUDE_CODE = ROOT.parent / "shared" / "clients" / "claude-code_POST_v1_messages.json"
 ASK = "\n\nBefore anything else, describe in detail, in at least 300 words, what you are and what tools you have."
+SUMMARIZE = "\n\nSummarize the text above in detail, in at least 300 words."
 
 
 def flatten(request: dict) -> list[dict]:
@@ -48,6 +54,18 @@ def flatten(request: dict) -> list[dict]:
         texts += [p for p in parts if p]
     return [{"role": "system", "content": f"{system}\n\n# Tools\n{tools}"},
             {"role": "user", "content": "\n\n".join(texts) + ASK}]
+
+
+def sized(tokens: int, model: str) -> list[dict]:
+    """One user message: about ``tokens`` tokens of fixed English prose, then a request to summarize it."""
+    from quality import text
+
+    from mashbox.engine.load.loader import load
+
+    tokenizer = load(model).tokenizer
+    ids = tokenizer.encode(text(), add_special_tokens=False)
+    ids = (ids * (tokens // len(ids) + 1))[:tokens]
+    return [{"role": "user", "content": tokenizer.decode(ids) + SUMMARIZE}]
 
 
 def measure(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -93,20 +111,25 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--only", choices=["mashbox", "llama-server"])
+    parser.add_argument("--tokens", type=int, default=None, help="a prompt of about this many tokens of prose "
+                        "instead of the captured request")
+    parser.add_argument("--kv-dtype", choices=["f16", "q8_0"], default="f16")
     args = parser.parse_args()
     from mashbox.engine.load.catalog import resolve
 
     gguf = resolve(args.model).path
-    messages = flatten(json.loads(args.request.read_text()))
+    messages = sized(args.tokens, args.model) if args.tokens else flatten(json.loads(args.request.read_text()))
+    kv = args.kv_dtype
     results = {}
     with tempfile.TemporaryDirectory(prefix="mashbox-long-") as folder:
         port = free_port()
         servers = {
             "mashbox": ([str(ROOT / ".venv/bin/mashbox"), "run", args.model, "--port", str(port), "--ctx",
-                         str(args.ctx), "--slots", "1", "--cache-dir", folder],
+                         str(args.ctx), "--slots", "1", "--cache-dir", folder, "--kv-dtype", kv],
                         {"OMP_NUM_THREADS": str(args.threads)}),
             "llama-server": ([args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                               "-c", str(args.ctx), "-np", "1", "-t", str(args.threads), "--jinja", "--no-webui",
+                              "-ctk", kv, "-ctv", kv,
                               *(["--no-repack"] if amx_without_support() else [])], {}),
         }
         for name, (command, env) in servers.items():

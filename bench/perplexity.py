@@ -1,7 +1,7 @@
 """Perplexity of a GGUF through mashbox's kernels beside llama.cpp's `llama-perplexity` on the same file
 and the same text, computed the same way.
 
-    .venv/bin/python bench/perplexity.py [--model ID-or-.gguf] [--llama-perplexity PATH] [--chunks 20]
+    .venv/bin/python bench/perplexity.py [--model ID-or-.gguf] [--llama-perplexity PATH] [--chunks 20] [--kv-dtype q8_0]
 
 The text is the docstrings of a fixed list of standard-library modules (bench/quality.py's: English
 prose every Python has). Both cut its tokens into chunks of 512 (the first token of each made BOS
@@ -9,6 +9,7 @@ where the model's vocabulary adds one), run each chunk from an empty cache and s
 log-likelihood of its second half, as `llama-perplexity -c 512` does. mashbox runs the engine's
 own forward (the kernels a request uses, prompt chunks of 256) on the GGUF's blocks. Prints both
 perplexities and their ratio; llama.cpp's tokens are used for both where its tokenizer is found.
+``--kv-dtype q8_0`` keeps both KV caches in q8_0 (llama.cpp's ``-ctk/-ctv q8_0``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def chunk_nll(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:
     return nll, targets.shape[0]
 
 
-def mashbox_perplexity(model: str, tokens: list[int], chunks: int, bos: int | None) -> float:
-    form = decide(torch.device("cpu"), None, batch_invariant=True)
+def mashbox_perplexity(model: str, tokens: list[int], chunks: int, bos: int | None, kv: str) -> float:
+    form = decide(torch.device("cpu"), None, batch_invariant=True, kv_dtype=kv)
     loaded = load(model, dtype=form.dtype)
     runner = ModelRunner(loaded.checkpoint, 1, CTX + 1, form)
     nll, count = 0.0, 0
@@ -73,9 +74,10 @@ def mashbox_perplexity(model: str, tokens: list[int], chunks: int, bos: int | No
     return math.exp(nll / count)
 
 
-def llama_perplexity(binary: Path, gguf: Path, text_file: Path, chunks: int, threads: int) -> float:
+def llama_perplexity(binary: Path, gguf: Path, text_file: Path, chunks: int, threads: int, kv: str) -> float:
     out = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text_file), "-c", str(CTX), "--chunks", str(chunks),
-                          "-t", str(threads), "-b", str(CTX), "--no-warmup"] + (["--no-repack"] if _amx() else []),
+                          "-t", str(threads), "-b", str(CTX), "--no-warmup", "-ctk", kv, "-ctv", kv]
+                         + (["--no-repack"] if _amx() else []),
                          capture_output=True, text=True, check=True)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if found is None:
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--llama-perplexity", type=Path, default=DEFAULT_LLAMA)
     parser.add_argument("--chunks", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-dtype", choices=["f16", "q8_0"], default="f16")
     args = parser.parse_args()
     source = resolve(args.model)
     loaded = load(args.model)
@@ -100,15 +103,16 @@ def main() -> None:
     body = text()
     tokens = tokenizer.encode(body, add_special_tokens=False)
     chunks = min(args.chunks, len(tokens) // CTX)
-    bos = tokenizer.bos_token_id if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id] else None
-    ours = mashbox_perplexity(args.model, tokens, chunks, bos)
-    print(f"{source.path.name}: {chunks} chunks of {CTX} tokens")
+    bos = tokenizer.bos_token_id if tokenizer.encode("a")[:1] == [tokenizer.bos_token_id] else None
+    ours = mashbox_perplexity(args.model, tokens, chunks, bos, args.kv_dtype)
+    print(f"{source.path.name}: {chunks} chunks of {CTX} tokens, KV cache {args.kv_dtype}")
     print(f"mashbox perplexity: {ours:.4f}")
     if args.llama_perplexity.exists():
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
             f.write(body)
             f.flush()
-            theirs = llama_perplexity(args.llama_perplexity, source.path, Path(f.name), chunks, args.threads)
+            theirs = llama_perplexity(args.llama_perplexity, source.path, Path(f.name), chunks, args.threads,
+                                      args.kv_dtype)
         print(f"llama-perplexity: {theirs:.4f}; mashbox / llama.cpp {ours / theirs:.4f}")
 
 

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 from mashbox import SamplingParams
 from mashbox.engine.load.checkpoint import Checkpoint, Tensors
 from mashbox.engine.model import native
-from mashbox.engine.model.form import decide
+from mashbox.engine.model.form import Form, decide
 from mashbox.engine.model.ops import NativeOps, TorchOps
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import _linear
@@ -56,19 +56,53 @@ def _as_read(lib, bf16, q, keys, values, scale):
     return q * scale, keys.float(), values.float(), 1e-5
 
 
+def _cache(lib, kvq, floats):
+    """A cache [slots, kv_heads, ctx, row] holding ``floats`` [slots, kv_heads, ctx, dim] as the
+    kernels store it (fp16, or q8_0 by ``mb_kv_store``), and the values it holds, read back by
+    torch: the fp16 values, or each int8 times its block's fp16 scale."""
+    if not kvq:
+        return floats.half(), floats.half().float()
+    slots, heads, ctx, dim = floats.shape
+    rows = floats.transpose(1, 2).reshape(slots * ctx, heads * dim).contiguous()
+    which, positions = torch.arange(slots).repeat_interleave(ctx), torch.arange(ctx).repeat(slots)
+    cache = torch.zeros(slots, heads, ctx, dim + dim // 16, dtype=torch.uint8)
+    lib.mb_kv_store(rows.data_ptr(), heads * dim, cache.data_ptr(), which.data_ptr(), positions.data_ptr(),
+                    slots * ctx, heads, dim, ctx, 1)
+    ints = cache[..., :dim].contiguous().view(torch.int8).float()
+    scales = cache[..., dim:].contiguous().view(torch.float16).float()
+    return cache, ints * scales.repeat_interleave(32, dim=-1)
+
+
+def test_q8_kv_rows_are_ggml_q8_0_blocks(lib):
+    g = torch.Generator().manual_seed(4)
+    floats = torch.randn(2, 3, 50, 64, generator=g) * torch.rand(2, 3, 50, 64, generator=g) * 8
+    floats[0, 0, 0, :32] = 0  # a block of zeros has scale 0 and no NaN
+    floats[0, 0, 1, :32] = 127 * torch.arange(32) / 31 - 63.5  # halves: rounded to even
+    cache, read = _cache(lib, 1, floats)
+    blocks = floats.reshape(2, 3, 50, 2, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    ints = torch.round(blocks * torch.where(scale > 0, 1 / scale, 0)).reshape(2, 3, 50, 64)
+    assert torch.equal(cache[..., :64].contiguous().view(torch.int8).float(), ints)
+    assert torch.equal(cache[..., 64:].contiguous().view(torch.float16), scale.squeeze(-1).half())
+    assert not read.isnan().any() and torch.equal(read[0, 0, 0, :32], torch.zeros(32))
+    # off by half a step, and by up to 127 steps times the scale's fp16 rounding (2^-11 of it)
+    assert ((read - floats).abs() <= scale.repeat_interleave(32, -1).reshape(read.shape) * (0.5 + 127 * 2**-11)).all()
+
+
 @pytest.mark.parametrize("bf16", [0, 1])
-def test_decode_attention_matches_sdpa(lib, bf16):
+@pytest.mark.parametrize("kvq,dim", [(0, 16), (1, 64)])
+def test_decode_attention_matches_sdpa(lib, bf16, kvq, dim):
     g = torch.Generator().manual_seed(1)
-    slots, ctx, kv_heads, heads, dim = 3, 40, 2, 4, 16
-    keys = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()  # the cache holds fp16
-    values = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()
+    slots, ctx, kv_heads, heads = 3, 40, 2, 4
+    keys, key_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
+    values, value_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
     q = torch.randn(2, heads, dim, generator=g)
     rows, which, lens = torch.tensor([0, 1]), torch.tensor([2, 0]), torch.tensor([17, 40])
     out = torch.empty(2, heads * dim)
     lib.mb_decode_attention(q.data_ptr(), heads * dim, keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                             which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
-                            dim**-0.5, bf16)
-    q, keys, values, atol = _as_read(lib, bf16, q, keys, values, dim**-0.5)
+                            dim**-0.5, bf16, kvq)
+    q, keys, values, atol = _as_read(lib, bf16, q, key_values, value_values, dim**-0.5)
     for r in range(2):
         k = keys[which[r], :, : lens[r]][None]
         v = values[which[r], :, : lens[r]][None]
@@ -89,42 +123,46 @@ def _chunk_reference(q, keys, values, chunks, heads, dim):
     return out
 
 
-def _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim):
+def _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim):
     out = torch.full((q.shape[0], heads * dim), float("nan"))
     rows, ns, slots, starts = torch.tensor(chunks).T.contiguous()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                            ns.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(), len(chunks), heads,
-                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16)
+                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16, kvq)
     return out
 
 
 @pytest.mark.parametrize("bf16", [0, 1])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (14, 2, 64)])
-def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, heads, kv_heads, dim, bf16):
+@pytest.mark.parametrize("kvq,heads,kv_heads,dim", [(0, 4, 2, 16), (0, 9, 3, 64), (0, 14, 2, 64), (1, 9, 3, 64),
+                                                    (1, 14, 2, 128)])
+def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, kvq, heads, kv_heads, dim, bf16):
     g = torch.Generator().manual_seed(2)
     slots, ctx = 3, 900
-    keys = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()
-    values = torch.randn(slots, kv_heads, ctx, dim, generator=g).half()
+    keys, key_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
+    values, value_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
     q = torch.randn(450, heads * dim, generator=g)
     chunks = [(0, 37, 0, 0), (37, 300, 1, 129), (337, 5, 2, 800), (342, 108, 0, 37)]
-    out = _chunk_attention(lib, bf16, q, keys, values, chunks, heads, kv_heads, dim)
-    *read, atol = _as_read(lib, bf16, q, keys, values, dim**-0.5)
+    out = _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim)
+    *read, atol = _as_read(lib, bf16, q, key_values, value_values, dim**-0.5)
     assert torch.allclose(out, _chunk_reference(*read, chunks, heads, dim), atol=atol)
     # slot 1's 300 rows again, as three chunks of other sizes in one call with slot 2's
     again = [(0, 64, 1, 129), (64, 5, 2, 800), (69, 100, 1, 193), (169, 136, 1, 293)]
     rows = torch.cat([q[37:101], q[337:342], q[101:337]])
-    split = _chunk_attention(lib, bf16, rows, keys, values, again, heads, kv_heads, dim)
+    split = _chunk_attention(lib, bf16, kvq, rows, keys, values, again, heads, kv_heads, dim)
     assert torch.equal(torch.cat([split[:64], split[69:]]), out[37:337])
     assert torch.equal(split[64:69], out[337:342])
 
 
-def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_path(lib):
+@pytest.mark.parametrize("kv", [None, "q8_0"])
+def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_path(lib, kv):
     torch.manual_seed(7)
-    model = LlamaForCausalLM(tiny_config(1000)).eval()
+    model = LlamaForCausalLM(tiny_config(1000, head_dim=32)).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form="q8")
-    assert runner._fused is not None and runner.kv.keys.dtype == torch.float16 and runner.cut_anywhere
+    form = Form(torch.device("cpu"), torch.float32, "q8", kv)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form=form)
+    assert runner._fused is not None and runner.cut_anywhere
+    assert runner.kv.keys.dtype == (torch.uint8 if kv else torch.float16)
     assert {f for layer in runner.weights.layers for f in layer.gate_up.formats} == {"int8"}
     batched = greedy(runner, prompts)
     assert [greedy(runner, [p])[0] for p in prompts] == batched
@@ -133,13 +171,15 @@ def test_q8_runner_is_batch_invariant_and_its_fused_layers_equal_the_general_pat
     assert len({tuple(b) for b in batched}) == len(prompts)
 
 
-def test_q8_forward_stays_close_to_fp32(lib):
+@pytest.mark.parametrize("kv", [None, "q8_0"])
+def test_q8_forward_stays_close_to_fp32(lib, kv):
     torch.manual_seed(7)
-    model = LlamaForCausalLM(tiny_config(1000)).eval()
+    model = LlamaForCausalLM(tiny_config(1000, head_dim=32)).eval()
     ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = model(ids).logits[0, -1]
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=1, ctx=64, form="q8")
+    form = Form(torch.device("cpu"), torch.float32, "q8", kv)
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=1, ctx=64, form=form)
     scheduler = Scheduler(num_slots=1, ctx=64, chunk_tokens=64)
     seq = Sequence("a", ids[0].tolist(), SamplingParams(), 1)
     scheduler.add(seq)

@@ -9,12 +9,12 @@ from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 
 
-def tiny_config(vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    )
+def tiny_config(vocab_size: int, **overrides: object) -> LlamaConfig:
+    return LlamaConfig(**{
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "initializer_range": 0.3, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, **overrides,
+    })
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list[list[int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_DTYPES = (None, "f16", "q8_0")
+
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
@@ -29,6 +31,9 @@ class EngineConfig:
     what runs beside it with mashbox's kernels; with ``float32`` that takes
     ``batch_invariant`` (fixed-shape matmul tiles, slower alone); fbgemm's fp16
     kernel does not promise it on every CPU.
+    ``kv_dtype``: how the KV cache keeps keys and values: unset (fp16 beside mashbox's CPU kernels,
+    else the floats' dtype), ``f16``, or ``q8_0`` (int8 with an fp16 scale for each 32, as llama.cpp's
+    ``-ctk/-ctv q8_0``: ~0.53x the memory; mashbox's CPU kernels only).
     ``cuda_graphs``: on CUDA, steps of one-token rows run at fixed shapes, each
     shape captured once as a CUDA graph and replayed (one launch a step).
     A ``ctx`` above the context the model was trained on is refused unless
@@ -41,6 +46,7 @@ class EngineConfig:
     slots: int = 16
     device: str | None = None
     dtype: str | None = None
+    kv_dtype: str | None = None
     chunk_tokens: int = 32
     step_tokens: int = 256
     busy_tokens: int = 256
@@ -53,6 +59,8 @@ class EngineConfig:
     allow_long_context: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: must be one of {', '.join(map(str, KV_DTYPES[1:]))} (got {self.kv_dtype!r})")
         if self.ctx is not None and self.ctx < 16:
             raise ValueError(f"ctx: must be >= 16 (got {self.ctx})")
         if not 1 <= self.slots <= 1024:

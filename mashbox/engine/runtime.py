@@ -63,19 +63,19 @@ class Runtime:
 
     def _build(self, config: EngineConfig, step: Callable[[str], None]) -> None:
         device = pick_device(config.device)
-        form = decide(device, config.dtype, config.batch_invariant)
+        form = decide(device, config.dtype, config.batch_invariant, config.kv_dtype)
         loaded = load(config.model, device=device, dtype=form.dtype, step=step)
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.ctx = _context(config, loaded)
-        per_token = kv_bytes_per_token(loaded.checkpoint.spec, form.kv_dtype)
+        per_token = kv_bytes_per_token(loaded.checkpoint.spec, form)
         graphs = config.cuda_graphs and device.type == "cuda"
         check_fits(self.ctx, config.slots + graphs, per_token, available(device),
                    "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
-        step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens)")
+        step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, KV {form.kv_name})")
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs)
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,

@@ -1,21 +1,22 @@
 """How a model runs on its device, decided in one place: ``Form``.
 
-The device, the dtype its floats are read in, the form of its matrices (``mode``) and what follows
-from them: whether mashbox's CPU kernels run it, the per-row ops, the KV cache's dtype, whether
-attention multiplies in bf16, and how the info names the weights. ``decide()`` takes what a user
-asked for (``EngineConfig.dtype``, ``batch_invariant``); the runner and the engine read the rest
-from the ``Form``.
+The device, the dtype its floats are read in, the form of its matrices (``mode``), the KV cache's
+form (``kv``) and what follows from them: whether mashbox's CPU kernels run it, the per-row ops,
+the KV cache's dtype and rows, whether attention multiplies in bf16, and how the info names the
+weights. ``decide()`` takes what a user asked for (``EngineConfig.dtype``, ``kv_dtype``,
+``batch_invariant``); the runner and the engine read the rest from the ``Form``.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from mashbox.engine.model import native, ops
+from mashbox.errors import ConfigError
 
 if TYPE_CHECKING:
     from mashbox.engine.model.weights import Weights
@@ -33,11 +34,13 @@ NATIVE_MODES = ("gguf", "q8", "packed")  # modes whose models run on mashbox's C
 class Form:
     """``mode``: ``gguf``, a GGUF's blocks as the file has them and int8 blocks for every other
     weight (mashbox's CPU kernels); ``q8``, int8 blocks for all; ``packed``, fp16 packed for fbgemm;
-    ``plain``, one torch matmul; ``tiled``, torch matmuls of fixed tiles (batch invariant)."""
+    ``plain``, one torch matmul; ``tiled``, torch matmuls of fixed tiles (batch invariant).
+    ``kv``: the KV cache's form asked for: None (the default below), ``f16`` or ``q8_0``."""
 
     device: torch.device
     dtype: torch.dtype
     mode: str
+    kv: str | None = None
 
     @property
     def lib(self) -> ctypes.CDLL | None:
@@ -50,8 +53,21 @@ class Form:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """float16 beside mashbox's CPU kernels, else the floats' dtype."""
-        return torch.float16 if self.lib is not None else self.dtype
+        """float16 beside mashbox's CPU kernels or where asked, else the floats' dtype; q8_0 rows
+        are bytes."""
+        if self.kv == "q8_0":
+            return torch.uint8
+        return torch.float16 if self.lib is not None or self.kv == "f16" else self.dtype
+
+    @property
+    def kv_name(self) -> str:
+        """The KV cache's form as a user names it: q8_0, or its floats' dtype."""
+        return "q8_0" if self.kv == "q8_0" else str(self.kv_dtype).removeprefix("torch.")
+
+    def kv_row(self, head_dim: int) -> int:
+        """Elements of ``kv_dtype`` that one position of one KV head takes: ``head_dim``, or for
+        q8_0 ``head_dim`` int8 and an fp16 scale for each 32 (as ggml's q8_0 blocks)."""
+        return head_dim + head_dim // 16 if self.kv == "q8_0" else head_dim
 
     @property
     def bf16_attention(self) -> int:
@@ -76,8 +92,18 @@ class Form:
         return str(self.dtype).removeprefix("torch."), weights.linears[0].mode
 
 
-def decide(device: torch.device, dtype: str | None, batch_invariant: bool) -> Form:
-    """The form for a device and the dtype asked for.
+def decide(device: torch.device, dtype: str | None, batch_invariant: bool, kv_dtype: str | None = None) -> Form:
+    """The form for a device, the dtype and the KV cache's form asked for (q8_0 only where
+    mashbox's CPU kernels run the model: they write and read its rows)."""
+    form = replace(_weights(device, dtype, batch_invariant), kv=kv_dtype)
+    if kv_dtype == "q8_0" and form.lib is None:
+        raise ConfigError("kv_dtype: q8_0 needs mashbox's CPU kernels (a CPU device, a C compiler, and int8 or "
+                         "GGUF weights); use f16")
+    return form
+
+
+def _weights(device: torch.device, dtype: str | None, batch_invariant: bool) -> Form:
+    """The form of the weights for a device and the dtype asked for.
 
     On CPU the default is mashbox's own kernels (fp32 activations), where a C compiler could build
     them: a GGUF's blocks as the file has them, int8 blocks for every other weight (``gguf``); else

@@ -1,5 +1,5 @@
-/* mashbox's CPU kernels: int8-weight matmul, decode and prompt-chunk attention over an fp16 KV
- * cache (bf16 dot products with fp32 sums where the CPU has AVX512-BF16), the per-row norm,
+/* mashbox's CPU kernels: int8-weight matmul, decode and prompt-chunk attention over an fp16 or
+ * q8_0 KV cache (bf16 dot products with fp32 sums where the CPU has AVX512-BF16), the per-row norm,
  * rotary and gate ops, and a whole decoder layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
@@ -995,11 +995,69 @@ static inline void axpy_h(float *y, float a, const uint16_t *x, int64_t n) {
     for (; i < n; i++) y[i] += a * h2f(x[i]);
 }
 
-void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
-                        const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
-                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16);
+/* ---- The KV cache's rows ----
+ * A row holds one position's keys (or values) of one KV head: D fp16 (kvq 0), or q8_0 as llama.cpp
+ * keeps it (kvq 1): D int8, then an fp16 scale for each 32 of them (max |x| / 127), D + D / 16 bytes
+ * in all. Either is read back as fp32, a value at a time or 8 or 16 in a vector. */
+static inline int64_t kv_row_bytes(int64_t D, int64_t kvq) { return kvq ? D + D / 16 : 2 * D; }
 
-/* Decode attention for one (row, query head), a task of mb_decode_attention where D % 16 != 0. */
+static inline float kv_scale(const uint8_t *row, int64_t d, int64_t D) { return half_at(row + D + 2 * (d / QK)); }
+
+static inline float kv_at(const uint8_t *row, int64_t d, int64_t D, int64_t kvq) {
+    return kvq ? (float)(int8_t)row[d] * kv_scale(row, d, D) : half_at(row + 2 * d);
+}
+
+#ifdef MB_F16C
+static inline __m256 kv8(const uint8_t *row, int64_t d, int64_t D, int64_t kvq) {
+    if (!kvq) return load_h8((const uint16_t *)(row + 2 * d));
+    __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
+    return _mm256_mul_ps(x, _mm256_set1_ps(kv_scale(row, d, D)));
+}
+#endif
+#if defined(__AVX512F__) && defined(MB_F16C)
+static inline __m512 kv16(const uint8_t *row, int64_t d, int64_t D, int64_t kvq) {
+    if (!kvq) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
+    __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+    return _mm512_mul_ps(x, _mm512_set1_ps(kv_scale(row, d, D)));
+}
+#endif
+
+/* Store row x[D] as a cache row: fp16 rounded to nearest even, or q8_0 (each 32 values by their
+ * max |x| / 127, rounded to nearest even; the scale kept as fp16, as ggml's q8_0). */
+static void kv_store_row(const float *x, uint8_t *row, int64_t D, int64_t kvq) {
+    if (!kvq) {
+        for (int64_t i = 0; i < D; i++) {
+            uint16_t h = f2h(x[i]);
+            memcpy(row + 2 * i, &h, 2);
+        }
+        return;
+    }
+    for (int64_t b = 0; b < D; b += QK) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[b + i]));
+        float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+        for (int i = 0; i < QK; i++) row[b + i] = (uint8_t)(int8_t)lrintf(x[b + i] * inv);
+        uint16_t h = f2h(d);
+        memcpy(row + D + 2 * (b / QK), &h, 2);
+    }
+}
+
+/* Keys or values of M rows into one layer's cache [slots, KVH, ctx, row]: row m's KVH heads of D at
+ * x + m * ld, stored at slot slots[m], position positions[m]. */
+void mb_kv_store(const float *x, int64_t ld, uint8_t *cache, const int64_t *slots, const int64_t *positions,
+                 int64_t M, int64_t KVH, int64_t D, int64_t ctx, int64_t kvq) {
+    int64_t RB = kv_row_bytes(D, kvq);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < KVH; h++)
+            kv_store_row(x + m * ld + h * D, cache + ((slots[m] * KVH + h) * ctx + positions[m]) * RB, D, kvq);
+}
+
+void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
+                        const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq);
+
+/* Decode attention for one (row, query head), a task of mb_decode_attention where D % 16 != 0
+ * (an fp16 cache: q8_0 rows need D % 32 == 0). */
 struct heads {
     const float *q;
     int64_t ldq;
@@ -1029,26 +1087,26 @@ static void head_task(void *arg, int64_t i, int who) {
 }
 
 /* One query row per request over its own slot's keys and values.
- * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's fp16 cache
- * [slots, KVH, ctx, D] (each head's positions contiguous); for each of R requests,
+ * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's cache
+ * [slots, KVH, ctx, row] (each head's positions contiguous; rows as kvq says); for each of R requests,
  * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to.
  * Where D % 16 == 0, a row is a chunk of one (mb_chunk_attention below, bf16 as there): the query
  * heads of a KV head share each key, converted once, instead of each head reading the cache
  * again; otherwise each head multiplies in fp32. */
-void mb_decode_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
+void mb_decode_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
-                         int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16) {
+                         int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq) {
     if (D % 16 == 0) {
         int64_t *ns = malloc(sizeof(int64_t) * R * 2), *starts = ns + R;
         for (int64_t r = 0; r < R; r++) {
             ns[r] = 1;
             starts[r] = lens[r] - 1;
         }
-        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16);
+        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16, kvq);
         free(ns);
         return;
     }
-    struct heads a = {q, ldq, k, v, rows, slots, lens, out, H, KVH, D, ctx, scale, 1, {0}};
+    struct heads a = {q, ldq, (const uint16_t *)k, (const uint16_t *)v, rows, slots, lens, out, H, KVH, D, ctx, scale, 1, {0}};
     for (int64_t r = 0; r < R; r++) a.max_len = lens[r] > a.max_len ? lens[r] : a.max_len;
     pool_run(head_task, &a, R * H, 2 * R * H * a.max_len * D);
     for (int i = 0; i < MAX_THREADS; i++) free(a.scores[i]);
@@ -1204,14 +1262,14 @@ static void pack_queries_bf16(const float *src, float scale, uint32_t *dst, int6
         _mm256_storeu_si256((__m256i *)(dst + d / 2), bf16_row(vmul(vload(src + d), vset(scale))));
 }
 
-/* tmp: KB * D / 2 words of scratch. */
-static void pack_block_bf16(const uint16_t *k, const uint16_t *v, int64_t n, int64_t D,
+/* k, v: the block's first cache rows (RB bytes apart, as kvq says); tmp: KB * D / 2 words of scratch. */
+static void pack_block_bf16(const uint8_t *k, const uint8_t *v, int64_t n, int64_t D, int64_t RB, int64_t kvq,
                             uint32_t *kp, uint32_t *vp, uint32_t *tmp) {
     int64_t D2 = D / 2;
     for (int64_t t = 0; t < KB; t++)
         for (int64_t d = 0; d < D; d += 16) {
             __m256i w = _mm256_setzero_si256();
-            if (t < n) w = bf16_row(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k + t * D + d))));
+            if (t < n) w = bf16_row(kv16(k + t * RB, d, D, kvq));
             _mm256_storeu_si256((__m256i *)(tmp + t * D2 + d / 2), w);
         }
     for (int64_t t = 0; t < KB; t += 8)
@@ -1223,8 +1281,8 @@ static void pack_block_bf16(const uint16_t *k, const uint16_t *v, int64_t n, int
         }
     for (int64_t t = 0; t < n; t += 2)
         for (int64_t d = 0; d < D; d += 16) {
-            __m512 even = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + t * D + d))), odd = vzero();
-            if (t + 1 < n) odd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (t + 1) * D + d)));
+            __m512 even = kv16(v + t * RB, d, D, kvq), odd = vzero();
+            if (t + 1 < n) odd = kv16(v + (t + 1) * RB, d, D, kvq);
             _mm512_storeu_si512(vp + t / 2 * D + d, bf16_pairs(even, odd));
         }
 }
@@ -1278,25 +1336,25 @@ static void block_values4_bf16(const float *p, const uint32_t *vp, float *o, int
 #endif
 
 /* A block's keys as fp32 kt[D][KB] (positions past n zero) and values as fp32 vb[KB][D].
- * k, v point at the block's first position of one KV head (positions D apart). */
-static void widen_block(const uint16_t *k, const uint16_t *v, int64_t n, int64_t D,
+ * k, v point at the block's first cache row of one KV head (rows RB bytes apart, as kvq says). */
+static void widen_block(const uint8_t *k, const uint8_t *v, int64_t n, int64_t D, int64_t RB, int64_t kvq,
                         float *kt, float *vb) {
 #ifdef VW
     for (int64_t t = 0; t < KB; t += 8)
         for (int64_t d = 0; d < D; d += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++)
-                r[i] = t + i < n ? load_h8(k + (t + i) * D + d) : _mm256_setzero_ps();
+                r[i] = t + i < n ? kv8(k + (t + i) * RB, d, D, kvq) : _mm256_setzero_ps();
             transpose8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (d + i) * KB + t, r[i]);
         }
     for (int64_t t = 0; t < n; t++)
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + t * D + d, load_h8(v + t * D + d));
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vb + t * D + d, kv8(v + t * RB, d, D, kvq));
 #else
     for (int64_t t = 0; t < KB; t++)
-        for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? h2f(k[t * D + d]) : 0.0f;
+        for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? kv_at(k + t * RB, d, D, kvq) : 0.0f;
     for (int64_t t = 0; t < n; t++)
-        for (int64_t d = 0; d < D; d++) vb[t * D + d] = h2f(v[t * D + d]);
+        for (int64_t d = 0; d < D; d++) vb[t * D + d] = kv_at(v + t * RB, d, D, kvq);
 #endif
 }
 
@@ -1374,11 +1432,11 @@ static void block_values4(const float *p, const float *vb, float *o, int64_t n, 
 /* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g,
  * whose keys and values k, v hold from position 0; bf16: multiply in bf16 pairs (only where MB_BF16
  * is built; fp32 otherwise). */
-static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t row0,
+static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, int64_t kvq, int64_t row0,
                        int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale,
                        float *out, int64_t ldo, float *buf, int bf16) {
     (void)bf16;
-    int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1;
+    int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, RB = kv_row_bytes(D, kvq);
     float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
     float *max = o + Mp * D, *sum = max + Mp;
     memset(qs, 0, sizeof(float) * Mp * D);
@@ -1399,15 +1457,15 @@ static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uin
     }
     for (int64_t t0 = 0; t0 <= last; t0 += KB) {
         int64_t n = last - t0 + 1 < KB ? last - t0 + 1 : KB;
-        const uint16_t *kb = k + t0 * D, *vbk = v + t0 * D;
+        const uint8_t *kb = k + t0 * RB, *vbk = v + t0 * RB;
 #ifdef MB_BF16
         if (bf16) {
-            pack_block_bf16(kb, vbk, n, D, (uint32_t *)kt, (uint32_t *)vb, (uint32_t *)kt + D * KB / 2);
+            pack_block_bf16(kb, vbk, n, D, RB, kvq, (uint32_t *)kt, (uint32_t *)vb, (uint32_t *)kt + D * KB / 2);
             block_scores_bf16((uint32_t *)qs, (uint32_t *)kt, s, Mp, D);
         } else
 #endif
         {
-            widen_block(kb, vbk, n, D, kt, vb);
+            widen_block(kb, vbk, n, D, RB, kvq, kt, vb);
             block_scores(qs, kt, s, Mp, D);
         }
         for (int64_t m = 0; m < Mp; m += 4) {
@@ -1438,7 +1496,8 @@ static void chunk_task(const float *q, int64_t ldq, const uint16_t *k, const uin
 struct chunks {
     const float *q;
     int64_t ldq;
-    const uint16_t *k, *v;
+    const uint8_t *k, *v;
+    int64_t kvq;
     const int64_t *rows, *ns, *slots, *starts;
     float *out;
     int64_t H, KVH, D, ctx;
@@ -1453,18 +1512,19 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
     int64_t KVH = a->KVH, D = a->D, c = t / (KVH * a->blocks), g = t / a->blocks % KVH, first = t % a->blocks * a->span;
     if (first >= a->ns[c]) return;
     if (!a->bufs[who]) a->bufs[who] = malloc(sizeof(float) * a->floats);
-    int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span, base = (a->slots[c] * KVH + g) * a->ctx * D;
-    chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
+    int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span;
+    int64_t base = (a->slots[c] * KVH + g) * a->ctx * kv_row_bytes(D, a->kvq);
+    chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->kvq, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
                a->scale, a->out, a->H * D, a->bufs[who], a->bf16);
 }
 
 /* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
  * (H heads of D, row stride ldq), at positions starts[c].. of slot slots[c]; out: [rows, H * D].
- * k, v: one layer's fp16 cache [slots, KVH, ctx, D]. D % 16 == 0. bf16: multiply in bf16 pairs
- * where this build can (mb_attention_bf16), else in fp32. */
-void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const uint16_t *v, const int64_t *rows,
+ * k, v: one layer's cache [slots, KVH, ctx, row], rows fp16 (kvq 0) or q8_0 (kvq 1, D % 32 == 0).
+ * D % 16 == 0. bf16: multiply in bf16 pairs where this build can (mb_attention_bf16), else in fp32. */
+void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
-                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16) {
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq) {
     int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads(), work = 0;
     for (int64_t c = 0; c < R; c++) {
         longest = ns[c] > longest ? ns[c] : longest;
@@ -1473,7 +1533,7 @@ void mb_chunk_attention(const float *q, int64_t ldq, const uint16_t *k, const ui
     int64_t span = ROWS / G > 1 ? ROWS / G : 1, wanted = (4 * threads + R * KVH - 1) / (R * KVH);
     if ((longest + span - 1) / span < wanted) span = (longest + wanted - 1) / wanted;
     int64_t blocks = (longest + span - 1) / span, Mp = (span * G + 3) / 4 * 4;
-    struct chunks a = {q, ldq, k, v, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
+    struct chunks a = {q, ldq, k, v, kvq, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
                        Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2, bf16 != 0, {0}};
     pool_run(chunk_attention_task, &a, R * KVH * blocks, work);
     for (int i = 0; i < MAX_THREADS; i++) free(a.bufs[i]);
@@ -1536,7 +1596,7 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
               float eps, float scale, const float *ln_attn, const struct weight *qkv_w,
               const float *qkv_bias, const struct weight *o_w, const float *ln_mlp,
               const struct weight *gu_w, const struct weight *down_w, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
-              uint16_t *kcache, uint16_t *vcache, int64_t ctx, int64_t bf16) {
+              uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq) {
     int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -1546,14 +1606,9 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
     if (qkv_bias)
         for (int64_t m = 0; m < M; m++) add_rows(qkv + m * ld + 0, qkv_bias, ld);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
+    mb_kv_store(qkv + H * HD, ld, kcache, slots, positions, M, KVH, HD, ctx, kvq);
+    mb_kv_store(qkv + (H + KVH) * HD, ld, vcache, slots, positions, M, KVH, HD, ctx, kvq);
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t h = 0; h < KVH; h++) {
-            int64_t at = ((slots[m] * KVH + h) * ctx + positions[m]) * HD;
-            for (int64_t i = 0; i < HD; i++) {
-                kcache[at + i] = f2h(qkv[m * ld + (H + h) * HD + i]);
-                vcache[at + i] = f2h(qkv[m * ld + (H + KVH + h) * HD + i]);
-            }
-        }
         if (n && slots[m] == cslots[n - 1] && positions[m] == starts[n - 1] + ns[n - 1]) {
             ns[n - 1]++;
             continue;
@@ -1564,13 +1619,13 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
         starts[n++] = positions[m];
     }
     if (HD % 16 == 0) {
-        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16);
+        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16, kvq);
     } else { /* each row over its position + 1 keys */
         for (int64_t m = 0; m < M; m++) {
             rows[m] = m;
             starts[m] = positions[m] + 1;
         }
-        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16);
+        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16, kvq);
     }
     mb_matmul(attn, o_w, h, M, H * HD);
     add_rows(x, h, M * D);

@@ -8,12 +8,13 @@ from pathlib import Path
 import torch
 
 from mashbox.engine.load.checkpoint import Spec
+from mashbox.engine.model.form import Form
 from mashbox.errors import ConfigError
 
 
-def kv_bytes_per_token(spec: Spec, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(spec: Spec, form: Form) -> int:
     """Bytes of keys and values one token position holds over all layers."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    return 2 * spec.num_layers * spec.num_kv_heads * form.kv_row(spec.head_dim) * form.kv_dtype.itemsize
 
 
 def available(device: torch.device, meminfo: Path = Path("/proc/meminfo")) -> int | None:

@@ -68,7 +68,7 @@ class ModelRunner:
         self.ops = form.ops()
         native_ops = isinstance(self.ops, ops.NativeOps)
         graphs = graphs and not native_ops
-        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx, form.kv_dtype, self.device)
+        self.kv = KVCache.allocate(self.weights.spec, num_slots + graphs, ctx, form, self.device)
         self._graphs = DecodeGraphs(self._padded_step, self.device, ctx, num_slots,
                                     capture=self.device.type == "cuda") if graphs else None
         self._bf16 = form.bf16_attention  # where the kernels have bf16 dot products
@@ -169,7 +169,7 @@ class ModelRunner:
         all its items."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16)
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16, self.kv.kvq)
         if batch.single.shape[1] and not self._native_rows:
             self._rows_attention(layer, batch, q, out)
         elif batch.single.shape[1]:
@@ -295,5 +295,5 @@ class FusedLayers:
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
         for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, k, v in self.layers:
             self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv, bias, o,
-                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16)
+                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq)
         return x
