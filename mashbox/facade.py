@@ -189,10 +189,10 @@ class Engine(Runtime):
         """Agent Tasks (docs/tasks.md): the agent loop over this engine. A ``TaskObject``, or its
         ``task.*`` events with stream=True. ``client_tools`` may hold Python functions: the loop
         calls them itself; a client tool given as a description stops the task ``input-required``."""
-        return local_tasks.run_sync(_merge(request, fields, CreateTask, "task"), self.astream)
+        return local_tasks.run_sync(_merge(request, fields, CreateTask, "task"), self.astream, self.abort)
 
     async def atask(self, request: Any = None, /, **fields: Any) -> Any:
-        return await local_tasks.run_async(_merge(request, fields, CreateTask, "atask"), self.astream)
+        return await local_tasks.run_async(_merge(request, fields, CreateTask, "atask"), self.astream, self.abort)
 
 
 def _check(method: str, event: Event) -> None:

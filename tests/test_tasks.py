@@ -160,6 +160,7 @@ def test_client_tool_then_continuation(tasks):
     call = first.input_required
     assert call.type == "tool_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
     assert first.output[-1].call_id == call.call_id
+    assert [c["call_id"] for c in first.input_required_calls] == [call.call_id]  # over HTTP: every call held
     history = [{"type": "message", "role": "user", "message_content": "What is the weather in Paris?"},
                call.model_dump(exclude_none=True),
                {"type": "tool_result", "call_id": call.call_id, "message_content": "Sunny, 21 C", "block_list": []}]
@@ -199,6 +200,9 @@ def test_cancel_mid_stream(url, tasks, smol_engine):
     task = tasks.info(results[-1]["task_id"]).result
     assert task.status == "canceled" and task.output[0].status == "incomplete"
     assert len(task.output[0].message_content[0].text) < 500 * 4
+    deltas = sum(r["type"] == "task.output_text.delta" for r in results)
+    assert task.usage["input_tokens"] > 10 and deltas <= task.usage["output_tokens"] < 500  # what it used
+    assert results[-1]["task"]["usage"] == task.usage
     _until(lambda: smol_engine.stats().running == 0)  # its slot is free
 
 
@@ -468,7 +472,8 @@ def scripted(*steps):
 
 def test_every_client_call_of_a_step_waits_for_the_client():
     """Two client calls and a server tool in one step: the server's runs, the task stops
-    input-required on the first client call, and both client calls are in the output unanswered."""
+    input-required on the first client call, holding both (``input_required_calls``), and both
+    client calls are in the output unanswered."""
     def get_time() -> str:
         return "12:00"
 
@@ -477,6 +482,8 @@ def test_every_client_call_of_a_step_waits_for_the_client():
     task = asyncio.run(run_async({"user_message_content": "Weather and time?", "client_tools": [WEATHER, get_time]},
                                  generate))
     assert task.status == "input-required" and task.input_required.call_id == "call_0"
+    assert [(c.call_id, c.name) for c in task.input_required_calls] == [("call_0", "get_weather"),
+                                                                        ("call_2", "get_weather")]
     assert [(o.type, o.call_id) for o in task.output] == [("tool_call", "call_0"), ("tool_call", "call_1"),
                                                           ("tool_call", "call_2"), ("tool_result", "call_1")]
     assert task.output[3].message_content[0].text == "12:00"
@@ -551,6 +558,7 @@ def test_a_continuation_answers_every_client_call():
     task = asyncio.run(run_async({"user_message_content": "Weather in Paris and Rome?", "client_tools": [WEATHER]},
                                  first))
     assert task.status == "input-required" and [o.call_id for o in task.output] == ["call_0", "call_1"]
+    assert [c.call_id for c in task.input_required_calls] == ["call_0", "call_1"]
     history = [{"type": "message", "role": "user", "message_content": "Weather in Paris and Rome?"},
                *[o.model_dump(exclude_none=True) for o in task.output],
                *[{"type": "tool_result", "call_id": o.call_id, "message_content": f"Sunny in {city}", "block_list": []}

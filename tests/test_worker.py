@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from mashbox import ContextLengthError, EngineRequest, Finish, Message, SamplingParams
+from mashbox import ContextLengthError, EngineRequest, Finish, Message, SamplingParams, TextDelta
 from mashbox.server.worker import WorkerBackend
 from mashbox.server.worker_messages import Events
 
@@ -82,6 +82,22 @@ def test_abort_frees_the_slot(worker):
         await until(lambda: (s := worker.stats()) is not None and s.running == 0 and s.finished.get("abort", 0) >= 1, 5)
 
     asyncio.run(scenario())
+
+
+def test_a_request_stopped_by_its_id_still_ends_with_its_finish_and_usage(worker):
+    async def scenario():
+        request = chat("Tell me everything.", max_tokens=400)
+        events, seen = worker.astream(request), []
+        async for event in events:
+            seen.append(event)
+            if sum(isinstance(e, TextDelta) for e in seen) == 3:
+                worker.abort(request.id)
+        return seen
+
+    seen = asyncio.run(scenario())
+    finish = seen[-1]
+    assert isinstance(finish, Finish) and finish.reason == "abort"
+    assert 3 <= finish.usage.completion_tokens < 400 and finish.usage.prompt_tokens > 5
 
 
 def test_the_events_of_one_step_for_every_stream_come_back_in_one_message(worker, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Any
 
 from mashbox.api.base import new_id, parse
 from mashbox.api.task_items import CreateTask, TaskObject
-from mashbox.api.task_loop import Generate, ServerTool, TaskLoop, request_param
+from mashbox.api.task_loop import Abort, Generate, ServerTool, TaskLoop, request_param
 from mashbox.engine.request import Tool
 from mashbox.errors import InvalidRequestError
 
@@ -37,7 +37,7 @@ def function_tool(fn: Callable[..., Any]) -> ServerTool:
     return ServerTool(tool, lambda arguments: fn(**{k: v for k, v in arguments.items() if takes_any or k in names}))
 
 
-def prepare(fields: Any, generate: Generate) -> TaskLoop:
+def prepare(fields: Any, generate: Generate, abort: Abort | None = None) -> TaskLoop:
     """The loop of a create request given as a dict (or a ``CreateTask``), callables split out."""
     fields = dict(fields) if isinstance(fields, dict) else fields.model_dump(exclude_unset=True)
     given = fields.pop("client_tools", None) or []
@@ -47,7 +47,7 @@ def prepare(fields: Any, generate: Generate) -> TaskLoop:
     req = parse(CreateTask, fields)
     task = TaskObject(id=req.task_id or new_id("task_"), created_at=int(time.time()), session_id=req.session_id or "",
                       user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
-    return TaskLoop(req, task, generate, functions)
+    return TaskLoop(req, task, generate, functions, abort=abort)
 
 
 async def events(loop: TaskLoop) -> AsyncIterator[Any]:
@@ -58,8 +58,8 @@ async def events(loop: TaskLoop) -> AsyncIterator[Any]:
         raise request_param(err) from None
 
 
-async def run_async(fields: Any, generate: Generate) -> Any:
-    loop = prepare(fields, generate)
+async def run_async(fields: Any, generate: Generate, abort: Abort | None = None) -> Any:
+    loop = prepare(fields, generate, abort)
     if loop.req.stream:
         return events(loop)
     async for _ in events(loop):
@@ -67,10 +67,10 @@ async def run_async(fields: Any, generate: Generate) -> Any:
     return loop.task
 
 
-def run_sync(fields: Any, generate: Generate) -> Any:
+def run_sync(fields: Any, generate: Generate, abort: Abort | None = None) -> Any:
     """``run_async`` from plain code or a notebook (whose own event loop may be running): the loop
     runs on a thread of its own."""
-    loop = prepare(fields, generate)
+    loop = prepare(fields, generate, abort)
     stream = _threaded(lambda: events(loop))
     if loop.req.stream:
         return stream

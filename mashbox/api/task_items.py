@@ -286,6 +286,7 @@ class TaskObject(OutModel):
     error: RpcError | None = None
     incomplete_details: IncompleteDetails | None = None
     input_required: ToolCallOut | None = None
+    input_required_calls: list[ToolCallOut] | None = None  # mashbox's: every call it waits on (the spec's holds one)
     metadata: dict[str, Any] = {}
     previous_task_id: str | None = None
 

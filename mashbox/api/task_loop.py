@@ -9,7 +9,9 @@ runs); a call of
 a server tool runs it and adds its ``tool_result``; then calls of client tools stop it
 ``input-required`` (the client continues with a new task), or the next step starts (a forced
 ``tool_choice`` holds for the first step only). More
-than ``max_steps`` steps fail the task. ``Control`` cancels, pauses and resumes it at the next token.
+than ``max_steps`` steps fail the task. ``Control`` cancels, pauses and resumes it at the next token;
+a generation so stopped is aborted (``abort``, by its request id) and its usage counted from its
+``Finish``.
 
 Nothing here knows HTTP: ``generate`` is the Engine's ``astream`` or the server backend's. Server
 tools are none unless the caller gives some (``ServerTool``); nothing runs code by default.
@@ -46,12 +48,14 @@ from mashbox.engine.request import EngineRequest, Message, Tool, ToolCall
 from mashbox.errors import InvalidRequestError
 
 Generate = Callable[[EngineRequest], AsyncIterator[Event]]
+Abort = Callable[[str], None]  # stop a request by its id: its events go on to a Finish with its usage
 Action = Literal["cancel", "pause", "resume", "expire"]
 DEFAULT_MAX_STEPS = 10
 STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
 OUTPUT_LIMIT = -32011
 GENERATION_FAILED = -32603
 EXPIRED = -32002  # of an expired one
+STOP_WAIT = 5.0  # seconds an interrupted generation has to deliver its Finish (its usage)
 _PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
            "tool_choice": "inference_args.tool_choice"}
 
@@ -116,11 +120,11 @@ def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt:
 
 class TaskLoop:
     def __init__(self, req: CreateTask, task: TaskObject, generate: Generate, tools: tuple[ServerTool, ...] = (),
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", abort: Abort | None = None) -> None:
         self.req, self.task, self.control = req, task, Control()
         self._first = plan(req, tools, cache_salt)
         self._messages = list(self._first.messages or ())
-        self._generate = generate
+        self._generate, self._abort = generate, abort
         self._server = {t.tool.name: t for t in tools}
         self._client = {t.name for t in client_tools(req)}
         self._stop = set(req.stop_tools or ())
@@ -180,7 +184,11 @@ class TaskLoop:
         events = self._generate(request)
         try:
             while True:
-                event = await self._next(events)
+                following = asyncio.ensure_future(anext(events))
+                if (action := await self._asked_first(following)) is not None:
+                    await self._halt(request.id, following, events)
+                    raise Interrupted(action)
+                event = following.result()
                 if isinstance(event, Queued) and self.task.status == "created":
                     yield self.status("queued")
                 elif not isinstance(event, Queued) and self.task.status in ("created", "queued"):
@@ -192,23 +200,41 @@ class TaskLoop:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
-    async def _next(self, events: AsyncIterator[Event]) -> Event:
-        """The next engine event, unless the owner asks something first (``Interrupted``)."""
-        following = asyncio.ensure_future(anext(events))
+    async def _asked_first(self, following: asyncio.Future[Event]) -> Action | None:
+        """What the owner asks before the next engine event comes; None once it has come."""
         asked = asyncio.ensure_future(self.control.wait())
         try:
             await asyncio.wait({following, asked}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            following.cancel()
+            raise
         finally:
-            for future in (following, asked):
-                if not future.done():
-                    future.cancel()
-                    await asyncio.wait({future})
-        if asked.done() and not asked.cancelled():
-            if not following.cancelled():
-                self.control.ask(asked.result())  # seen at the next call; this event is not lost
-                return following.result()
-            raise Interrupted(asked.result())
-        return following.result()
+            if not asked.done():
+                asked.cancel()
+                await asyncio.wait({asked})
+        if asked.cancelled():
+            return None
+        if following.done():
+            self.control.ask(asked.result())  # seen at the next event; this one is not lost
+            return None
+        return asked.result()
+
+    async def _halt(self, request_id: str, following: asyncio.Future[Event], events: AsyncIterator[Event]) -> None:
+        """End an interrupted generation, counting what it used from its Finish where the engine
+        stops it within ``STOP_WAIT`` s (without ``abort``: at once, uncounted)."""
+        if self._abort is not None:
+            self._abort(request_id)
+            try:
+                async with asyncio.timeout(STOP_WAIT):
+                    event = await following
+                    while not isinstance(event, Finish):
+                        event = await anext(events)
+                self._count(event.usage)
+                return
+            except Exception:  # no Finish in time, or the stream failed: what it used stays unknown
+                pass
+        following.cancel()
+        await asyncio.wait({following})
 
     async def _after(self, translator: StepTranslator) -> AsyncIterator[Any]:
         finish = translator.finish
@@ -244,7 +270,7 @@ class TaskLoop:
             self._messages.append(Message("tool", text, tool_call_id=call.call_id, name=call.name))
         else:
             if waiting:
-                self.task.input_required = waiting[0]  # the spec's one call; the others are in output too
+                self.task.input_required, self.task.input_required_calls = waiting[0], waiting
                 yield self.status("input-required")
                 return
             if calls:

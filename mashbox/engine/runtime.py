@@ -124,6 +124,11 @@ class Runtime:
     def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
         return self._aevents(self._job(request))
 
+    def abort(self, request_id: str) -> None:
+        """Stop the request of this id where it runs or waits (from any thread): its events go on to
+        a ``Finish`` of reason ``abort`` with what it used. An id not running is ignored."""
+        self._core.abort(request_id)
+
     def _job(self, request: EngineRequest) -> Job:
         self._check_open()
         ids = self.encode(request)

@@ -56,6 +56,10 @@ class Backend(Protocol):
         """Events of ``request``; a bad request raises on the first ``__anext__``."""
         ...
 
+    def abort(self, request_id: str) -> None:
+        """Stop the request of this ``EngineRequest.id``; its stream goes on to its Finish."""
+        ...
+
     async def count(self, request: EngineRequest) -> int:
         """Prompt tokens ``request`` would run on."""
         ...
@@ -125,6 +129,10 @@ class InProcessBackend:
     async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
         async for event in self._ready().astream(request):
             yield event
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
 
     async def count(self, request: EngineRequest) -> int:
         return len(self._ready().encode(request))

@@ -142,7 +142,8 @@ class TaskRuns:
             raise InvalidRequestError("previous_task_id", f"no task {req.previous_task_id!r} is known here")
         task = TaskObject(id=task_id, created_at=int(time.time()), session_id=req.session_id or "",
                           user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
-        loop = TaskLoop(req, task, self._backend.astream, cache_salt=tenant if self._salted else "")
+        loop = TaskLoop(req, task, self._backend.astream, cache_salt=tenant if self._salted else "",
+                        abort=self._backend.abort)
         live = Live(tenant, loop, self._admission.admit(tenant), bool(req.background))
         self._live[tenant, task_id] = live
         live.runner = asyncio.ensure_future(self._drive(live))

@@ -34,6 +34,7 @@ from mashbox.server.backend import Change, State
 from mashbox.server.worker_child import serve
 from mashbox.server.worker_messages import (
     Abort,
+    Halt,
     Command,
     Count,
     Counted,
@@ -145,6 +146,10 @@ class WorkerBackend:
                 yield event
         finally:
             self._forget(pending, abort=not done)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request of this ``EngineRequest.id``; its stream goes on to its Finish."""
+        self._send(Halt(request_id))
 
     async def count(self, request: EngineRequest) -> int:
         pending = self._open(Count(next(self._ids), request))

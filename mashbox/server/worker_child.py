@@ -29,6 +29,7 @@ from mashbox.errors import ConfigError, EngineClosedError
 from mashbox.server.worker_messages import (
     STATS_EVERY,
     Abort,
+    Halt,
     Command,
     Count,
     Counted,
@@ -131,6 +132,8 @@ class Worker:
             case Abort(request_id):
                 if (stream := self._streams.pop(request_id, None)) is not None:
                     stream.cancel()
+            case Halt(engine_id):
+                self._engine.abort(engine_id)
             case Count(request_id, request):
                 self._count(request_id, request)
 

@@ -31,6 +31,13 @@ class Abort:
 
 
 @dataclass(slots=True, frozen=True)
+class Halt:
+    """Stop the request whose ``EngineRequest.id`` this is; its stream still ends with its Finish."""
+
+    engine_id: str
+
+
+@dataclass(slots=True, frozen=True)
 class Count:
     request_id: int
     request: EngineRequest
@@ -41,7 +48,7 @@ class Stop:
     """Close the engine and exit."""
 
 
-Command = Submit | Abort | Count | Stop
+Command = Submit | Abort | Halt | Count | Stop
 
 # -- replies: worker -> server ----------------------------------------------
 
