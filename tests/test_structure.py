@@ -1,5 +1,6 @@
 """docs/structure.md names every file of the package (a file added without a line there fails here)."""
 
+import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,3 +33,31 @@ def test_every_file_of_the_package_is_in_the_structure_doc():
     missing = sorted(files - listed(doc))
     assert not missing, f"docs/structure.md does not name: {', '.join(missing)}"
     assert {"mashbox/engine/model/kernels.c", "mashbox/ui/app.js"} <= files  # the walk sees the package
+
+
+def _imports(path: Path) -> set[str]:
+    """The mashbox modules a file imports, type-checking-only imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mashbox"):
+            found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("mashbox")}
+    return found
+
+
+def test_no_two_modules_of_a_layer_import_each_other_in_a_circle():
+    """Within each folder of the package, a module's imports never lead back to it (each protocol's
+    Translator lives in its protocol's module, beside nothing that imports that module back)."""
+    for folder in sorted({p.parent for p in (ROOT / "mashbox").rglob("*.py")}):
+        package = ".".join(folder.relative_to(ROOT).parts)
+        modules = {f"{package}.{p.stem}": p for p in folder.glob("*.py") if p.stem != "__init__"}
+        edges = {name: _imports(path) & modules.keys() for name, path in modules.items()}
+        for start in edges:
+            seen, todo = set(), list(edges[start])
+            while todo:
+                name = todo.pop()
+                assert name != start, f"{start} imports itself through {sorted(seen)}"
+                if name not in seen:
+                    seen.add(name)
+                    todo += edges[name]

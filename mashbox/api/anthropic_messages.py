@@ -1,7 +1,7 @@
-"""Anthropic Messages (and count_tokens): request models and ``to_engine``.
+"""Anthropic Messages (and count_tokens): request models, ``to_engine`` and the ``Translator``.
 
-The response side (Message, stream events, the Translator) is in ``anthropic_output.py`` and
-re-exported here, so callers import one module per protocol.
+The answer's models (Message, stream events) are in ``anthropic_output.py``, and re-exported here,
+so callers import one module per protocol.
 
 ``thinking``: ``enabled`` -> on, with ``budget_tokens`` as the budget; ``disabled`` -> off;
 ``adaptive`` (Claude Code) or absent -> the model's default.
@@ -14,6 +14,31 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from mashbox.api.anthropic_output import (
+    SIGNATURE,
+    AnthropicMessage,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    ErrorDetail,
+    ErrorEvent,
+    InputJsonDeltaOut,
+    MessageDelta,
+    MessageStart,
+    MessageStop,
+    MessageUsage,
+    Ping,
+    SignatureDeltaOut,
+    StopDelta,
+    StopReason,
+    StreamEvent,
+    TextDeltaOut,
+    TextOut,
+    ThinkingDeltaOut,
+    ThinkingOut,
+    TokenCount,
+    ToolUseOut,
+)
 from mashbox.api.base import (
     STRUCTURED,
     Part,
@@ -21,8 +46,12 @@ from mashbox.api.base import (
     SamplingFields,
     UnsupportedPart,
     engine_request,
+    json_object,
+    new_id,
+    prefixed,
 )
-from mashbox.api.anthropic_output import AnthropicMessage, StreamEvent, TokenCount, Translator
+from mashbox.api.blocks import Block, BlockTracker, Change
+from mashbox.engine.events import Event, Finish
 from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
 
 __all__ = [
@@ -217,3 +246,82 @@ def _assistant(blocks: list[Any]) -> Message:
     )
     return Message("assistant", text, tool_calls=calls, reasoning=thinking or None)
 
+
+def stop_reason(finish: Finish) -> StopReason:
+    if finish.reason == "length":
+        return "max_tokens"
+    if finish.reason == "tool_calls":
+        return "tool_use"
+    return "stop_sequence" if finish.stop_sequence is not None else "end_turn"
+
+
+def content_block(block: Block, whole: bool) -> TextOut | ThinkingOut | ToolUseOut:
+    """The block as content_block_start shows it (empty) or as the Message holds it (whole)."""
+    text = block.text if whole else ""
+    if block.kind == "text":
+        return TextOut(text=text)
+    if block.kind == "reasoning":
+        return ThinkingOut(thinking=text, signature=SIGNATURE if whole else "")
+    args = json_object(block.text) if whole else {}
+    return ToolUseOut(id=prefixed("toolu_", block.tool_id), name=block.name, input=args)
+
+
+class Translator:
+    """Engine events -> Messages stream events, and the whole Message."""
+
+    def __init__(self, request: CountTokensRequest, model: str) -> None:
+        self._model = request.model or model
+        self._id = new_id("msg_")
+        self._blocks = BlockTracker()
+
+    def start(self) -> list[StreamEvent]:
+        message = self._message([], None, None, MessageUsage(input_tokens=0, output_tokens=0))
+        return [MessageStart(message=message), Ping()]
+
+    def feed(self, event: Event) -> list[StreamEvent]:
+        return [e for change in self._blocks.feed(event) for e in self._on(change)]
+
+    def error(self, message: str) -> list[StreamEvent]:
+        return [ErrorEvent(error=ErrorDetail(message=message), request_id=self._id)]
+
+    def response(self) -> AnthropicMessage:
+        finish = self._blocks.done()
+        content = [content_block(b, whole=True) for b in self._blocks.blocks]
+        return self._message(content, stop_reason(finish), finish.stop_sequence, MessageUsage.of(finish.usage))
+
+    def _on(self, change: Change) -> list[StreamEvent]:
+        block = change.block
+        if change.kind == "finish":
+            return self._end()
+        if block is None:
+            return []
+        if change.kind == "open":
+            return [ContentBlockStart(index=block.index, content_block=content_block(block, whole=False))]
+        if change.kind == "delta":
+            return [ContentBlockDelta(index=block.index, delta=_delta(block, change.text))]
+        signature = [ContentBlockDelta(index=block.index, delta=SignatureDeltaOut())]
+        return [*(signature if block.kind == "reasoning" else []), ContentBlockStop(index=block.index)]
+
+    def _end(self) -> list[StreamEvent]:
+        finish = self._blocks.done()
+        if finish.reason == "error":
+            return self.error(finish.error or "generation failed")
+        delta = StopDelta(stop_reason=stop_reason(finish), stop_sequence=finish.stop_sequence)
+        return [MessageDelta(delta=delta, usage=MessageUsage.of(finish.usage)), MessageStop()]
+
+    def _message(
+        self, content: list[Any], reason: StopReason | None, sequence: str | None, usage: MessageUsage
+    ) -> AnthropicMessage:
+        return AnthropicMessage(
+            id=self._id, model=self._model, content=content, stop_reason=reason,
+            stop_sequence=sequence, usage=usage,
+        )
+
+
+
+def _delta(block: Block, text: str) -> TextDeltaOut | ThinkingDeltaOut | InputJsonDeltaOut:
+    if block.kind == "text":
+        return TextDeltaOut(text=text)
+    if block.kind == "reasoning":
+        return ThinkingDeltaOut(thinking=text)
+    return InputJsonDeltaOut(partial_json=text)
