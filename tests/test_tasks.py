@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sqlite3
 import threading
 import time
@@ -204,6 +205,21 @@ def test_cancel_mid_stream(url, tasks, smol_engine):
     assert task.usage["input_tokens"] > 10 and deltas <= task.usage["output_tokens"] < 500  # what it used
     assert results[-1]["task"]["usage"] == task.usage
     _until(lambda: smol_engine.stats().running == 0)  # its slot is free
+
+
+def test_a_cancel_with_no_body_and_no_headers_is_taken(url, tasks):
+    """``POST /v1/tasks/{id}/cancel`` as a bare HTTP/1.1 request (no Content-Type, no
+    Content-Length): the running task is canceled, with the tokens it used."""
+    task = tasks.create(stream=False, user_message_content="Tell a long story.", extra_body={"background": True},
+                        inference_args={"max_tokens": 400}).result
+    host = url.removeprefix("http://")
+    with socket.create_connection(tuple(host.split(":"))) as sock:
+        sock.sendall(f"POST /v1/tasks/{task.id}/cancel HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 "), answer
+    result = json.loads(body)["result"]
+    assert result["status"] == "canceled" and result["usage"]["input_tokens"] > 5
 
 
 def test_pause_and_resume(url, tasks, smol_engine):
