@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-STEPS = ("reading the tokenizer", "reading the weights", "preparing the weights and the KV cache (1 x 256 tokens)")
+STEPS = ("reading the tokenizer", "reading the weights", "preparing the weights and the KV cache (1 x 256 tokens, float16)")
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ class Runtime:
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
-        step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, KV {form.kv_name})")
+        step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, {form.kv_name})")
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs)
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
