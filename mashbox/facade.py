@@ -38,6 +38,7 @@ from mashbox.api.params import (
 from mashbox.api.protocols import PROTOCOLS, counting, prepare
 from mashbox.api.task_items import CreateTask
 from mashbox.engine.events import Event, Finish
+from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import GenerationError, InvalidRequestError, MashboxError
 
@@ -157,17 +158,17 @@ class Engine(Runtime):
         body = _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens")
         return TokenCount(input_tokens=len(self.encode(counting(body))))
 
-    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, Job]:
+    def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, EngineRequest, Job]:
         protocol = PROTOCOLS[name]
         prepared = prepare(protocol, _merge(request, fields, protocol.request, name), self.model_id)
         if prepared.ignored:  # stacklevel: the caller's line, past _prepare, _call and chat
             warnings.warn(f"ignored fields: {', '.join(prepared.ignored)}", IgnoredFieldsWarning, stacklevel=4)
         translator = protocol.module.Translator(prepared.req, self.model_id)
-        return prepared.req, translator, self._job(prepared.engine)
+        return prepared.req, translator, prepared.engine, self._job(prepared.engine)
 
     def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
-        req, translator, job = self._prepare(name, request, fields)
-        events = self._events(job)
+        req, translator, engine, job = self._prepare(name, request, fields)
+        events = self._events(job, engine)
         if req.stream:
             return _translated(translator, events)
         for event in events:
@@ -176,8 +177,8 @@ class Engine(Runtime):
         return translator.response()
 
     async def _acall(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
-        req, translator, job = self._prepare(name, request, fields)
-        events = self._aevents(job)
+        req, translator, engine, job = self._prepare(name, request, fields)
+        events = self._aevents(job, engine)
         if req.stream:
             return _atranslated(translator, events)
         async for event in events:

@@ -171,7 +171,7 @@ class EngineCore:
             stream = self.streams.get(item.seq.id)
             if stream is not None and not stream.started:  # its first step with a slot: say so at once
                 stream.started = True
-                stream.channel.put(Started(item.seq.num_cached))
+                stream.channel.put(Started(item.seq.num_cached, item.seq.differs))
         try:
             start = time.perf_counter()
             tokens = self.runner.run(plan)
@@ -204,7 +204,7 @@ class EngineCore:
             prefix_cached_tokens=s.cache.cached_tokens, host_cache_bytes=s.cache.host.bytes,
             host_cache_cap_bytes=s.cache.host.cap, host_cache_evictions=s.cache.host.evictions,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
-            prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens,
+            prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens, prefix_diverged=s.diverged,
             preemptions=c.preemptions, finished=dict(c.finished),
         )
 

@@ -25,9 +25,14 @@ class Queued:
 @dataclass(slots=True, frozen=True)
 class Started:
     """The request has a slot: its prompt is being computed (once, before any output).
-    ``cached`` prompt tokens came from the prefix cache."""
+    ``cached`` prompt tokens came from the prefix cache. ``differs``: the token at which the prompt
+    left a longer cached prefix (None: no cached prefix went on past where it agreed), and ``part``
+    the part of the conversation that token lies in (``system text``, ``tools``, ``message 3
+    (user)``, ...)."""
 
     cached: int
+    differs: int | None = None
+    part: str | None = None
     type: Literal["started"] = "started"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore, ThinkBudget
-from mashbox.engine.events import Event, Finish, Queued
+from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.load.catalog import cache_dir
 from mashbox.engine.load.loader import LoadedModel, load, pick_device
@@ -34,7 +34,7 @@ from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import Grammars
 from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
-from mashbox.engine.text.template import ChatTemplate
+from mashbox.engine.text.template import ChatTemplate, part_at
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -119,10 +119,10 @@ class Runtime:
         Errors in the request raise here, before any work. Closing the
         iterator early aborts the request and frees its slot.
         """
-        return self._events(self._job(request))
+        return self._events(self._job(request), request)
 
     def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
-        return self._aevents(self._job(request))
+        return self._aevents(self._job(request), request)
 
     def abort(self, request_id: str) -> None:
         """Stop the request of this id where it runs or waits (from any thread): its events go on to
@@ -162,7 +162,17 @@ class Runtime:
         close = tuple(self.tokenizer.encode(THINK_CLOSE + "\n\n", add_special_tokens=False))
         return ThinkBudget(request.thinking_budget, close)
 
-    def _events(self, job: Job) -> Iterator[Event]:
+    def _located(self, event: Event, request: EngineRequest, ids: list[int]) -> Event:
+        """``event``, and where a ``Started`` one's prompt left a longer cached prefix: the part of
+        the conversation that token lies in."""
+        if not isinstance(event, Started) or event.differs is None or request.messages is None:
+            return event
+        tools = request.tools if request.tool_choice != "none" else ()
+        rendered = self.template.render(request.messages, tools, request.enable_thinking)
+        at = len(self.tokenizer.decode(ids[: event.differs]))
+        return replace(event, part=part_at(rendered, at, request.messages, tools))
+
+    def _events(self, job: Job, request: EngineRequest) -> Iterator[Event]:
         channel = self._core.submit(*job)
         finished = False
         try:
@@ -170,12 +180,12 @@ class Runtime:
             while not finished:
                 event = channel.get()
                 finished = isinstance(event, Finish)
-                yield event
+                yield self._located(event, request, job.seq.prompt_ids)
         finally:
             if not finished:
                 self._core.abort(job.seq.id)
 
-    async def _aevents(self, job: Job) -> AsyncIterator[Event]:
+    async def _aevents(self, job: Job, request: EngineRequest) -> AsyncIterator[Event]:
         channel = self._core.submit(*job)
         finished = False
         try:
@@ -183,7 +193,7 @@ class Runtime:
             while not finished:
                 event = await channel.aget()
                 finished = isinstance(event, Finish)
-                yield event
+                yield self._located(event, request, job.seq.prompt_ids)
         finally:
             if not finished:
                 self._core.abort(job.seq.id)

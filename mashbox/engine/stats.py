@@ -34,6 +34,12 @@ class EngineStats:
     prefix_hit_tokens: int
     preemptions: int
     finished: dict[str, int]
+    prefix_diverged: int = 0  # prompts that left a longer cached prefix before its end
+
+    @property
+    def prefix_miss_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix cache and computed, not served from it."""
+        return self.prefix_lookup_tokens - self.prefix_hit_tokens
 
     @property
     def kv_usage(self) -> float:

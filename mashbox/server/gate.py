@@ -60,7 +60,7 @@ def cors(origin: str | None) -> list[tuple[bytes, bytes]]:
     if origin is None:
         return []
     return [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin"),
-            (b"access-control-expose-headers", b"x-request-id, retry-after, x-mashbox-ignored-fields")]
+            (b"access-control-expose-headers", b"x-request-id, retry-after, x-mashbox-ignored-fields, x-mashbox-cache")]
 
 
 def _tagged(send: Send, request_id: str, extra: list[tuple[bytes, bytes]]) -> Send:

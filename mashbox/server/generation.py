@@ -91,7 +91,8 @@ async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], reque
     headers = ignored_header(prepared.ignored)
     if getattr(req, "stream", False):
         return await run.streamed(headers)
-    return Response(await run.whole(request.receive), headers=headers)
+    answer = await run.whole(request.receive)
+    return Response(answer, headers={**headers, "x-mashbox-cache": run.cache()})
 
 
 class Run:
@@ -104,6 +105,7 @@ class Run:
         self._ttft: float | None = None
         self._resent = False
         self._finish: Finish | None = None
+        self._started: Started | None = None
         self._events: AsyncIterator[Event] | None = None
         self._closed = False
         log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session, tag.tenant)
@@ -213,6 +215,7 @@ class Run:
         event = await anext(self._events)
         if isinstance(event, Started):
             self._ticket.running()
+            self._started = event
             event = await anext(self._events)
         if isinstance(event, Queued):
             return event
@@ -223,6 +226,15 @@ class Run:
         if isinstance(event, Finish):
             self._finish = event
         return event
+
+    def cache(self) -> str:
+        """How the prompt met the prefix cache: ``cached=N`` tokens, and where it left a longer
+        cached prefix, ``; differs-at=K; part="tools"`` (the x-mashbox-cache header, the log)."""
+        started = self._started
+        note = f"cached={started.cached if started else 0}"
+        if started is not None and started.differs is not None:
+            note += f'; differs-at={started.differs}; part="{started.part or "prompt"}"'
+        return note
 
     def _failed(self, finish: Finish) -> None:
         """Re-send the first time; the second time answer 500."""
@@ -245,8 +257,8 @@ class Run:
             self._ctx.metrics.request_finished(self._protocol.name, "abort", None, self._ttft, e2e)
             return
         usage = finish.usage
-        log.info("%s finished: %s, %d prompt + %d new tokens, %.2f s", self._tag.request_id, finish.reason,
-                 usage.prompt_tokens, usage.completion_tokens, e2e)
+        log.info("%s finished: %s, %d prompt + %d new tokens, %.2f s; prefix cache: %s", self._tag.request_id,
+                 finish.reason, usage.prompt_tokens, usage.completion_tokens, e2e, self.cache())
         self._ctx.metrics.request_finished(self._protocol.name, finish, None, self._ttft, e2e)
 
 

@@ -47,6 +47,10 @@ ENGINE_COUNTERS = {  # EngineStats field -> (metric name, help)
     "generated_tokens": ("mashbox:generation_tokens", "Tokens the engine generated."),
     "prefix_lookup_tokens": ("mashbox:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_hit_tokens": ("mashbox:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "prefix_miss_tokens": ("mashbox:prefix_cache_misses", "Prompt tokens looked up and computed, not served "
+                           "from the prefix cache."),
+    "prefix_diverged": ("mashbox:prefix_cache_diverged", "Prompts that left a longer cached prefix before its "
+                        "end (the x-mashbox-cache header and the log say where)."),
     "preemptions": ("mashbox:num_preemptions", "Requests preempted (mashbox never preempts)."),
 }
 

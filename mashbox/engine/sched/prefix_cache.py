@@ -26,8 +26,13 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True, frozen=True)
 class Match:
+    """``tokens`` of the prompt cached in ``slot``; ``differs``: where the prompt first differs
+    from the cached prefix that agrees with it longest, when that prefix goes on past that token
+    (None: every prefix agreeing longest ends within the prompt, or nothing agrees)."""
+
     slot: int
     tokens: int
+    differs: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,6 +100,17 @@ class Live:
 CacheOp = Save | Restore | Copy | Drop | Load
 
 
+def _agreement(cached: tuple[int, ...], prompt: list[int], block: int) -> int:
+    """How many first tokens ``cached`` and ``prompt`` share (compared a block at a time, then
+    token by token in the first block that differs)."""
+    n, limit = 0, min(len(cached), len(prompt))
+    while n + block <= limit and cached[n : n + block] == tuple(prompt[n : n + block]):
+        n += block
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    return n
+
+
 class PrefixCache:
     def __init__(self, num_slots: int, block: int, host_bytes: int = 0, bytes_per_token: int = 0,
                  disk: PageStore | None = None) -> None:
@@ -129,8 +145,20 @@ class PrefixCache:
             tokens = stored
         else:
             ops = self._evict(slot, tokens, keep=None)
+        differs = self._differs(prompt, salt, live)
         self.insert(slot, prompt[:tokens], salt)
-        return Match(slot, tokens), ops
+        return Match(slot, tokens, differs), ops
+
+    def _differs(self, prompt: list[int], salt: str, live: list[Live]) -> int | None:
+        """Where ``prompt`` leaves the cached prefix (slots, host memory, busy slots) that agrees
+        with it longest, if that prefix goes on; disk pages, known by hash alone, are not asked."""
+        held = [t for t, s in zip(self._tokens, self._salts) if s == salt]
+        held += [t for _, s, t in self.host.entries() if s == salt]
+        held += [tuple(b.prompt[: b.computed]) for b in live if b.salt == salt]
+        agreed = [(_agreement(t, prompt, self.block), len(t)) for t in held]
+        longest = max((a for a, _ in agreed), default=0)
+        diverged = any(a == longest < min(n, len(prompt)) for a, n in agreed)
+        return longest if diverged else None
 
     def _from_disk(self, prompt: list[int], salt: str, beat: int) -> tuple[Any, Any] | None:
         """The KV of the pages of ``prompt`` on disk, when they hold more than ``beat`` tokens."""

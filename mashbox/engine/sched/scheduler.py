@@ -84,6 +84,7 @@ class Scheduler:
         self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token, disk)
         self.lookup_tokens = 0
         self.hit_tokens = 0
+        self.diverged = 0  # prompts that left a longer cached prefix before its end
         self.ctx = ctx
         self.chunk_tokens = chunk_tokens
         self.step_tokens = step_tokens or chunk_tokens
@@ -173,9 +174,10 @@ class Scheduler:
         """Start ``seq`` in the free slot holding the longest prefix of its prompt, or copy that
         prefix in from host memory or a busy slot."""
         match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots, seq.cache_salt, self._live())
-        seq.start(self.slots.allocate(match.slot), cached=match.tokens)
+        seq.start(self.slots.allocate(match.slot), cached=match.tokens, differs=match.differs)
         self.lookup_tokens += len(seq.prompt_ids)
         self.hit_tokens += match.tokens
+        self.diverged += match.differs is not None
         self.running.append(seq)
         return ops
 

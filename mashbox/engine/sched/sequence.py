@@ -48,6 +48,7 @@ class Sequence:
     slot: int | None = None
     num_computed: int = 0
     num_cached: int = 0
+    differs: int | None = None  # where the prompt left a longer cached prefix (prefix_cache.Match)
     output_ids: list[int] = field(default_factory=list)
     constraint: Any = None
     forced: list[int] = field(default_factory=list)
@@ -70,10 +71,11 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def start(self, slot: int, cached: int = 0) -> None:
+    def start(self, slot: int, cached: int = 0, differs: int | None = None) -> None:
         self.status = Status.RUNNING
         self.slot = slot
         self.num_computed = self.num_cached = cached
+        self.differs = differs
         self.started = time.perf_counter()
 
     def append(self, token: int) -> None:

@@ -72,6 +72,22 @@ class ChatTemplate:
         return turn
 
 
+def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: tuple[Tool, ...]) -> str:
+    """The part of a rendered conversation that character ``at`` lies in: ``system text``,
+    ``tools`` or ``message N (role)`` (N counting from 0 over ``messages``), each part starting
+    where its own text first appears in ``rendered`` (so a token of a turn's header counts with the
+    part before it); before them all, ``the template's opening``."""
+    starts, pos = [], 0
+    for i, m in enumerate(messages):
+        probe = m.content[:64] or (m.tool_calls[0].name if m.tool_calls else "")
+        if probe and (found := rendered.find(probe, pos)) >= 0:
+            starts.append((found, "system text" if m.role == "system" else f"message {i} ({m.role})"))
+            pos = found
+    if tools and (found := rendered.find(f'"{tools[0].name}"')) >= 0:
+        starts.append((found, "tools"))
+    return max(((o, name) for o, name in starts if o <= at), default=(0, "the template's opening"))[1]
+
+
 def _arguments(call: ToolCall) -> Any:
     try:
         return json.loads(call.arguments or "{}")

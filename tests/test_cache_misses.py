@@ -1,0 +1,92 @@
+"""Why a prompt missed the prefix cache: where it left a longer cached prefix, in which part of the
+conversation (the x-mashbox-cache header, the request's log line), and the counters on /metrics."""
+
+import logging
+
+import httpx
+import pytest
+from server import serve
+from test_metrics import value
+
+from mashbox.engine.request import Message, Tool
+from mashbox.engine.sched.prefix_cache import PrefixCache
+from mashbox.engine.text.template import part_at
+from mashbox.server.backend import InProcessBackend
+from mashbox.server.settings import Settings
+
+SYSTEM = "You are a careful assistant. " * 12 + "Today is Monday."
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"Does thing number {i} " * 4,
+                                           "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+         for i in range(3)]
+TURNS = [{"role": "user", "content": "First question about the weather in a city? " * 3},
+         {"role": "assistant", "content": "It is sunny there today."},
+         {"role": "user", "content": "And the second question, about tomorrow? " * 3}]
+
+
+def test_the_cache_says_where_a_prompt_left_a_longer_cached_prefix():
+    cache = PrefixCache(num_slots=2, block=4)
+    cached = list(range(100, 140))
+    assert cache.admit(cached, [0, 1])[0].differs is None  # nothing cached yet
+    cache.insert(0, cached)
+    longer = cache.admit(cached + [7, 8, 9], [0, 1])[0]
+    assert (longer.tokens, longer.differs) == (40, None)  # it goes on where the cache ends: no miss
+    cache.insert(0, cached)
+    changed = cache.admit(cached[:21] + [5] + cached[22:], [0, 1])[0]
+    assert (changed.tokens, changed.differs) == (20, 21)  # whole blocks reused; token 21 differs
+    assert cache.admit(cached[:21] + [5] + cached[22:], [1], salt="other")[0].differs is None  # another tenant's
+
+
+def test_a_character_is_placed_in_the_part_of_the_conversation_it_lies_in():
+    messages = (Message("system", "Be brief."), Message("user", "Hello there"), Message("assistant", "Hi!"))
+    tools = (Tool("lookup", "Looks things up", {"type": "object"}),)
+    rendered = '<s>system\nBe brief.\n# Tools\n{"name": "lookup"}\n<s>user\nHello there\n<s>assistant\nHi!\n'
+    where = lambda text: part_at(rendered, rendered.index(text), messages, tools)
+    assert [where(t) for t in ("<s>system", "brief", '"lookup"', "<s>user", "there", "Hi!")] == [
+        "the template's opening", "system text", "tools", "tools", "message 1 (user)", "message 2 (assistant)"]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_engine):
+    yield from serve(InProcessBackend.of(tiny_engine), Settings())
+
+
+def _ask(url, system=SYSTEM, tools=TOOLS, turns=TURNS):
+    body = {"messages": [{"role": "system", "content": system}, *turns], "tools": tools, "max_tokens": 2,
+            "temperature": 0}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _first_difference(engine, before, after):
+    """The first token at which the prompts of two chat bodies differ, by the engine's own encoding."""
+    from mashbox.api.openai_chat import ChatRequest, to_engine
+
+    ids = [engine.encode(to_engine(ChatRequest(messages=[{"role": "system", "content": s}, *t], tools=tools)))
+           for s, tools, t in (before, after)]
+    return next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+
+
+@pytest.mark.parametrize(("change", "part"), [
+    ({"system": SYSTEM.replace("Monday", "Tuesday")}, "system text"),
+    ({"tools": [TOOLS[0], {**TOOLS[1], "function": {**TOOLS[1]["function"], "description": "Changed."}}, TOOLS[2]]},
+     "tools"),
+    ({"turns": [*TURNS[:2], {"role": "user", "content": "A different second question? " * 3}]}, "message 3 (user)"),
+])
+def test_a_miss_is_told_in_the_header_the_log_and_the_metrics(url, tiny_engine, caplog, change, part):
+    scrape = lambda name: value(httpx.get(url + "/metrics").content, name, model_name=tiny_engine.model_id)
+    warm = _ask(url)
+    assert warm.status_code == 200 and warm.headers["x-mashbox-cache"].startswith("cached=")
+    again = _ask(url)  # the same prompt: its whole blocks from the cache, no miss
+    cached = int(again.headers["x-mashbox-cache"].removeprefix("cached="))
+    assert cached >= 256 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    diverged, missed = scrape("mashbox:prefix_cache_diverged_total"), scrape("mashbox:prefix_cache_misses_total")
+    with caplog.at_level(logging.INFO, logger="mashbox.server"):
+        changed = _ask(url, **change)
+    args = [{"system": SYSTEM, "tools": TOOLS, "turns": TURNS}[k] for k in ("system", "tools", "turns")]
+    new = [change.get(k, a) for k, a in zip(("system", "tools", "turns"), args, strict=True)]
+    at = _first_difference(tiny_engine, args, new)
+    tokens = changed.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    note = f'cached={tokens}; differs-at={at}; part="{part}"'
+    assert changed.headers["x-mashbox-cache"] == note and tokens == at // 32 * 32
+    assert any(note in r.getMessage() and "finished" in r.getMessage() for r in caplog.records)
+    assert scrape("mashbox:prefix_cache_diverged_total") == diverged + 1
+    assert scrape("mashbox:prefix_cache_misses_total") == missed + changed.json()["usage"]["prompt_tokens"] - tokens
