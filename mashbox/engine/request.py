@@ -102,6 +102,7 @@ class EngineRequest:
     enable_thinking: bool | None = None
     thinking_budget: int | None = None
     cache_salt: str = ""  # cached prompt prefixes are shared only between requests with the same salt
+    session: str | None = None  # the client's session (an agent's): its conversation's prefix is kept warm
     response_schema: dict[str, Any] | None = None  # the answer is JSON valid under this schema (no tool calls)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 

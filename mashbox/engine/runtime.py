@@ -141,7 +141,8 @@ class Runtime:
                 field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx",
                 tokens=len(ids), ctx=self.ctx)
         max_new = min(request.sampling.max_tokens or room, room)
-        seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt)
+        seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
+                       session=request.session)
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
         seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)

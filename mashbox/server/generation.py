@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +37,8 @@ from mashbox.server.sse import EventStream
 
 log = logging.getLogger("mashbox.server")
 MAX_HEADER = 2048  # an ignored-fields header longer than this is cut
+SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id", "session_id")
+MAX_SESSION = 200  # a session id longer than this is cut
 T = TypeVar("T")
 
 
@@ -61,8 +64,23 @@ class Tag:
 
     @classmethod
     def of(cls, request: Request, req: RequestModel, ctx: Context) -> Tag:
-        session = request.headers.get("x-session-id") or getattr(req, "prompt_cache_key", None)
-        return cls(request_id(request), session, security.tenant(ctx.settings, request.headers))
+        return cls(request_id(request), session_of(request.headers, req), security.tenant(ctx.settings, request.headers))
+
+
+def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
+    """The client's session, as agents send it: a session header (mashbox's ``x-session-id``, Claude
+    Code's, Codex's, Pi's), else OpenAI's ``prompt_cache_key``, else the ``session_id`` in Anthropic's
+    ``metadata.user_id`` (Claude Code's JSON)."""
+    if found := next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None):
+        return found[:MAX_SESSION]
+    if key := getattr(req, "prompt_cache_key", None):
+        return str(key)[:MAX_SESSION]
+    user = (getattr(req, "metadata", None) or {}).get("user_id")
+    try:
+        found = json.loads(user).get("session_id") if isinstance(user, str) else None
+    except (ValueError, AttributeError):
+        return None
+    return str(found)[:MAX_SESSION] if found else None
 
 
 def request_id(request: Request) -> str:
@@ -87,6 +105,8 @@ async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], reque
     tag = Tag.of(request, req, ctx)
     if ctx.settings.auth_required:  # one tenant's prompts never make another's cache hits (nor timings)
         engine = dataclasses.replace(engine, cache_salt=tag.tenant)
+    if tag.session:  # its conversation's cached prefix outlives one-off requests
+        engine = dataclasses.replace(engine, session=tag.session)
     run = Run(ctx, protocol, req, engine, tag)
     headers = ignored_header(prepared.ignored)
     if getattr(req, "stream", False):

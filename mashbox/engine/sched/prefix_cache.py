@@ -4,7 +4,9 @@ Each slot remembers the tokens whose KV it still holds. A new request takes
 the free slot sharing the longest prefix with its prompt and prefills only the
 rest. When a slot's prefix is about to be overwritten it is saved to host RAM
 (capped, least recently used out first), and restored from there into a slot
-when a later prompt starts with it. A prompt computed in a busy slot (``Live``:
+when a later prompt starts with it. The conversation a client session (an agent's) goes on
+with is kept warm: its slots are reused, and its host entries dropped, only after those of
+one-off prompts (an agent's side requests: titles, summaries, quota checks). A prompt computed in a busy slot (``Live``:
 another request running, still prefilling or already decoding) is copied from
 there. Only whole prompt chunks (multiples of
 ``block`` tokens, prefilled as chunks) are reused, so a cached prefix holds
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +101,7 @@ class Live:
 
 
 CacheOp = Save | Restore | Copy | Drop | Load
+SESSIONS = 64  # sessions whose conversation is kept warm, the most recently seen
 
 
 def _agreement(cached: tuple[int, ...], prompt: list[int], block: int) -> int:
@@ -121,14 +125,19 @@ class PrefixCache:
         self._used: list[int] = [0] * num_slots
         self._clock = 0
         self.host = HostTier(host_bytes, bytes_per_token)
+        self._heads: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()  # (salt, session) -> its line
 
     def admit(self, prompt: list[int], free: list[int], salt: str = "",
-              live: list[Live] = ()) -> tuple[Match, list[CacheOp]]:  # type: ignore[assignment]
+              live: list[Live] = (), session: str | None = None) -> tuple[Match, list[CacheOp]]:  # type: ignore[assignment]
         """The free slot to run ``prompt`` in, how many of its tokens are cached there,
         and the copies that make it so: from the slot itself, host memory or a busy slot
-        (``live``), whichever holds the most. With no hit, the least recently used free slot.
+        (``live``), whichever holds the most. With no hit, the least recently used free slot
+        that holds no session's conversation (``warm``), else the least recently used.
         Only prefixes cached under the same ``salt`` (a tenant) hit."""
-        slot = max(free, key=lambda s: (self._hit(self._tokens[s], prompt, self._salts[s] == salt), -self._used[s]))
+        if session is not None:
+            self._follow(salt, session, prompt)
+        slot = max(free, key=lambda s: (self._hit(self._tokens[s], prompt, self._salts[s] == salt),
+                                        -self.warm(self._salts[s], self._tokens[s]), -self._used[s]))
         tokens = self._hit(self._tokens[slot], prompt, self._salts[slot] == salt)
         entry, stored = max(((e, self._hit(t, prompt, s == salt)) for e, s, t in self.host.entries()),
                             key=lambda x: x[1], default=(None, 0))
@@ -148,6 +157,24 @@ class PrefixCache:
         differs = self._differs(prompt, salt, live)
         self.insert(slot, prompt[:tokens], salt)
         return Match(slot, tokens, differs), ops
+
+    def _follow(self, salt: str, session: str, prompt: list[int]) -> None:
+        """Take ``prompt`` as the line of ``session`` where it goes on with the line so far (shares at
+        least half of it: the next turn); a prompt of the session that does not (a side request)
+        leaves the line as it was."""
+        key, whole = (salt, session), tuple(prompt[: len(prompt) // self.block * self.block])
+        line = self._heads.pop(key, None)
+        if line is None or 2 * _agreement(line, prompt, self.block) >= len(line):
+            line = whole
+        self._heads[key] = line
+        while len(self._heads) > SESSIONS:
+            self._heads.popitem(last=False)
+
+    def warm(self, salt: str, tokens: tuple[int, ...]) -> bool:
+        """Whether ``tokens`` are a prefix of a session's line (or the line of theirs)."""
+        n = len(tokens)
+        return n > 0 and any(s == salt and (line[:n] == tokens or tokens[: len(line)] == line)
+                             for (s, _), line in self._heads.items() if line)
 
     def _differs(self, prompt: list[int], salt: str, live: list[Live]) -> int | None:
         """Where ``prompt`` leaves the cached prefix (slots, host memory, busy slots) that agrees
@@ -214,7 +241,7 @@ class PrefixCache:
         tokens = self._tokens[slot]
         if len(tokens) <= kept:
             return []
-        return self.host.store(slot, tokens, keep, self._salts[slot])
+        return self.host.store(slot, tokens, keep, self._salts[slot], self.warm)
 
     def _hit(self, cached: tuple[int, ...], prompt: list[int], same_salt: bool = True) -> int:
         if not same_salt:
@@ -247,9 +274,11 @@ class HostTier:
     def touch(self, entry: int) -> None:
         self._entries.move_to_end(entry)
 
-    def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None, salt: str = "") -> list[CacheOp]:
-        """Ops that save ``tokens`` from ``slot``, dropping entries of its salt it supersedes and,
-        least recently used first, what no longer fits; nothing when it cannot fit beside ``keep``."""
+    def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None, salt: str = "",
+              warm: Callable[[str, tuple[int, ...]], bool] = lambda salt, tokens: False) -> list[CacheOp]:
+        """Ops that save ``tokens`` from ``slot``, dropping entries of its salt it supersedes and
+        what no longer fits: entries no session goes on with (not ``warm``) first, each kind least
+        recently used first; nothing when it cannot fit beside ``keep``."""
         size = len(tokens) * self.bytes_per_token
         pinned = len(self._entries.get(keep, ("", ()))[1]) * self.bytes_per_token
         if size + pinned > self.cap or any(s == salt and t[: len(tokens)] == tokens for s, t in self._entries.values()):
@@ -257,7 +286,7 @@ class HostTier:
         ops: list[CacheOp] = [Drop(e) for e, s, t in self.entries() if e != keep and s == salt and tokens[: len(t)] == t]
         for op in ops:
             del self._entries[op.entry]
-        for entry in [e for e in self._entries if e != keep]:
+        for entry in sorted((e for e in self._entries if e != keep), key=lambda e: warm(*self._entries[e])):
             if self.bytes + size <= self.cap:
                 break
             del self._entries[entry]

@@ -173,7 +173,8 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> list[CacheOp]:
         """Start ``seq`` in the free slot holding the longest prefix of its prompt, or copy that
         prefix in from host memory or a busy slot."""
-        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots, seq.cache_salt, self._live())
+        match, ops = self.cache.admit(seq.prompt_ids, self.slots.free_slots, seq.cache_salt, self._live(),
+                                      seq.session)
         seq.start(self.slots.allocate(match.slot), cached=match.tokens, differs=match.differs)
         self.lookup_tokens += len(seq.prompt_ids)
         self.hit_tokens += match.tokens

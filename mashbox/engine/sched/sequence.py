@@ -53,6 +53,7 @@ class Sequence:
     constraint: Any = None
     forced: list[int] = field(default_factory=list)
     cache_salt: str = ""  # prefixes are shared only between requests of the same salt (a tenant)
+    session: str | None = None  # whose conversation this prompt continues (PrefixCache keeps it warm)
     generator: Any = None  # a sampled request's own random stream (torch.Generator), made at its first draw
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None

@@ -1,0 +1,65 @@
+"""Agent sessions kept warm: the conversation a session goes on with keeps its cached prefix past
+the one-off side requests agents make (titles, summaries, quota checks), and the session is read
+from what the real agents send."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mashbox import Engine, EngineRequest, SamplingParams, Started
+from mashbox.api.anthropic_messages import MessagesRequest
+from mashbox.api.openai_responses import ResponsesRequest
+from mashbox.server.generation import session_of
+
+CLIENTS = Path(__file__).resolve().parents[2] / "shared" / "clients"
+
+
+def _cached(engine: Engine, prompt: str, session: str | None) -> int:
+    request = EngineRequest(prompt=prompt, sampling=SamplingParams(max_tokens=1), session=session)
+    return next(e.cached for e in engine.stream(request) if isinstance(e, Started))
+
+
+def _line(name: str, turns: int) -> str:
+    return " ".join(f"{name} said thing {i} in turn {t}." for t in range(turns) for i in range(12))
+
+
+def _run(engine: Engine, sessions: bool) -> list[int]:
+    """Two sessions of two turns, twenty side requests (half of them with a session's id), then
+    each session's third turn: how many of its prompt tokens came from the cache."""
+    ids = {"alpha": "s-alpha" if sessions else None, "beta": "s-beta" if sessions else None}
+    for turns in (1, 2):
+        for name in ids:
+            _cached(engine, _line(name, turns), ids[name])
+    for n in range(20):
+        _cached(engine, f"Write a title for chat {n}: " + "word " * 280, ids["alpha"] if n % 2 else None)
+    return [_cached(engine, _line(name, 3), ids[name]) for name in ids]
+
+
+def test_a_session_keeps_its_conversation_past_side_requests(tiny_model_dir):
+    options = {"ctx": 1024, "slots": 2, "cache_ram_mib": 1, "quiet": True}  # room for ~4k tokens
+    with Engine(str(tiny_model_dir), **options) as engine:
+        second_turn = len(engine.encode(EngineRequest(prompt=_line("alpha", 2)))) // 32 * 32
+        assert _run(engine, sessions=True) == [second_turn, second_turn]  # both from host memory
+        assert engine.stats().host_cache_evictions > 0  # the side requests did push entries out
+    with Engine(str(tiny_model_dir), **options) as engine:
+        assert _run(engine, sessions=False) == [0, 0]  # without sessions: least recently used went first
+
+
+def _captured(name: str) -> tuple[dict, dict]:
+    capture = json.loads((CLIENTS / name).read_text())
+    return {k.lower(): v for k, v in capture["headers"].items()}, capture["body"]
+
+
+@pytest.mark.parametrize(("name", "model"), [
+    ("claude-code_POST_v1_messages.json", MessagesRequest),
+    ("codex-exec_POST_v1_responses.json", ResponsesRequest),
+    ("pi-openai-responses_POST_v1_responses.json", ResponsesRequest),
+])
+def test_the_session_is_read_from_what_each_agent_sends(name, model):
+    headers, body = _captured(name)
+    req = model.model_validate(body)
+    session = next(v for k, v in headers.items() if "session" in k)
+    assert session_of(headers, req) == session
+    assert session_of({}, req) == (body.get("prompt_cache_key") or session)  # from the body alone too
+    assert session_of({"x-session-id": "mine"}, req) == "mine"
