@@ -4,6 +4,7 @@ from what the real agents send."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -63,3 +64,9 @@ def test_the_session_is_read_from_what_each_agent_sends(name, model):
     assert session_of(headers, req) == session
     assert session_of({}, req) == (body.get("prompt_cache_key") or session)  # from the body alone too
     assert session_of({"x-session-id": "mine"}, req) == "mine"
+
+
+@pytest.mark.parametrize("metadata", [["a"], "text", {"user_id": "[1]"}, {"user_id": "{not json"},
+                                      {"user_id": '{"session_id": {"deep": 1}}'}, {"user_id": 7}, None])
+def test_metadata_that_holds_no_session_is_no_session(metadata):
+    assert session_of({}, SimpleNamespace(metadata=metadata)) is None

@@ -75,12 +75,15 @@ def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
         return found[:MAX_SESSION]
     if key := getattr(req, "prompt_cache_key", None):
         return str(key)[:MAX_SESSION]
-    user = (getattr(req, "metadata", None) or {}).get("user_id")
-    try:
-        found = json.loads(user).get("session_id") if isinstance(user, str) else None
-    except (ValueError, AttributeError):
+    metadata = getattr(req, "metadata", None)
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if not isinstance(user, str) or len(user) > 4096 or not user.startswith("{"):
         return None
-    return str(found)[:MAX_SESSION] if found else None
+    try:
+        found = json.loads(user).get("session_id")
+    except (ValueError, AttributeError, RecursionError):  # not Claude Code's JSON object
+        return None
+    return str(found)[:MAX_SESSION] if isinstance(found, str | int) and found != "" else None
 
 
 def request_id(request: Request) -> str:
