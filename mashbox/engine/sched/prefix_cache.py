@@ -6,9 +6,9 @@ rest. When a slot's prefix is about to be overwritten it is saved to host RAM
 (capped, least recently used out first), and restored from there into a slot
 when a later prompt starts with it. The conversation a client session (an agent's) goes on
 with is kept warm: its slots are reused, and its host entries dropped, only after those of
-one-off prompts (an agent's side requests: titles, summaries, quota checks). A prompt computed in a busy slot (``Live``:
-another request running, still prefilling or already decoding) is copied from
-there. Only whole prompt chunks (multiples of
+one-off prompts (an agent's side requests: titles, summaries, quota checks). A prompt computed
+in a busy slot (``Live``: another request running, still prefilling or already decoding) is
+copied from there. Only whole prompt chunks (multiples of
 ``block`` tokens, prefilled as chunks) are reused, so a cached prefix holds
 exactly the KV a cold prefill would compute: answers do not depend on what ran
 before. The cache decides; the runner moves the bytes (``Save``, ``Restore``,
@@ -171,10 +171,9 @@ class PrefixCache:
             self._heads.popitem(last=False)
 
     def warm(self, salt: str, tokens: tuple[int, ...]) -> bool:
-        """Whether ``tokens`` are a prefix of a session's line (or the line of theirs)."""
+        """Whether ``tokens`` are a prefix of a session's line (held under the same salt)."""
         n = len(tokens)
-        return n > 0 and any(s == salt and (line[:n] == tokens or tokens[: len(line)] == line)
-                             for (s, _), line in self._heads.items() if line)
+        return n > 0 and any(s == salt and line[:n] == tokens for (s, _), line in self._heads.items())
 
     def _differs(self, prompt: list[int], salt: str, live: list[Live]) -> int | None:
         """Where ``prompt`` leaves the cached prefix (slots, host memory, busy slots) that agrees
