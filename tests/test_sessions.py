@@ -13,7 +13,7 @@ from mashbox.api.anthropic_messages import MessagesRequest
 from mashbox.api.openai_responses import ResponsesRequest
 from mashbox.server.generation import session_of
 
-CLIENTS = Path(__file__).resolve().parents[2] / "shared" / "clients"
+CLIENTS = Path(__file__).parent / "fixtures" / "clients"  # copies of shared/clients
 
 
 def _cached(engine: Engine, prompt: str, session: str | None) -> int:
