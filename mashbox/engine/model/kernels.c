@@ -1022,24 +1022,22 @@ static inline __m512 kv16(const uint8_t *row, int64_t d, int64_t D, int64_t kvq)
 }
 #endif
 
-/* Store row x[D] as a cache row: fp16 rounded to nearest even, or q8_0 (each 32 values by their
- * max |x| / 127, rounded to nearest even; the scale kept as fp16, as ggml's q8_0). */
+/* x as fp16 (rounded to nearest even) at p, which need not be aligned: half_at's inverse. */
+static inline void half_to(uint8_t *p, float x) {
+    uint16_t h = f2h(x);
+    memcpy(p, &h, 2);
+}
+
+/* Store row x[D] as a cache row: fp16, or q8_0 (quantize_row's int8 blocks of 32, each scale kept
+ * as fp16, as ggml's q8_0). */
 static void kv_store_row(const float *x, uint8_t *row, int64_t D, int64_t kvq) {
-    if (!kvq) {
-        for (int64_t i = 0; i < D; i++) {
-            uint16_t h = f2h(x[i]);
-            memcpy(row + 2 * i, &h, 2);
-        }
+    if (kvq) {
+        float scales[D / QK];
+        quantize_row(x, (int8_t *)row, scales, D);
+        for (int64_t b = 0; b < D / QK; b++) half_to(row + D + 2 * b, scales[b]);
         return;
     }
-    for (int64_t b = 0; b < D; b += QK) {
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[b + i]));
-        float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-        for (int i = 0; i < QK; i++) row[b + i] = (uint8_t)(int8_t)lrintf(x[b + i] * inv);
-        uint16_t h = f2h(d);
-        memcpy(row + D + 2 * (b / QK), &h, 2);
-    }
+    for (int64_t i = 0; i < D; i++) half_to(row + 2 * i, x[i]);
 }
 
 /* Keys or values of M rows into one layer's cache [slots, KVH, ctx, row]: row m's KVH heads of D at
