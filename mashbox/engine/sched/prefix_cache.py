@@ -243,13 +243,10 @@ class PrefixCache:
         return self.host.store(slot, tokens, keep, self._salts[slot], self.warm)
 
     def _hit(self, cached: tuple[int, ...], prompt: list[int], same_salt: bool = True) -> int:
+        """The whole blocks of ``prompt`` that ``cached`` holds, short of its last token."""
         if not same_salt:
             return 0
-        limit = min(len(cached), len(prompt) - 1) // self.block * self.block
-        n = 0
-        while n < limit and cached[n : n + self.block] == tuple(prompt[n : n + self.block]):
-            n += self.block
-        return n
+        return min(_agreement(cached, prompt, self.block), len(prompt) - 1) // self.block * self.block
 
 
 class HostTier:
