@@ -66,6 +66,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--kv-dtype", choices=("f16", "q8_0"), default=None,
                      help="how the KV cache keeps keys and values: f16, or q8_0 (int8 with a scale for each 32, "
                           "about half the memory, as llama.cpp's -ctk/-ctv q8_0; CPU only) (default: f16 on CPU)")
+    run.add_argument("--verbatim-template", action="store_true",
+                     help="render the model's chat template as written; by default tools that a template puts "
+                          "after the system text come before it, so an agent's tools stay cached when its "
+                          "system text (folder, date) changes")
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
                      help="host memory for prompt prefixes saved from slots about to be reused, in MiB; "
                           "0 = off (default: %(default)s)")
@@ -171,7 +175,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
     options = {"ctx": args.ctx, "slots": args.slots, "cache_ram_mib": args.cache_ram,
                "cache_disk_gib": args.cache_disk, "cache_dir": args.cache_dir,
-               "allow_long_context": args.allow_long_context, "kv_dtype": args.kv_dtype}
+               "allow_long_context": args.allow_long_context, "kv_dtype": args.kv_dtype,
+               "verbatim_template": args.verbatim_template}
     EngineConfig(model=args.model, **options)  # bad values fail here, before loading
     return options
 

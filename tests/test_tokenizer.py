@@ -87,11 +87,48 @@ def test_templates_render_as_transformers_renders_them(pair, source, conversatio
     ours, theirs = pair
     template = {"smol": ours.chat_template, "features": FEATURES}.get(source) or (TEMPLATES / source).read_text()
     ours.chat_template = theirs.chat_template = template
-    chat = ChatTemplate(ours)
+    chat = ChatTemplate(ours, verbatim=True)
     kept = () if chat.knows_tools else tools
     expected = theirs.apply_chat_template(chat.conversation(conversation, kept), tokenize=False, add_generation_prompt=True,
                                           tools=[_tool(t) for t in tools] if tools and chat.knows_tools else None)
     assert chat.render(conversation, tools) == expected
+
+
+def test_tools_come_before_the_system_text_where_the_template_puts_them_after_it(pair) -> None:
+    """Qwen's template: the system turn is the tools block, then the system text; the rest is the
+    template's own; two system texts share every token of the tools block."""
+    ours, theirs = pair
+    ours.chat_template = theirs.chat_template = (TEMPLATES / "qwen2.5-coder.jinja").read_text()
+    conversation = CONVERSATIONS[1]
+    verbatim = ChatTemplate(ours, verbatim=True).render(conversation, (WEATHER,))
+    first = ChatTemplate(ours).render(conversation, (WEATHER,))
+    block = verbatim[verbatim.index("# Tools"):verbatim.index("</tool_call><|im_end|>") + len("</tool_call>")]
+    assert verbatim.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert first == verbatim.replace("Be brief.\n\n" + block, block + "\n\nBe brief.")
+    assert first.startswith("<|im_start|>system\n# Tools") and "</tool_call>\n\nBe brief.<|im_end|>" in first
+    other = (Message("system", "Working folder: /elsewhere"), *conversation[1:])
+    a, b = (ours.encode(ChatTemplate(ours).render(c, (WEATHER,)), add_special_tokens=False) for c in (conversation, other))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert len(ours.encode(first[:first.index("Be brief.")], add_special_tokens=False)) - 2 <= shared
+    a, b = (ours.encode(ChatTemplate(ours, verbatim=True).render(c, (WEATHER,)), add_special_tokens=False)
+            for c in (conversation, other))
+    assert next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) < 5, "verbatim: the system text comes first"
+
+
+def test_tools_stay_where_a_template_puts_them_elsewhere(pair, smol_tokenizer) -> None:
+    """A template whose tools do not follow the system text renders as written; mashbox's own tool
+    prompt (a template without tools) comes before the system text unless verbatim."""
+    ours, _ = pair
+    ours.chat_template = (  # the tools after the first user turn (as Llama 3's templates put them)
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n"
+        "{% if loop.index == 2 and tools %}{{ tools | tojson }}\n{% endif %}{% endfor %}")
+    conversation = CONVERSATIONS[1]
+    assert ChatTemplate(ours).knows_tools
+    assert ChatTemplate(ours).render(conversation, (WEATHER,)) == ChatTemplate(ours, verbatim=True).render(
+        conversation, (WEATHER,))
+    ours.chat_template = smol_tokenizer.chat_template
+    first, verbatim = (ChatTemplate(ours, verbatim=v).render(conversation, (WEATHER,)) for v in (False, True))
+    assert first.index("# Tools") < first.index("Be brief.") and verbatim.index("Be brief.") < verbatim.index("# Tools")
 
 
 def test_a_template_error_is_the_request_s(pair) -> None:

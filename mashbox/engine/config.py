@@ -36,6 +36,9 @@ class EngineConfig:
     ``-ctk/-ctv q8_0``: ~0.53x the memory; mashbox's CPU kernels only).
     ``cuda_graphs``: on CUDA, steps of one-token rows run at fixed shapes, each
     shape captured once as a CUDA graph and replayed (one launch a step).
+    ``verbatim_template``: render the model's chat template exactly as written; by default, where the
+    template puts the tools right after the system text in the system turn (Qwen, Hermes), the tools
+    come first, so that an agent's tools stay a cached prefix when its system text changes.
     A ``ctx`` above the context the model was trained on is refused unless
     ``allow_long_context`` (answers degrade past it); one whose KV cache
     (``ctx`` x ``slots``) needs more memory than the device has free is refused.
@@ -57,6 +60,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     quiet: bool = False
     allow_long_context: bool = False
+    verbatim_template: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

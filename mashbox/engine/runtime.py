@@ -90,7 +90,7 @@ class Runtime:
     @property
     def template(self) -> ChatTemplate:
         if self._template is None:
-            self._template = ChatTemplate(self.tokenizer)
+            self._template = ChatTemplate(self.tokenizer, self.config.verbatim_template)
         return self._template
 
     # -- the core: canonical requests in, engine events out ---------------

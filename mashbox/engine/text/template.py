@@ -3,9 +3,15 @@
 System and developer messages, wherever they appear, join the one system
 prompt at the start. Tools reach the model through the template when it knows
 tools; otherwise through mashbox's tool prompt (the tools as JSON schemas and
-the Hermes call format) appended to the system prompt. Assistant tool calls
+the Hermes call format) put before the system prompt. Assistant tool calls
 and tool results render back in the form the template knows, or as
 ``<tool_call>`` / ``<tool_response>`` text when it knows none.
+
+Tools first: where a template puts the tools inside the system turn right after
+the system text (Qwen's and Hermes-style templates), the tools are moved before
+the system text, so that an agent's long and stable tool definitions are a
+prompt prefix shared across projects and days while its system text (working
+folder, date, git status) changes. ``verbatim`` renders the template as written.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 
+SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
+
+
 class ChatTemplate:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, verbatim: bool = False) -> None:
         if not tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; use a plain prompt (complete)")
         self.source: str = tokenizer.chat_template
@@ -35,6 +44,7 @@ class ChatTemplate:
             raise InvalidRequestError("messages", f"the model's chat template does not read: {err}") from err
         self.knows_tools = "tool_calls" in self.source
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
+        self.verbatim = verbatim
 
     def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None) -> str:
         kwargs: dict[str, Any] = {**self.specials, "tools": None, "documents": None, "add_generation_prompt": True}
@@ -45,14 +55,34 @@ class ChatTemplate:
         conversation = self.conversation(messages, () if self.knows_tools else tools)
         if not conversation:
             raise InvalidRequestError("messages", "holds no message with content")
+        if kwargs["tools"] and not self.verbatim and conversation[0]["role"] == "system":
+            return self._tools_first(conversation, kwargs)
+        return self._render(conversation, kwargs)
+
+    def _render(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         try:
             return self.compiled.render(messages=conversation, **kwargs)
         except (jinja2.TemplateError, ValueError, TypeError) as err:
             raise InvalidRequestError("messages", f"the model's chat template refuses this conversation: {err}") from err
 
+    def _tools_first(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        """The conversation rendered with the template's tools block before the system text, where
+        the template puts that block right after the system text; else as the template has it."""
+        system = conversation[0]["content"]
+        marked = [{"role": "system", "content": SYSTEM_MARK}, *conversation[1:]]
+        head, mark, after = self._render(marked, kwargs).partition(SYSTEM_MARK)
+        _, plain_mark, plain_after = self._render(marked, {**kwargs, "tools": None}).partition(SYSTEM_MARK)
+        block = after[: len(after) - len(plain_after)]
+        if not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after:
+            return self._render(conversation, kwargs)
+        gap = block[: len(block) - len(block.lstrip())] or "\n\n"
+        return head + block.lstrip() + gap + system + plain_after
+
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]
-        system = "\n\n".join(parts + ([tool_prompt(tools)] if tools else []))
+        if tools:  # tools first, unless verbatim: see the module's note
+            parts = [*parts, tool_prompt(tools)] if self.verbatim else [tool_prompt(tools), *parts]
+        system = "\n\n".join(parts)
         turns = [self._turn(m) for m in messages if m.role != "system"]
         return ([{"role": "system", "content": system}] if system else []) + turns
 
