@@ -1,7 +1,9 @@
 """A fixed set of tool-call prompts with the calls expected of them, run on one model in each
-template layout: how often the model calls the right tool with the right arguments.
+template layout, with and without auto mode's call constraint: how often the model calls the
+right tool with the right arguments.
 
     .venv/bin/python bench/tool_calls.py [--model qwen2.5-coder-0.5b] [--layouts tools-first verbatim]
+                                         [--calls constrained free]
 
 Each case is an agent-style request (a system text naming the working folder, six coding tools
 in the shape Claude Code, Codex and Pi declare theirs, one user turn) answered greedily in auto mode
@@ -117,20 +119,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--layouts", nargs="+", default=["tools-first", "verbatim"], choices=["tools-first", "verbatim"])
+    parser.add_argument("--calls", nargs="+", default=["constrained", "free"], choices=["constrained", "free"])
     args = parser.parse_args()
     rows = []
     for layout in args.layouts:
-        with Engine(args.model, slots=1, ctx=4096, verbatim_template=layout == "verbatim", quiet=True) as engine:
-            counts, failures = run(engine)
-        rows.append((layout, counts))
-        for failure in failures:
-            print(f"[{layout}] {failure}")
+        for calls in args.calls:
+            with Engine(args.model, slots=1, ctx=4096, verbatim_template=layout == "verbatim",
+                        constrain_calls=calls == "constrained", quiet=True) as engine:
+                counts, failures = run(engine)
+            rows.append((layout, calls, counts))
+            for failure in failures:
+                print(f"[{layout}, {calls}] {failure}")
     print(f"\n{len(CASES)} cases ({sum(c[2] is None for c in CASES)} need no tool), model {args.model}, greedy\n")
-    print("| layout | passed | right tool (or rightly none) | undeclared tool | call left as text | seconds |")
-    print("|---|---|---|---|---|---|")
-    for layout, c in rows:
-        print(f"| {layout} | {c['passed']}/{len(CASES)} | {c['right tool']} | {c['undeclared']} | {c['as text']} | "
-              f"{c['seconds']:.0f} |")
+    print("| layout | calls in auto mode | passed | right tool (or rightly none) | undeclared tool | call left as text | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    for layout, calls, c in rows:
+        print(f"| {layout} | {calls} | {c['passed']}/{len(CASES)} | {c['right tool']} | {c['undeclared']} | "
+              f"{c['as text']} | {c['seconds']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="render the model's chat template as written; by default tools that a template puts "
                           "after the system text come before it, so an agent's tools stay cached when its "
                           "system text (folder, date) changes")
+    run.add_argument("--free-calls", action="store_true",
+                     help="in tool_choice auto, leave a tool call the model begins unconstrained; by default "
+                          "the rest of it is held to the declared tools' names and parameter schemas")
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
                      help="host memory for prompt prefixes saved from slots about to be reused, in MiB; "
                           "0 = off (default: %(default)s)")
@@ -176,7 +179,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = {"ctx": args.ctx, "slots": args.slots, "cache_ram_mib": args.cache_ram,
                "cache_disk_gib": args.cache_disk, "cache_dir": args.cache_dir,
                "allow_long_context": args.allow_long_context, "kv_dtype": args.kv_dtype,
-               "verbatim_template": args.verbatim_template}
+               "verbatim_template": args.verbatim_template, "constrain_calls": not args.free_calls}
     EngineConfig(model=args.model, **options)  # bad values fail here, before loading
     return options
 

@@ -179,3 +179,88 @@ def test_a_model_that_writes_the_same_call_again_is_stopped_after_the_first(smol
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["read"]
     assert events[-1].reason == "tool_calls"
     assert runner.sampled <= 2 * len(smol_tokenizer.encode(call, add_special_tokens=False))
+
+
+class MaskedScriptRunner(ScriptedRunner):
+    """Writes ``script`` as a model would through the real runner's constraint steps: the row of
+    each sampled token is masked by the request's constraint (if any), then the token accepted.
+    Records, for each step, the tokens the mask left (None: no constraint)."""
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        super().__init__(script)
+        self.vocab = vocab
+        self.allowed: list[set[int] | None] = []
+
+    def run(self, plan) -> list[int]:
+        tokens = super().run(plan)
+        for token, work in zip(tokens, [w for w in plan.work if w.sample]):
+            constraint = work.seq.constraint
+            if constraint is None:
+                self.allowed.append(None)
+                continue
+            row = torch.zeros(self.vocab)
+            constraint.mask(row)
+            self.allowed.append(set((row == 0).nonzero().flatten().tolist()))
+            if token in self.allowed[-1]:
+                constraint.accept(token)
+        return tokens
+
+
+@pytest.mark.parametrize("opening, closing", [("<tool_call>\n", "\n</tool_call>"), ("", ""), ("```json\n", "\n```")])
+def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, smol_tokenizer, opening, closing):
+    """Auto mode: free text stays free; once a call begins (tags, bare JSON or a ```json block),
+    every token up to its end is masked to the declared tools' names and schemas, so the invented
+    tool name the script goes on to write is refused at its first token; after the call, free again."""
+    tok = smol_tokenizer
+    prefix = "Let me look.\n" if opening.startswith("<") else ""  # a bare call starts the answer
+    begun = f'{prefix}{opening}{{"name": "'
+    written = begun + 'get_weather", "arguments": {"city": "Oslo", "days": 2}}' + closing
+    script = tok.encode(written, add_special_tokens=False) + tok.encode("\nDone.", add_special_tokens=False)
+    runner = MaskedScriptRunner(script + [tok.eos_token_id], len(tok))
+    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
+    core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, tok)
+    try:
+        seq = Sequence("r", [1, 2, 3], SamplingParams(), len(script) + 1, frozenset({tok.eos_token_id}))
+        channel = core.submit(seq, Markup(names=frozenset(t.name for t in tools)), None, tiny_engine.grammars.guard(tools))
+        events = [channel.get(timeout=30)]
+        while not isinstance(events[-1], Finish):
+            events.append(channel.get(timeout=30))
+    finally:
+        core.close()
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["get_weather"]
+    texts = [tok.decode(script[: i + 1]) for i in range(len(script))]
+    first_masked = next(i for i, allowed in enumerate(runner.allowed) if allowed is not None)
+    marker = opening.strip() if opening.startswith("<") else '{"name"'  # where the markup sees a call begun
+    assert marker in texts[first_masked - 1] and marker not in texts[first_masked - 2]
+    name_tokens = runner.allowed[next(i for i, text in enumerate(texts) if text.endswith(begun)) + 1]
+    invented = tok.encode("read", add_special_tokens=False)[0]
+    assert invented not in name_tokens and tok.encode("get", add_special_tokens=False)[0] in name_tokens
+    call_end = next(i for i, text in enumerate(texts) if text.rstrip().endswith(written.rstrip()))
+    assert all(a is not None and script[i] in a for i, a in enumerate(runner.allowed[first_masked:call_end + 1], first_masked))
+    assert all(a is None for a in runner.allowed[call_end + 1:]), "text after the call is free again"
+
+
+def test_a_call_that_cannot_name_a_declared_tool_stays_free_and_ends_as_text(tiny_engine, smol_tokenizer):
+    """A call whose written start no declared tool fits (the name already wrong when the markup
+    sees the call) is left free until it ends (then ends as text, as before)."""
+    tok = smol_tokenizer
+    tools = (Tool("get_weather", "", WEATHER["function"]["parameters"]),)
+    guard = tiny_engine.grammars.guard(tools)
+    wrong = tok.encode('{"name": "readFileNotes"', add_special_tokens=False)
+    assert guard.follow(("bare", '{"name": "readFileNotes"'), wrong) is None
+    assert guard.follow(("bare", '{"name": "get'), wrong) is None, "given up until the call ends"
+    assert guard.follow(None, wrong) is None
+    right = tok.encode('{"name": "get', add_special_tokens=False)
+    assert guard.follow(("bare", '{"name": "get'), right) is not None
+
+
+def test_which_requests_are_guarded(tiny_engine, tiny_model_dir):
+    """Auto mode with tools is guarded; a forced call has its own grammar; no tools, none;
+    ``constrain_calls=False`` leaves auto mode free."""
+    ask = (Message("user", "Weather?"),)
+    tools = (Tool("get_weather", "", WEATHER["function"]["parameters"]),)
+    assert tiny_engine._job(EngineRequest(messages=ask, tools=tools)).guard is not None
+    assert tiny_engine._job(EngineRequest(messages=ask, tools=tools, tool_choice="required")).guard is None
+    assert tiny_engine._job(EngineRequest(messages=ask)).guard is None
+    with Engine(str(tiny_model_dir), ctx=256, slots=1, quiet=True, constrain_calls=False) as free:
+        assert free._job(EngineRequest(messages=ask, tools=tools)).guard is None

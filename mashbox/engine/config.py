@@ -39,6 +39,8 @@ class EngineConfig:
     ``verbatim_template``: render the model's chat template exactly as written; by default, where the
     template puts the tools right after the system text in the system turn (Qwen, Hermes), the tools
     come first, so that an agent's tools stay a cached prefix when its system text changes.
+    ``constrain_calls``: in ``tool_choice`` ``auto``, once the model begins a tool call, the rest of it
+    is held to the declared tools' names and parameter schemas (text answers stay free).
     A ``ctx`` above the context the model was trained on is refused unless
     ``allow_long_context`` (answers degrade past it); one whose KV cache
     (``ctx`` x ``slots``) needs more memory than the device has free is refused.
@@ -61,6 +63,7 @@ class EngineConfig:
     quiet: bool = False
     allow_long_context: bool = False
     verbatim_template: bool = False
+    constrain_calls: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

@@ -22,6 +22,7 @@ from mashbox.engine.sched.scheduler import Plan, Scheduler
 from mashbox.engine.sched.sequence import Sequence, Status
 from mashbox.engine.stats import Counters, EngineStats
 from mashbox.engine.text.detokenizer import Detokenizer
+from mashbox.engine.text.grammar import CallGuard
 from mashbox.engine.text.markup import Markup
 from mashbox.engine.text.stop import StopMatcher
 from mashbox.errors import EngineClosedError
@@ -45,7 +46,8 @@ class Stream:
 
     Tokens pass the detokenizer, then stop strings, then the markup machine
     (reasoning and tool calls), and leave as events, held in the channel until
-    the engine wakes the readers of all of a step's streams at once.
+    the engine wakes the readers of all of a step's streams at once. In auto mode the
+    guard then constrains the rest of a call that the markup sees begun.
     """
 
     seq: Sequence
@@ -53,6 +55,7 @@ class Stream:
     stop: StopMatcher
     markup: Markup
     budget: ThinkBudget | None = None
+    guard: CallGuard | None = None
     started: bool = False
     reasoning_tokens: int = 0
     channel: Channel[Event] = field(default_factory=Channel)
@@ -60,6 +63,8 @@ class Stream:
     def push(self, token: int) -> None:
         thinking = self.markup.state == "think"
         self._put(self.markup.push(self.stop.push(self.detok.push(token))))
+        if self.guard is not None:
+            self.seq.constraint = self.guard.follow(self.markup.open_call(), self.seq.output_ids)
         self.reasoning_tokens += thinking
         budget = self.budget
         if budget and thinking and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
@@ -96,9 +101,10 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None) -> Channel[Event]:
+    def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None,
+               guard: CallGuard | None = None) -> Channel[Event]:
         detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:])
-        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget)
+        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget, guard)
         with self._closing:
             if self.closed:
                 raise EngineClosedError(self.why_closed)

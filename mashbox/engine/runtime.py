@@ -32,7 +32,7 @@ from mashbox.engine.sched.disk_cache import PageStore
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
-from mashbox.engine.text.grammar import Grammars
+from mashbox.engine.text.grammar import CallGuard, Grammars
 from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
 from mashbox.engine.text.template import ChatTemplate, part_at
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
@@ -46,6 +46,7 @@ class Job(NamedTuple):
     seq: Sequence
     markup: Markup
     budget: ThinkBudget | None
+    guard: CallGuard | None = None
 
 
 class Runtime:
@@ -147,7 +148,10 @@ class Runtime:
             return Job(seq, Markup(calls=None), None)
         seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
         seq.constraint = seq.constraint or self.grammars.for_schema(request.response_schema)
-        return Job(seq, self._markup(request, ids), self._budget(request))
+        guard = None
+        if request.tools and request.tool_choice == "auto" and seq.constraint is None and self.config.constrain_calls:
+            guard = self.grammars.guard(request.tools)
+        return Job(seq, self._markup(request, ids), self._budget(request), guard)
 
     def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
         calls = HERMES if request.tools and request.tool_choice != "none" else None

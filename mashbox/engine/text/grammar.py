@@ -3,12 +3,17 @@
 For ``tool_choice`` ``required`` (some call must come out) or a named tool
 (that call must come out), a request's tokens are masked at every step so the
 answer is exactly ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-with arguments valid under the tool's JSON schema. Works on CPU and GPU.
+with arguments valid under the tool's JSON schema. In ``auto`` mode the text
+stays free, but once the model has begun a call in a form the markup reads (the
+tags, a bare ``{"name"``, a ```` ```json ```` block) the rest of that call is
+masked the same way (``CallGuard``): it names a declared tool, with arguments
+valid under that tool's schema. Works on CPU and GPU.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +27,7 @@ from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 STRICT_JSON = {"whitespace_flexible": False}
+FLEXIBLE_JSON = {"whitespace_flexible": True}  # a call the model began is read as it lays it out
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
@@ -68,12 +74,57 @@ class Grammars:
                 raise InvalidRequestError("tool_choice", f"names a tool that is not in tools: {choice!r}")
         return Constraint(self.tokenizer, tool_grammar(tools, many=choice == "required" and parallel))
 
+    def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
+        """Auto mode's guard of the calls the model begins (see ``CallGuard``)."""
+        return CallGuard(self.tokenizer, tools)
+
     def for_schema(self, schema: dict[str, Any] | None) -> Constraint | None:
         """The constraint of an answer that is one JSON value valid under ``schema``."""
         if schema is None:
             return None
         grammar = f"start: %json {json.dumps({**schema, 'x-guidance': STRICT_JSON})}\n"
         return Constraint(self.tokenizer, grammar, "response_schema")
+
+
+class CallGuard:
+    """Auto mode: the rest of a call the model has begun is constrained to the declared tools.
+
+    After each token the markup says whether a call is open and how it began; the guard then
+    keeps one constraint for that call, made from the bytes the model wrote since the call's first
+    character, and drops it once the markup has the call (or gives up on a call whose start no
+    declared tool fits: that one stays free, and ends as text)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], fmt: CallFormat = HERMES) -> None:
+        schema = {"anyOf": [call_schema(t) for t in tools], "x-guidance": FLEXIBLE_JSON}
+        body = f"body: %json {json.dumps(schema)}\n"
+        close = re.escape(fmt.close).replace("/", "\\/")
+        self.grammars = {
+            "tag": f"start: BLANK? body END\nBLANK: /[ \\t\\r\\n]+/\nEND: /[ \\t\\r\\n]*{close}/\n{body}",
+            "fenced": f"start: body END\nEND: /[ \\t\\r\\n]*```/\n{body}",
+            "bare": f"start: body\n{body}",
+        }
+        self.tokenizer = tokenizer
+        self.active: Constraint | None = None
+        self.given_up = False
+
+    def follow(self, call: tuple[str, str] | None, output_ids: list[int]) -> Constraint | None:
+        """The constraint for the next token: ``call`` is the markup's open call (its form and its
+        text so far) or None, ``output_ids`` every token of the answer so far."""
+        if call is None or self.given_up or (self.active and self.active.matcher.is_stopped()):
+            self.active, self.given_up = None, call is not None
+            return None
+        if self.active is None:
+            self.active = self._begin(*call, self.tokenizer.decode_bytes(output_ids))
+            self.given_up = self.active is None
+        return self.active
+
+    def _begin(self, form: str, text: str, written: bytes) -> Constraint | None:
+        at = written.rfind(text.encode())
+        if at < 0:
+            return None
+        constraint = Constraint(self.tokenizer, self.grammars[form])
+        ids = self.tokenizer.tokenize_bytes(written[at:])
+        return constraint if constraint.matcher.try_consume_tokens(ids) == len(ids) else None
 
 
 class Constraint:
