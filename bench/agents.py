@@ -1,15 +1,17 @@
-"""The real coding agents against a model server: can each read a file and say what it holds?
+"""The real coding agents against model servers: can each read a file and say what it holds?
 
-    python bench/agents.py [--url URL | --llama-server PATH] [--bin .agents/node_modules/.bin]
+    python bench/agents.py [--servers mashbox llama-server] [--llama-server PATH] [--url URL]
+                           [--bin .agents/node_modules/.bin]
 
-``make agents`` installs the pinned Claude Code, Codex and Pi into ``.agents/`` and runs this. Without
-``--url`` it starts ``mashbox run qwen2.5-coder-0.5b --ctx 32768 --slots 2`` on a free port (prefix
-pages in ``.agents/prefixes``, so a second run is warm), or with ``--llama-server`` llama.cpp's
-server on the same GGUF. Each agent gets a fresh folder holding ``secret.txt`` with a random word
-(``/tmp/mashbox-agents/AGENT/work``, the same path every run and outside any git repository:
-Claude Code writes the folder, its git status and recent commits into its system prompt, before
-the tools, so a change there would miss the prefix cache), a fresh home beside it (its own
-config, nothing from ``~``), and one prompt: read the file, say the word.
+``make agents`` installs the pinned Claude Code, Codex and Pi into ``.agents/`` and runs this. It
+starts ``mashbox run qwen2.5-coder-0.5b --ctx 32768 --slots 2`` on a free port (prefix pages in
+``.agents/prefixes``, so a second run is warm), runs every agent, stops it, then does the same with
+llama.cpp's server on the same GGUF (``--llama-server``, built by bench/build_llama_server.sh), and
+prints the two side by side: how many tasks each solved. ``--url`` runs against one server that is
+already up instead. Each agent gets a fresh folder holding ``secret.txt`` with a random word (the
+same word on both servers; ``/tmp/mashbox-agents/AGENT/work``, the same path every run and
+outside any git repository), a fresh home beside it (its own config, nothing from ``~``), and one
+prompt: read the file, say the word.
 Claude Code speaks Anthropic Messages, Codex Responses, Pi each of the three protocols.
 
 Every request goes through a logging proxy (bench/agent_proxy.py), which times the first turn's
@@ -173,8 +175,8 @@ def write_log(log_dir: Path, run: Run, proxy: Proxy) -> None:
         (folder / f"{n:02d}.answer.txt").write_bytes(bytes(x.raw))
 
 
-def server_command(args: argparse.Namespace, port: int) -> list[str]:
-    if args.llama_server:
+def server_command(args: argparse.Namespace, server: str, port: int) -> list[str]:
+    if server == "llama-server":
         from mashbox.engine.load.catalog import resolve
 
         command = [args.llama_server, "-m", str(resolve(MODEL).path), "--host", "127.0.0.1", "--port", str(port),
@@ -184,13 +186,13 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
             "--slots", "2", "--cache-dir", str(args.cache_dir)]
 
 
-def serve(args: argparse.Namespace, log_path: Path) -> tuple[str, subprocess.Popen | None]:
-    if args.url:
+def serve(args: argparse.Namespace, server: str, log_path: Path) -> tuple[str, subprocess.Popen | None]:
+    if server == "url":
         return args.url.rstrip("/"), None
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    argv = server_command(args, port)
+    argv = server_command(args, server, port)
     print(f"starting {' '.join(argv)}; its log: {log_path}", flush=True)
     proc = subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -200,32 +202,15 @@ def serve(args: argparse.Namespace, log_path: Path) -> tuple[str, subprocess.Pop
     return url, proc
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="an already running server (default: start mashbox run)")
-    parser.add_argument("--llama-server", help="start this llama-server binary on the same GGUF instead")
-    parser.add_argument("--bin", type=Path, default=ROOT / ".agents/node_modules/.bin", help="the agents' binaries")
-    parser.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
-    parser.add_argument("--ctx", type=int, default=32768)
-    parser.add_argument("--cache-dir", type=Path, default=ROOT / ".agents/prefixes")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mashbox-agents",
-                        help="each agent's folder and home go here: the same folder every run and outside any git "
-                             "repository, since Claude Code puts the folder, its git status and recent commits in its "
-                             "system prompt, and a change there misses the prefix cache")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds each agent may take")
-    parser.add_argument("--log-dir", type=Path, help="default: a new folder under /tmp")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--seed", type=int, help="for the secret words (default: random)")
-    args = parser.parse_args()
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mashbox-agents-"))
+def run_all(args: argparse.Namespace, server: str, words: dict[str, str], log_dir: Path) -> list[dict]:
+    """Every agent against one server (started here unless ``server`` is ``url``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    url, proc = serve(args, log_dir / "server.log")
+    url, proc = serve(args, server, log_dir / "server.log")
     rows = []
     try:
         with Proxy(url) as proxy:
             for agent in args.agents:
-                run = run_agent(agent, args.bin.resolve(), proxy, args.work.resolve(), secret_word(rng), args.timeout)
+                run = run_agent(agent, args.bin.resolve(), proxy, args.work.resolve(), words[agent], args.timeout)
                 write_log(log_dir, run, proxy)
                 rows.append(row(run, proxy))
                 print(json.dumps(rows[-1]), flush=True)
@@ -233,10 +218,58 @@ def main() -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    server = args.url or ("llama-server " + args.llama_server if args.llama_server else f"mashbox run {MODEL}")
-    print(f"\n{server}, {date.today()}; logs: {log_dir}\n\n{table(rows)}")
+    return rows
+
+
+def side_by_side(results: dict[str, list[dict]]) -> str:
+    """One line per agent: each server's exit, first token, calls and whether it solved the task."""
+    servers = list(results)
+    head = "| agent / protocol | " + " | ".join(f"{s}: exit, first token, calls, solved" for s in servers) + " |"
+    lines = [head, "|---|" + "---|" * len(servers)]
+    for i, r in enumerate(results[servers[0]]):
+        cells = []
+        for server in servers:
+            x = results[server][i]
+            ttft = "-" if x["ttft_s"] is None else f"{x['ttft_s']:.1f} s"
+            cells.append(f"{x['rc']}, {ttft}, {x['tool_calls']}, **{'yes' if x['solved'] else 'no'}**")
+        lines.append(f"| {r['agent']} | " + " | ".join(cells) + " |")
+    solved = ", ".join(f"{s} {sum(x['solved'] for x in rows)} of {len(rows)}" for s, rows in results.items())
+    return "\n".join(lines) + f"\n\nSolved: {solved}."
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", nargs="+", default=["mashbox", "llama-server"], choices=["mashbox", "llama-server"])
+    parser.add_argument("--url", help="run against this already running server instead")
+    parser.add_argument("--llama-server", default="/tmp/llama-peer/build/bin/llama-server",
+                        help="llama.cpp's server binary (default: where bench/build_llama_server.sh puts it)")
+    parser.add_argument("--bin", type=Path, default=ROOT / ".agents/node_modules/.bin", help="the agents' binaries")
+    parser.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--cache-dir", type=Path, default=ROOT / ".agents/prefixes")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mashbox-agents",
+                        help="each agent's folder and home go here (the same folder every run)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds each agent may take")
+    parser.add_argument("--log-dir", type=Path, help="default: a new folder under /tmp")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--seed", type=int, help="for the secret words (default: random)")
+    args = parser.parse_args()
+    servers = ["url"] if args.url else args.servers
+    if "llama-server" in servers and not Path(args.llama_server).exists():
+        parser.error(f"--llama-server: {args.llama_server} does not exist; build it with bench/build_llama_server.sh")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mashbox-agents-"))
+    rng = random.Random(args.seed)
+    words = {agent: secret_word(rng) for agent in args.agents}
+    results = {}
+    for server in servers:
+        results[server] = run_all(args, server, words, log_dir / server)
+        name = {"url": args.url, "llama-server": "llama-server " + args.llama_server}.get(server, f"mashbox run {MODEL}")
+        print(f"\n{name}, {date.today()}; logs: {log_dir / server}\n\n{table(results[server])}", flush=True)
+    if len(results) > 1:
+        print(f"\n{side_by_side(results)}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
+    rows = [r for server_rows in results.values() for r in server_rows]
     return 0 if all(r["rc"] == 0 and not r["protocol_errors"] for r in rows) else 1
 
 

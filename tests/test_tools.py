@@ -3,6 +3,7 @@ constrained decoding makes even random weights produce valid calls."""
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -264,3 +265,19 @@ def test_which_requests_are_guarded(tiny_engine, tiny_model_dir):
     assert tiny_engine._job(EngineRequest(messages=ask)).guard is None
     with Engine(str(tiny_model_dir), ctx=256, slots=1, quiet=True, constrain_calls=False) as free:
         assert free._job(EngineRequest(messages=ask, tools=tools)).guard is None
+
+
+@pytest.mark.parametrize("capture", ["claude-code_POST_v1_messages.json", "codex-exec_POST_v1_responses.json",
+                                     "pi-openai-completions_POST_v1_chat_completions.json"])
+def test_the_agents_own_tools_are_guarded(tiny_engine, capture):
+    """The captured agents' tool lists (Claude Code's use propertyNames, which llguidance does not
+    implement: ignored) make a guard whose first name token can only start a declared tool."""
+    body = json.loads((Path(__file__).parent / "fixtures/clients" / capture).read_text())["body"]
+    specs = [t.get("function", t) for t in body["tools"]]
+    tools = tuple(Tool(f["name"], "", f.get("input_schema") or f.get("parameters") or {}) for f in specs if "name" in f)
+    tok = tiny_engine.tokenizer
+    constraint = tiny_engine.grammars.guard(tools).follow(("bare", '{"name": "'), tok.encode('{"name": "'))
+    row = torch.zeros(len(tok))
+    constraint.mask(row)
+    starts = {tok.decode([i]) for i in (row == 0).nonzero().flatten().tolist()}
+    assert starts and all(any(t.name.startswith(s) for t in tools) for s in starts)

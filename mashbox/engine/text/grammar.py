@@ -27,7 +27,7 @@ from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 STRICT_JSON = {"whitespace_flexible": False}
-FLEXIBLE_JSON = {"whitespace_flexible": True}  # a call the model began is read as it lays it out
+FLEXIBLE_JSON = {"whitespace_flexible": True, "lenient": True}  # as the model lays it out; unknown keywords ignored
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
@@ -122,7 +122,10 @@ class CallGuard:
         at = written.rfind(text.encode())
         if at < 0:
             return None
-        constraint = Constraint(self.tokenizer, self.grammars[form])
+        try:
+            constraint = Constraint(self.tokenizer, self.grammars[form])
+        except InvalidRequestError:  # a schema llguidance cannot enforce: the call stays free
+            return None
         ids = self.tokenizer.tokenize_bytes(written[at:])
         return constraint if constraint.matcher.try_consume_tokens(ids) == len(ids) else None
 
