@@ -69,10 +69,14 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--verbatim-template", action="store_true",
                      help="render the model's chat template as written; by default tools that a template puts "
                           "after the system text come before it, so an agent's tools stay cached when its "
-                          "system text (folder, date) changes")
+                          "system text (folder, date) changes (default: off)")
     run.add_argument("--free-calls", action="store_true",
                      help="in tool_choice auto, leave a tool call the model begins unconstrained; by default "
-                          "the rest of it is held to the declared tools' names and parameter schemas")
+                          "the rest of it is held to the declared tools' names and parameter schemas (default: off)")
+    run.add_argument("--sampling", type=_sampling, default={}, metavar="NAME=VALUE,...",
+                     help="sampling for requests that leave these fields out, e.g. temperature=0.7,top_p=0.8 "
+                          "(Qwen's advice for agents; fields: " + ", ".join(SAMPLING_FIELDS) + "); a request's own "
+                          "values win (default: none: greedy)")
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
                      help="host memory for prompt prefixes saved from slots about to be reused, in MiB; "
                           "0 = off (default: %(default)s)")
@@ -135,6 +139,30 @@ def list_models() -> int:
     return 0
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty")
+
+
+def _sampling(text: str) -> dict[str, float]:
+    from mashbox.engine.request import SamplingParams
+
+    values: dict[str, float] = {}
+    for part in filter(str.strip, text.split(",")):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if name not in SAMPLING_FIELDS or not eq:
+            raise argparse.ArgumentTypeError(f"must be NAME=VALUE pairs of {', '.join(SAMPLING_FIELDS)} (got {text!r})")
+        try:
+            values[name] = int(value) if name == "top_k" else float(value)
+        except ValueError:
+            kind = "a whole number" if name == "top_k" else "a number"
+            raise argparse.ArgumentTypeError(f"{name}: must be {kind} (got {value!r})") from None
+    try:
+        SamplingParams(**values)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return values
+
+
 def _mib(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number of MiB, 0 or more (got {text!r})")
@@ -170,7 +198,8 @@ def _settings(args: argparse.Namespace):
     origins = [*args.allow_origin, *os.environ.get("MASHBOX_ALLOW_ORIGINS", "").split(",")]
     return Settings(host=args.host, port=args.port, api_keys=keys, key_file=args.api_key_file, ui=args.ui,
                     allow_origins=tuple(o.strip().rstrip("/") for o in origins if o.strip()),
-                    cache_ram_mib=args.cache_ram, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600)
+                    cache_ram_mib=args.cache_ram, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600,
+                    sampling=args.sampling)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
-         "--allow-origin", "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process", "--kv-dtype")
+         "--allow-origin", "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process", "--kv-dtype",
+         "--verbatim-template", "--free-calls", "--sampling")
 
 
 def free_port():

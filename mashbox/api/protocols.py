@@ -59,10 +59,13 @@ class Prepared:
     ignored: list[str]
 
 
-def prepare(protocol: Protocol, body: Mapping[str, Any], served: str) -> Prepared:
+def prepare(protocol: Protocol, body: Mapping[str, Any], served: str,
+            sampling: Mapping[str, float] | None = None) -> Prepared:
     """Read ``body`` as a ``protocol`` request for the model ``served``; InvalidRequestError naming the
-    field when it is wrong, ModelNotFoundError when it names another model."""
-    req = parse(protocol.request, body)
+    field when it is wrong, ModelNotFoundError when it names another model. ``sampling`` gives the
+    sampling fields (``temperature``, ``top_p``, ...) a body leaves out, where its protocol has them."""
+    given = {k: v for k, v in (sampling or {}).items() if body.get(k) is None and k in protocol.request.model_fields}
+    req = parse(protocol.request, {**body, **given})
     model = getattr(req, "model", None)
     if model not in (None, served) and not protocol.any_model:
         raise ModelNotFoundError(model, served)

@@ -103,7 +103,7 @@ async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], reque
     """Answer one request of ``protocol``: a JSON body, or its stream of events."""
     served = ctx.served()
     refuse_overlong(ctx, body, protocol.turns)
-    prepared = prepare(protocol, body, served)
+    prepared = prepare(protocol, body, served, ctx.settings.sampling)
     req, engine = prepared.req, prepared.engine
     tag = Tag.of(request, req, ctx)
     if ctx.settings.auth_required:  # one tenant's prompts never make another's cache hits (nor timings)

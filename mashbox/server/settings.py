@@ -58,6 +58,7 @@ class Settings:
     cache_ram_mib: int = 0
     tasks_db: str | None = None  # the agent tasks' SQLite file (default: tasks.sqlite3 in the mashbox cache)
     tasks_ttl_s: float = 24 * 3600  # a task untouched this long expires (unfinished) or is deleted (finished)
+    sampling: Mapping[str, float] = field(default_factory=dict)  # what a request that leaves a field out gets
 
     def __post_init__(self) -> None:
         if not isinstance(self.api_keys, KeyRing):
