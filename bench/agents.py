@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,7 @@ PROMPT = "Read the file secret.txt in the current folder and tell me the secret 
 WORDS = ("marmalade", "quokka", "tangerine", "zeppelin", "walrus", "obsidian", "pelican", "saffron",
          "gondola", "juniper", "kumquat", "narwhal", "paprika", "lantern", "meringue", "falcon")
 AGENTS = ("pi-openai-completions", "pi-openai-responses", "pi-anthropic-messages", "codex", "claude-code")
+SERVERS = ["mashbox", "llama-server"]
 WATCHDOG_MS = "1800000"  # Claude Code's stream watchdog and request timeout: a cold prefill may pass 5 min
 
 
@@ -183,7 +185,7 @@ def server_command(args: argparse.Namespace, server: str, port: int) -> list[str
                    "-c", str(args.ctx), "-np", "1", "--jinja", "--no-webui"]
         return command + (["--no-repack"] if amx_without_support() else [])
     return [sys.executable, "-m", "mashbox", "run", MODEL, "--port", str(port), "--ctx", str(args.ctx),
-            "--slots", "2", "--cache-dir", str(args.cache_dir)]
+            "--slots", "2", "--cache-dir", str(args.cache_dir), *shlex.split(args.mashbox_flags)]
 
 
 def serve(args: argparse.Namespace, server: str, log_path: Path) -> tuple[str, subprocess.Popen | None]:
@@ -196,7 +198,7 @@ def serve(args: argparse.Namespace, server: str, log_path: Path) -> tuple[str, s
     print(f"starting {' '.join(argv)}; its log: {log_path}", flush=True)
     proc = subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-    if wait_ready(url, proc, 900) is None:
+    if wait_ready(url + "/health", proc, 900) is None:  # llama-server without its web page answers no /
         proc.terminate()
         raise SystemExit(f"the server did not become ready; see {log_path}")
     return url, proc
@@ -239,10 +241,12 @@ def side_by_side(results: dict[str, list[dict]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--servers", nargs="+", default=["mashbox", "llama-server"], choices=["mashbox", "llama-server"])
+    parser.add_argument("--servers", nargs="+", default=SERVERS, choices=SERVERS)
     parser.add_argument("--url", help="run against this already running server instead")
     parser.add_argument("--llama-server", default="/tmp/llama-peer/build/bin/llama-server",
                         help="llama.cpp's server binary (default: where bench/build_llama_server.sh puts it)")
+    parser.add_argument("--mashbox-flags", default="",
+                        help="more flags for mashbox run: --mashbox-flags='--sampling temperature=0.7'")
     parser.add_argument("--bin", type=Path, default=ROOT / ".agents/node_modules/.bin", help="the agents' binaries")
     parser.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
     parser.add_argument("--ctx", type=int, default=32768)
@@ -263,7 +267,8 @@ def main() -> int:
     results = {}
     for server in servers:
         results[server] = run_all(args, server, words, log_dir / server)
-        name = {"url": args.url, "llama-server": "llama-server " + args.llama_server}.get(server, f"mashbox run {MODEL}")
+        name = args.url if server == "url" else f"llama-server {args.llama_server}" if server == "llama-server" \
+            else f"mashbox run {MODEL}"
         print(f"\n{name}, {date.today()}; logs: {log_dir / server}\n\n{table(results[server])}", flush=True)
     if len(results) > 1:
         print(f"\n{side_by_side(results)}")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from soak import with_server  # noqa: E402
 
 CAPTURED = Path(__file__).parents[1] / "tests/fixtures/clients/claude-code_POST_v1_messages.json"
+LAYOUTS = ["tools-first", "verbatim"]
 ELSEWHERE = (("/home/user/work-claude", "/home/dev/billing-service"),
              ("Is a git repository: false", "Is a git repository: true"),
              ("2026-11-30", "2026-12-01"))
@@ -52,7 +53,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("request", type=Path, nargs="?", default=CAPTURED)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--layouts", nargs="+", default=["tools-first", "verbatim"], choices=["tools-first", "verbatim"])
+    parser.add_argument("--layouts", nargs="+", default=LAYOUTS, choices=LAYOUTS)
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     other = moved(request)

@@ -21,6 +21,8 @@ import time
 
 from mashbox import Engine
 
+LAYOUTS = ["tools-first", "verbatim"]
+CALLS = ["constrained", "free"]
 SYSTEM = ("You are a coding agent working in a user's project. Use the tools to read, search and "
           "change files and to run commands; answer directly when no tool is needed.\n\n"
           "Environment:\n - Working directory: {folder}\n - Platform: linux\n - Today's date: 2026-12-02")
@@ -107,7 +109,8 @@ def run(engine: Engine) -> tuple[dict, list[str]]:
         ok, why = judge(expected, wanted, message, names)
         calls = message.get("tool_calls") or []
         counts["passed"] += ok
-        counts["right tool"] += bool(calls) and calls[0]["function"]["name"] == expected or (not calls and expected is None)
+        named = calls[0]["function"]["name"] if calls else None
+        counts["right tool"] += named == expected
         counts["undeclared"] += why.startswith("undeclared")
         counts["as text"] += why == "a call as text"
         if not ok:
@@ -118,8 +121,8 @@ def run(engine: Engine) -> tuple[dict, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--layouts", nargs="+", default=["tools-first", "verbatim"], choices=["tools-first", "verbatim"])
-    parser.add_argument("--calls", nargs="+", default=["constrained", "free"], choices=["constrained", "free"])
+    parser.add_argument("--layouts", nargs="+", default=LAYOUTS, choices=LAYOUTS)
+    parser.add_argument("--calls", nargs="+", default=CALLS, choices=CALLS)
     args = parser.parse_args()
     rows = []
     for layout in args.layouts:
@@ -131,7 +134,8 @@ def main() -> None:
             for failure in failures:
                 print(f"[{layout}, {calls}] {failure}")
     print(f"\n{len(CASES)} cases ({sum(c[2] is None for c in CASES)} need no tool), model {args.model}, greedy\n")
-    print("| layout | calls in auto mode | passed | right tool (or rightly none) | undeclared tool | call left as text | seconds |")
+    print("| layout | calls in auto mode | passed | right tool (or rightly none) | undeclared tool | call left as text "
+          "| seconds |")
     print("|---|---|---|---|---|---|---|")
     for layout, calls, c in rows:
         print(f"| {layout} | {calls} | {c['passed']}/{len(CASES)} | {c['right tool']} | {c['undeclared']} | "

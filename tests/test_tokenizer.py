@@ -107,7 +107,8 @@ def test_tools_come_before_the_system_text_where_the_template_puts_them_after_it
     assert first == verbatim.replace("Be brief.\n\n" + block, block + "\n\nBe brief.")
     assert first.startswith("<|im_start|>system\n# Tools") and "</tool_call>\n\nBe brief.<|im_end|>" in first
     other = (Message("system", "Working folder: /elsewhere"), *conversation[1:])
-    a, b = (ours.encode(ChatTemplate(ours).render(c, (WEATHER,)), add_special_tokens=False) for c in (conversation, other))
+    a, b = (ours.encode(ChatTemplate(ours).render(c, (WEATHER,)), add_special_tokens=False)
+            for c in (conversation, other))
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert len(ours.encode(first[:first.index("Be brief.")], add_special_tokens=False)) - 2 <= shared
     a, b = (ours.encode(ChatTemplate(ours, verbatim=True).render(c, (WEATHER,)), add_special_tokens=False)
@@ -120,7 +121,8 @@ def test_tools_stay_where_a_template_puts_them_elsewhere(pair, smol_tokenizer) -
     prompt (a template without tools) comes before the system text unless verbatim."""
     ours, _ = pair
     ours.chat_template = (  # the tools after the first user turn (as Llama 3's templates put them)
-        "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n"
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}"
+        "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n"
         "{% if loop.index == 2 and tools %}{{ tools | tojson }}\n{% endif %}{% endfor %}")
     conversation = CONVERSATIONS[1]
     assert ChatTemplate(ours).knows_tools

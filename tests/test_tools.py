@@ -222,7 +222,8 @@ def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, sm
     core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, tok)
     try:
         seq = Sequence("r", [1, 2, 3], SamplingParams(), len(script) + 1, frozenset({tok.eos_token_id}))
-        channel = core.submit(seq, Markup(names=frozenset(t.name for t in tools)), None, tiny_engine.grammars.guard(tools))
+        guard = tiny_engine.grammars.guard(tools)
+        channel = core.submit(seq, Markup(names=frozenset(t.name for t in tools)), None, guard)
         events = [channel.get(timeout=30)]
         while not isinstance(events[-1], Finish):
             events.append(channel.get(timeout=30))
@@ -237,7 +238,8 @@ def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, sm
     invented = tok.encode("read", add_special_tokens=False)[0]
     assert invented not in name_tokens and tok.encode("get", add_special_tokens=False)[0] in name_tokens
     call_end = next(i for i, text in enumerate(texts) if text.rstrip().endswith(written.rstrip()))
-    assert all(a is not None and script[i] in a for i, a in enumerate(runner.allowed[first_masked:call_end + 1], first_masked))
+    in_call = enumerate(runner.allowed[first_masked:call_end + 1], first_masked)
+    assert all(a is not None and script[i] in a for i, a in in_call)
     assert all(a is None for a in runner.allowed[call_end + 1:]), "text after the call is free again"
 
 
