@@ -95,17 +95,18 @@ def test_templates_render_as_transformers_renders_them(pair, source, conversatio
 
 
 def test_tools_come_before_the_system_text_where_the_template_puts_them_after_it(pair) -> None:
-    """Qwen's template: the system turn is the tools block, then the system text; the rest is the
-    template's own; two system texts share every token of the tools block."""
+    """Qwen's template: the system turn is the tools' schemas, the system text, then the template's
+    call rules; the rest is the template's own; two system texts share every token of the schemas."""
     ours, theirs = pair
     ours.chat_template = theirs.chat_template = (TEMPLATES / "qwen2.5-coder.jinja").read_text()
     conversation = CONVERSATIONS[1]
     verbatim = ChatTemplate(ours, verbatim=True).render(conversation, (WEATHER,))
     first = ChatTemplate(ours).render(conversation, (WEATHER,))
-    block = verbatim[verbatim.index("# Tools"):verbatim.index("</tool_call><|im_end|>") + len("</tool_call>")]
-    assert verbatim.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
-    assert first == verbatim.replace("Be brief.\n\n" + block, block + "\n\nBe brief.")
-    assert first.startswith("<|im_start|>system\n# Tools") and "</tool_call>\n\nBe brief.<|im_end|>" in first
+    end = verbatim.rindex("</tools>") + len("</tools>")
+    schemas, rules = verbatim[verbatim.index("# Tools"):end], verbatim[end:verbatim.index("</tool_call><|im_end|>") + 12]
+    assert verbatim.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and rules.startswith("\n\nFor each")
+    assert first == verbatim.replace("Be brief.\n\n" + schemas + rules, schemas + "\n\nBe brief." + rules)
+    assert first.startswith("<|im_start|>system\n# Tools") and "</tools>\n\nBe brief.\n\nFor each" in first
     other = (Message("system", "Working folder: /elsewhere"), *conversation[1:])
     a, b = (ours.encode(ChatTemplate(ours).render(c, (WEATHER,)), add_special_tokens=False)
             for c in (conversation, other))

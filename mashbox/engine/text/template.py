@@ -8,10 +8,13 @@ and tool results render back in the form the template knows, or as
 ``<tool_call>`` / ``<tool_response>`` text when it knows none.
 
 Tools first: where a template puts the tools inside the system turn right after
-the system text (Qwen's and Hermes-style templates), the tools are moved before
-the system text, so that an agent's long and stable tool definitions are a
+the system text (Qwen's and Hermes-style templates), the tools' schemas are moved
+before the system text, so that an agent's long and stable tool definitions are a
 prompt prefix shared across projects and days while its system text (working
-folder, date, git status) changes. ``verbatim`` renders the template as written.
+folder, date, git status) changes; the template's call rules that follow the
+schemas (after ``</tools>``) stay after the system text, next to the conversation,
+where small models need them to call at all. ``verbatim`` renders the template as
+written.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mashbox.errors import InvalidRequestError
 
 
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
+TOOLS_END = "</tools>"  # where a Hermes-style tools block's schemas end and its call rules begin
 
 
 class ChatTemplate:
@@ -76,7 +80,10 @@ class ChatTemplate:
         if not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after:
             return self._render(conversation, kwargs)
         gap = block[: len(block) - len(block.lstrip())] or "\n\n"
-        return head + block.lstrip() + gap + system + plain_after
+        schemas, end, rules = block.lstrip().rpartition(TOOLS_END)
+        if not end:
+            return head + block.lstrip() + gap + system + plain_after
+        return head + schemas + end + gap + system + rules + plain_after
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]
