@@ -131,7 +131,8 @@ def test_tools_stay_where_a_template_puts_them_elsewhere(pair, smol_tokenizer) -
         conversation, (WEATHER,))
     ours.chat_template = smol_tokenizer.chat_template
     first, verbatim = (ChatTemplate(ours, verbatim=v).render(conversation, (WEATHER,)) for v in (False, True))
-    assert first.index("# Tools") < first.index("Be brief.") and verbatim.index("Be brief.") < verbatim.index("# Tools")
+    assert first.index("# Tools") < first.index("</tools>") < first.index("Be brief.") < first.index("To call one")
+    assert verbatim.index("Be brief.") < verbatim.index("# Tools")
 
 
 def test_a_template_error_is_the_request_s(pair) -> None:

@@ -3,7 +3,7 @@
 System and developer messages, wherever they appear, join the one system
 prompt at the start. Tools reach the model through the template when it knows
 tools; otherwise through mashbox's tool prompt (the tools as JSON schemas and
-the Hermes call format) put before the system prompt. Assistant tool calls
+the Hermes call format) around the system prompt. Assistant tool calls
 and tool results render back in the form the template knows, or as
 ``<tool_call>`` / ``<tool_response>`` text when it knows none.
 
@@ -70,8 +70,9 @@ class ChatTemplate:
             raise InvalidRequestError("messages", f"the model's chat template refuses this conversation: {err}") from err
 
     def _tools_first(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
-        """The conversation rendered with the template's tools block before the system text, where
-        the template puts that block right after the system text; else as the template has it."""
+        """The conversation rendered with the schemas of the template's tools block before the system
+        text and its call rules after it, where the template puts that block right after the system
+        text; else as the template has it."""
         system = conversation[0]["content"]
         marked = [{"role": "system", "content": SYSTEM_MARK}, *conversation[1:]]
         head, mark, after = self._render(marked, kwargs).partition(SYSTEM_MARK)
@@ -87,8 +88,9 @@ class ChatTemplate:
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]
-        if tools:  # tools first, unless verbatim: see the module's note
-            parts = [*parts, tool_prompt(tools)] if self.verbatim else [tool_prompt(tools), *parts]
+        if tools:  # the schemas first and the call rules last, unless verbatim: see the module's note
+            schemas, end, rules = tool_prompt(tools).rpartition(TOOLS_END)
+            parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
         system = "\n\n".join(parts)
         turns = [self._turn(m) for m in messages if m.role != "system"]
         return ([{"role": "system", "content": system}] if system else []) + turns
