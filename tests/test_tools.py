@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
 from mashbox.engine.core import EngineCore
-from mashbox.engine.events import Finish, ToolCallStart
+from mashbox.engine.events import Finish, ToolCallDelta, ToolCallEnd, ToolCallStart
+from mashbox.engine.request import ToolCall
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
-from mashbox.engine.text.markup import Markup
+from mashbox.engine.text.markup import Markup, looping_call
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -283,3 +284,36 @@ def test_the_agents_own_tools_are_guarded(tiny_engine, capture):
     constraint.mask(row)
     starts = {tok.decode([i]) for i in (row == 0).nonzero().flatten().tolist()}
     assert starts and all(any(t.name.startswith(s) for t in tools) for s in starts)
+
+
+def _turns(*results: str, call=ToolCall("c", "read", '{"path": "secret.txt"}')) -> tuple[Message, ...]:
+    """A user ask, then one assistant call per result, each answered with that result."""
+    turns = [Message("user", "What is the secret word?")]
+    for result in results:
+        turns += [Message("assistant", "", tool_calls=(call,)), Message("tool", result, tool_call_id="c")]
+    return tuple(turns)
+
+
+def test_a_call_made_and_answered_alike_three_turns_running_is_a_loop():
+    key = ("read", json.dumps({"path": "secret.txt"}))
+    assert looping_call(_turns("walrus", "walrus", "walrus")) == key
+    assert looping_call(_turns("walrus", "walrus", "walrus", "walrus")) == key
+    assert looping_call(_turns("walrus", "walrus")) is None, "two turns are not yet a loop"
+    assert looping_call(_turns("old", "new", "new")) is None, "a file that changed is read again rightly"
+    assert looping_call((*_turns("walrus", "walrus", "walrus"), Message("user", "Again"))) is None
+    other = ToolCall("c", "read", '{"path": "other.txt"}')
+    assert looping_call((*_turns("walrus", "walrus"), *_turns("walrus", call=other)[1:])) is None
+
+
+def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_tokenizer):
+    """The fourth identical read after three identical results ends the answer with no call (the
+    agent gets an empty answer and stops); with tool_choice required the grammar still rules."""
+    tools = (Tool("read", "", {"type": "object", "properties": {"path": {"type": "string"}}}),)
+    looping = EngineRequest(messages=_turns("walrus", "walrus", "walrus"), tools=tools)
+    markup = tiny_engine._job(looping).markup
+    call = '<tool_call>\n{"name": "read", "arguments": {"path": "secret.txt"}}\n</tool_call>'
+    assert markup.push(call) + markup.flush() == [] and markup.repeated
+    fresh = tiny_engine._job(EngineRequest(messages=_turns("walrus", "walrus"), tools=tools)).markup
+    assert [type(e) for e in fresh.push(call) + fresh.flush()] == [ToolCallStart, ToolCallDelta, ToolCallEnd]
+    required = tiny_engine._job(EngineRequest(messages=looping.messages, tools=tools, tool_choice="required"))
+    assert not required.markup.made

@@ -33,7 +33,7 @@ from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
-from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup
+from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup, looping_call
 from mashbox.engine.text.template import ChatTemplate, part_at
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
@@ -159,7 +159,10 @@ class Runtime:
         in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
         names = frozenset(t.name for t in request.tools) if calls else frozenset()
         forced = calls is not None and request.tool_choice != "auto"  # the grammar writes only calls
-        return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced)
+        loop = looping_call(request.messages) if calls and request.tool_choice == "auto" else None
+        made = frozenset([loop] if loop else [])
+        return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced,
+                      made=made)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:

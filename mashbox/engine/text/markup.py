@@ -12,7 +12,9 @@ So does a line of text that is a call the answer already wrote (a call to a tool
 exist, or one whose JSON is broken, stays text; written again, it is the same loop), a call (or
 such a line) that differs from ``SAME_SHAPE`` earlier ones only in its numbers (a model counting
 up: edit 195 -> 196, write 196, edit 196 -> 197, ...), and a run of more than ``BLANK_LINES``
-blank lines.
+blank lines. Across turns: a conversation whose last ``LOOP_TURNS`` assistant turns each made the
+same one call and got the same result back (an agent's model reading one file again and again)
+has that call counted as made, so writing it once more ends the answer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mashbox.engine.events import Event, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from mashbox.engine.request import Message
 from mashbox.engine.text.stop import overlap
 
 
@@ -55,6 +58,7 @@ HERMES = CallFormat()
 CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
 BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
+LOOP_TURNS = 3  # turns in a row of one call with one result, after which that call is a loop
 NUMBERS = re.compile(r"\d+")
 BARE_START = re.compile(r'\s*(```json\s*)?(\{\s*"name")')  # held text that is a call begun without tags
 BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
@@ -65,7 +69,8 @@ class Markup:
     """Splits model text into text, reasoning and tool-call events."""
 
     def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False,
-                 names: frozenset[str] = frozenset(), cut_calls_are_text: bool = True) -> None:
+                 names: frozenset[str] = frozenset(), cut_calls_are_text: bool = True,
+                 made: frozenset[tuple[str, str]] = frozenset()) -> None:
         self.calls = calls
         self.cut_calls_are_text = cut_calls_are_text  # False: a call cut off unparsed is dropped
         self.think = think
@@ -74,7 +79,7 @@ class Markup:
         self.body = ""
         self.blank = ""
         self.num_calls = 0
-        self.made: set[tuple[str, str]] = set()
+        self.made: set[tuple[str, str]] = set(made)  # (name, arguments) of the calls made: one more is a loop
         self.shapes: Counter[tuple[str, str]] = Counter()  # the calls made, their numbers left out
         self.repeated = False
         self.line = ""
@@ -297,6 +302,22 @@ class BareCall:
         except json.JSONDecodeError:
             return None, ""
         return text[:end], text[end:]
+
+
+def looping_call(messages: tuple[Message, ...]) -> tuple[str, str] | None:
+    """The call (its ``_key``) that each of the conversation's last ``LOOP_TURNS`` assistant turns
+    made alone, each time getting the same result back; None if they did not."""
+    turns: list[tuple[tuple[str, str], str]] = []
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and len(m.tool_calls) == 1:
+            result = messages[i + 1].content if i + 1 < len(messages) and messages[i + 1].role == "tool" else None
+            turns.append((_key(m.tool_calls[0].name, m.tool_calls[0].arguments), result))
+        elif m.role in ("assistant", "user"):
+            turns.append(((m.role, m.content), None))
+    last = turns[-LOOP_TURNS:]
+    if len(last) < LOOP_TURNS or last[0][1] is None or any(turn != last[0] for turn in last):
+        return None
+    return last[0][0]
 
 
 def _key(name: str, arguments: str) -> tuple[str, str]:
