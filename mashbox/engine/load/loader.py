@@ -99,6 +99,7 @@ def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: to
         ckpt = gguf_file.checkpoint(source.path, dev, dt, native.load())
         size = source.path.stat().st_size
     else:
+        _refuse_unknown(source.path)
         step("reading the tokenizer")
         tokenizer = _load_tokenizer(source)
         step("reading the weights")
@@ -195,6 +196,18 @@ def _load_tokenizer(source: ModelSource) -> Tokenizer:
         from transformers import AutoTokenizer
 
         return Tokenizer.of(_hf_call(source, AutoTokenizer.from_pretrained, str(source.path)))
+
+
+def _refuse_unknown(path: Path) -> None:
+    """An HF directory whose config names an architecture mashbox cannot run is refused before
+    anything is read (transformers would load it, and mashbox would run it as a Llama)."""
+    try:
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # reading the model says what is wrong with its config
+    if kind is not None and kind not in checkpoint.SUPPORTED:
+        raise ModelLoadError(f"'{path}' holds a {kind!r} model (config.json's model_type); mashbox runs "
+                             f"{', '.join(checkpoint.SUPPORTED)} models")
 
 
 def _read_checkpoint(source: ModelSource, device: torch.device, dtype: torch.dtype) -> checkpoint.Checkpoint | None:
