@@ -279,6 +279,7 @@ def test_the_agents_own_tools_are_guarded(tiny_engine, capture):
     specs = [t.get("function", t) for t in body["tools"]]
     tools = tuple(Tool(f["name"], "", f.get("input_schema") or f.get("parameters") or {}) for f in specs if "name" in f)
     tok = tiny_engine.tokenizer
+    assert tiny_engine.grammars.for_tools(tools, "required") is not None, "tool_choice required compiles too"
     constraint = tiny_engine.grammars.guard(tools).follow(("bare", '{"name": "'), tok.encode('{"name": "'))
     row = torch.zeros(len(tok))
     constraint.mask(row)

@@ -27,6 +27,7 @@ from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 STRICT_JSON = {"whitespace_flexible": False}
+TOOL_JSON = {**STRICT_JSON, "lenient": True}  # keywords llguidance lacks (propertyNames) ignored in tool schemas
 FLEXIBLE_JSON = {"whitespace_flexible": True, "lenient": True}  # as the model lays it out; unknown keywords ignored
 
 
@@ -44,7 +45,7 @@ def tool_grammar(tools: Iterable[Tool], many: bool, fmt: CallFormat = HERMES) ->
     """A Lark grammar (llguidance dialect) for one call, or one or more calls."""
     schemas = [call_schema(t) for t in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = json.dumps({**schema, "x-guidance": STRICT_JSON})
+    body = json.dumps({**schema, "x-guidance": TOOL_JSON})
     start = 'start: call ("\\n" call)*' if many else "start: call"
     return f'{start}\ncall: {json.dumps(fmt.open + chr(10))} body {json.dumps(chr(10) + fmt.close)}\nbody: %json {body}\n'
 
