@@ -156,3 +156,12 @@ def test_a_gguf_mashbox_cannot_run_is_refused_before_loading(tmp_path, arch, num
     path = write_gguf(tmp_path / "m.gguf", arch, model.config, {}, {}, numbers)
     with pytest.raises(ModelLoadError, match=says):
         checkpoint(path, torch.device("cpu"), torch.float32, None)
+
+
+def test_a_gguf_of_another_architecture_is_refused_before_its_tokenizer_is_read(tmp_path, monkeypatch):
+    """Engine("gemma.gguf") says the architecture and the supported ones, and makes no tokenizer copy."""
+    monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "gemma.gguf", "gemma3", _tiny(LlamaConfig, LlamaForCausalLM).config, {}, {}, {})
+    with pytest.raises(ModelLoadError, match="'gemma3' model; mashbox runs llama, mistral, qwen2, qwen3"):
+        Engine(str(path), slots=1, ctx=64, quiet=True)
+    assert not (tmp_path / "cache" / "converted").exists()

@@ -185,6 +185,26 @@ def hf_name(name: str) -> str | None:
     return None
 
 
+def refuse_unknown(path: Path) -> None:
+    """Refuse a GGUF file whose architecture mashbox cannot run, from its header alone (a file that
+    does not read is left for the loading to report)."""
+    try:
+        gguf = GGUFFile(path)
+    except (OSError, ValueError):
+        return
+    try:
+        _supported(gguf, path)
+    finally:
+        gguf.close()
+
+
+def _supported(gguf: GGUFFile, path: Path) -> str:
+    arch = gguf.fields.get("general.architecture")
+    if arch not in SUPPORTED:
+        raise ModelLoadError(f"'{path}' holds a {arch!r} model; mashbox runs {', '.join(SUPPORTED)} models")
+    return arch
+
+
 def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None) -> Checkpoint:
     """The model in a GGUF file, its matrices as blocks (``lib``: the kernels that dequantize them on
     first use as floats, where a form needs floats; gguf-py's numpy code without them)."""
@@ -192,9 +212,7 @@ def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes
         gguf = GGUFFile(path)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"Cannot read the GGUF file '{path}': {err}") from err
-    arch = gguf.fields.get("general.architecture")
-    if arch not in SUPPORTED:
-        raise ModelLoadError(f"'{path}' holds a {arch!r} model; mashbox runs {', '.join(SUPPORTED)} models")
+    arch = _supported(gguf, path)
     meta = lambda key, default=None: gguf.fields.get(f"{arch}.{key}", default)
     heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", int(meta("embedding_length")) // heads))

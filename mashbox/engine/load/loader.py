@@ -94,6 +94,7 @@ class _CacheUnreadable(ModelLoadError):
 def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: torch.dtype,
           step: Callable[[str], None]) -> LoadedModel:
     if source.kind == "gguf":
+        gguf_file.refuse_unknown(source.path)
         tokenizer = _gguf_tokenizer(source, converted, step)
         step("mapping the weights")
         ckpt = gguf_file.checkpoint(source.path, dev, dt, native.load())
