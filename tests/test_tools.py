@@ -163,21 +163,27 @@ class ScriptedRunner:
         return tokens
 
 
+def scripted_events(runner, tok, new: int, markup: Markup, guard=None) -> list:
+    """Every event of one request of at most ``new`` tokens that ``runner`` writes through a real EngineCore."""
+    core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, tok)
+    try:
+        seq = Sequence("r", [1, 2, 3], SamplingParams(), new, frozenset({tok.eos_token_id}))
+        channel = core.submit(seq, markup, None, guard)
+        events = [channel.get(timeout=30)]
+        while not isinstance(events[-1], Finish):
+            events.append(channel.get(timeout=30))
+        return events
+    finally:
+        core.close()
+
+
 def test_a_model_that_writes_the_same_call_again_is_stopped_after_the_first(smol_tokenizer):
     """A looping small model writes one call until max_tokens (Pi on mashbox: a 1,024-token answer
     of the same call). The engine ends the answer as the repeat closes: one call, tool_calls."""
     call = '<tool_call>\n{"name": "read", "arguments": {"path": "secret.txt"}}\n</tool_call>\n'
     script = smol_tokenizer.encode(call * 20, add_special_tokens=False)
     runner = ScriptedRunner(script)
-    core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, smol_tokenizer)
-    try:
-        seq = Sequence("r", [1, 2, 3], SamplingParams(), len(script), frozenset({smol_tokenizer.eos_token_id}))
-        channel = core.submit(seq, Markup(names=frozenset({"read"})))
-        events = [channel.get(timeout=30)]
-        while not isinstance(events[-1], Finish):
-            events.append(channel.get(timeout=30))
-    finally:
-        core.close()
+    events = scripted_events(runner, smol_tokenizer, len(script), Markup(names=frozenset({"read"})))
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["read"]
     assert events[-1].reason == "tool_calls"
     assert runner.sampled <= 2 * len(smol_tokenizer.encode(call, add_special_tokens=False))
@@ -220,16 +226,8 @@ def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, sm
     script = tok.encode(written, add_special_tokens=False) + tok.encode("\nDone.", add_special_tokens=False)
     runner = MaskedScriptRunner(script + [tok.eos_token_id], len(tok))
     tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
-    core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, tok)
-    try:
-        seq = Sequence("r", [1, 2, 3], SamplingParams(), len(script) + 1, frozenset({tok.eos_token_id}))
-        guard = tiny_engine.grammars.guard(tools)
-        channel = core.submit(seq, Markup(names=frozenset(t.name for t in tools)), None, guard)
-        events = [channel.get(timeout=30)]
-        while not isinstance(events[-1], Finish):
-            events.append(channel.get(timeout=30))
-    finally:
-        core.close()
+    markup = Markup(names=frozenset(t.name for t in tools))
+    events = scripted_events(runner, tok, len(script) + 1, markup, tiny_engine.grammars.guard(tools))
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["get_weather"]
     texts = [tok.decode(script[: i + 1]) for i in range(len(script))]
     first_masked = next(i for i, allowed in enumerate(runner.allowed) if allowed is not None)

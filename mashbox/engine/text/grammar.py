@@ -28,7 +28,7 @@ from mashbox.errors import InvalidRequestError
 
 STRICT_JSON = {"whitespace_flexible": False}
 TOOL_JSON = {**STRICT_JSON, "lenient": True}  # keywords llguidance lacks (propertyNames) ignored in tool schemas
-FLEXIBLE_JSON = {"whitespace_flexible": True, "lenient": True}  # as the model lays it out; unknown keywords ignored
+FLEXIBLE_JSON = {**TOOL_JSON, "whitespace_flexible": True}  # a call the model began, as it lays it out
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
@@ -41,13 +41,18 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def tool_grammar(tools: Iterable[Tool], many: bool, fmt: CallFormat = HERMES) -> str:
-    """A Lark grammar (llguidance dialect) for one call, or one or more calls."""
+def calls_body(tools: Iterable[Tool], guidance: dict[str, Any]) -> str:
+    """The grammar rule ``body``: one call to any of ``tools`` as JSON, read with ``guidance``."""
     schemas = [call_schema(t) for t in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = json.dumps({**schema, "x-guidance": TOOL_JSON})
+    return f"body: %json {json.dumps({**schema, 'x-guidance': guidance})}\n"
+
+
+def tool_grammar(tools: Iterable[Tool], many: bool, fmt: CallFormat = HERMES) -> str:
+    """A Lark grammar (llguidance dialect) for one call, or one or more calls."""
     start = 'start: call ("\\n" call)*' if many else "start: call"
-    return f'{start}\ncall: {json.dumps(fmt.open + chr(10))} body {json.dumps(chr(10) + fmt.close)}\nbody: %json {body}\n'
+    call = f"call: {json.dumps(fmt.open + chr(10))} body {json.dumps(chr(10) + fmt.close)}\n"
+    return f"{start}\n{call}{calls_body(tools, TOOL_JSON)}"
 
 
 class Grammars:
@@ -96,14 +101,13 @@ class CallGuard:
     declared tool fits: that one stays free, and ends as text)."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], fmt: CallFormat = HERMES) -> None:
-        schema = {"anyOf": [call_schema(t) for t in tools], "x-guidance": FLEXIBLE_JSON}
-        body = f"body: %json {json.dumps(schema)}\n"
         close = re.escape(fmt.close).replace("/", "\\/")
-        self.grammars = {
-            "tag": f"start: BLANK? body END\nBLANK: /[ \\t\\r\\n]+/\nEND: /[ \\t\\r\\n]*{close}/\n{body}",
-            "fenced": f"start: body END\nEND: /[ \\t\\r\\n]*```/\n{body}",
-            "bare": f"start: body\n{body}",
+        self.starts = {  # each form's rest of a call, up to the ``body`` rule
+            "tag": f"start: BLANK? body END\nBLANK: /[ \\t\\r\\n]+/\nEND: /[ \\t\\r\\n]*{close}/\n",
+            "fenced": "start: body END\nEND: /[ \\t\\r\\n]*```/\n",
+            "bare": "start: body\n",
         }
+        self.tools = tools
         self.tokenizer = tokenizer
         self.active: Constraint | None = None
         self.given_up = False
@@ -124,7 +128,7 @@ class CallGuard:
         if at < 0:
             return None
         try:
-            constraint = Constraint(self.tokenizer, self.grammars[form])
+            constraint = Constraint(self.tokenizer, self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON))
         except InvalidRequestError:  # a schema llguidance cannot enforce: the call stays free
             return None
         ids = self.tokenizer.tokenize_bytes(written[at:])
