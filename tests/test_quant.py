@@ -2,6 +2,8 @@
 invariance they promise, and whole models read straight from a GGUF file."""
 
 
+import ctypes
+
 import pytest
 import torch
 from quants import FORMATS, random_blocks, tiny_gguf, write_gguf
@@ -165,3 +167,24 @@ def test_a_gguf_of_another_architecture_is_refused_before_its_tokenizer_is_read(
     with pytest.raises(ModelLoadError, match="'gemma3' model; mashbox runs llama, mistral, qwen2, qwen3"):
         Engine(str(path), slots=1, ctx=64, quiet=True)
     assert not (tmp_path / "cache" / "converted").exists()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
+    """The kernels read a packed copy (the same bytes rearranged, ``quant.pack``): every output bit is
+    what the blocks as the file has them give, at 1, 4 and 17 rows, on partial groups and odd block counts."""
+    fmt = FORMATS[name]
+    for n, k in [(37, 256), (9, 768), (24, 96)]:
+        if k % quant.FORMATS[fmt][1]:
+            continue
+        blocks = random_blocks(name, n, k, seed=n)
+        packed = quant.pack(blocks, lib)
+        assert packed.packed and packed.rows == n and packed.name == name
+        assert packed.data.nbytes <= blocks.data.nbytes * 1.2 + 16 * quant.FORMATS[fmt][2] * k
+        x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
+        for rows in (1, 4, 17):
+            out = [torch.empty(rows, n) for _ in range(2)]
+            for b, y in zip((blocks, packed), out):
+                parts = quant.Parts.of([b])
+                lib.mb_matmul(x[:rows].data_ptr(), ctypes.addressof(parts), y.data_ptr(), rows, k)
+            assert torch.equal(out[0], out[1]), f"{name} {n}x{k}: packed differs at {rows} rows"

@@ -50,6 +50,7 @@ class Checkpoint:
     eos_ids: tuple[int, ...]  # from the generation config
     tensors: Tensors
     blocks: dict[str, quant.Blocks] = field(default_factory=dict)  # a GGUF's matrices as the file has them
+    release: Callable[[], None] | None = None  # lets go of the file's pages read so far (a GGUF's mapping)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:

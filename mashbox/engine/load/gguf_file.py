@@ -105,6 +105,11 @@ class GGUFFile:
             return data.view(-1).view(_FLOATS[info.type]).view(info.shape)
         return quant.Blocks(info.type, data, info.shape[-1])
 
+    def release(self) -> None:
+        """Let go of the pages read so far: they leave the process's resident memory (the page cache
+        keeps them); a page read again comes back from the file, as none was written."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         self._buffer = None
         self._map.close()
@@ -222,7 +227,7 @@ def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
     return Checkpoint(arch, spec, "silu", meta("context_length"), _rotary(gguf, meta, head_dim).to(device), 1.0,
-                      tuple(int(i) for i in eos), Tensors.of(floats, found, dtype, device, lib), found)
+                      tuple(int(i) for i in eos), Tensors.of(floats, found, dtype, device, lib), found, gguf.release)
 
 
 def _tensors(gguf: GGUFFile, arch: str, spec: Spec) -> tuple[dict[str, torch.Tensor], dict[str, quant.Blocks]]:

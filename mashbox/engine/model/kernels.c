@@ -10,8 +10,9 @@
  * sequence of floating-point operations whatever other rows are in the call and
  * however many threads run it, so a request's tokens never depend on what runs beside it.
  *
- * Weights are a GGUF's own blocks as the file has them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
- * Q6_K), or mashbox's int8 blocks for weights that come as floats. A matmul quantizes each
+ * Weights are a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), or mashbox's
+ * int8 blocks for weights that come as floats, as the file has them or packed at load (the same
+ * bytes rearranged a group of rows at a time, "Packed weights" below). A matmul quantizes each
  * activation row to int8 blocks of 32, sums the products exactly in int32 per block and scales
  * them in fp32 ("Matmuls over a GGUF's own blocks" below).
  */
@@ -387,6 +388,8 @@ typedef __m512 gvf;
 #define gv_srli(a, n) _mm512_srli_epi32(a, n)
 #define gv_slli(a, n) _mm512_slli_epi32(a, n)
 #define gv_sll(a, n) _mm512_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define gv_srl(a, n) _mm512_srl_epi32(a, _mm_cvtsi32_si128(n))
+#define gv_xor(a, b) _mm512_xor_si512(a, b)
 #define gv_srai(a, n) _mm512_srai_epi32(a, n)
 #define gv_gather(base, at) _mm512_i32gather_epi32(at, (const void *)(base), 1)
 #define gv_lanes() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
@@ -416,6 +419,8 @@ typedef __m256 gvf;
 #define gv_srli(a, n) _mm256_srli_epi32(a, n)
 #define gv_slli(a, n) _mm256_slli_epi32(a, n)
 #define gv_sll(a, n) _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define gv_srl(a, n) _mm256_srl_epi32(a, _mm_cvtsi32_si128(n))
+#define gv_xor(a, b) _mm256_xor_si256(a, b)
 #define gv_srai(a, n) _mm256_srai_epi32(a, n)
 #define gv_gather(base, at) _mm256_i32gather_epi32((const int *)(base), at, 1)
 #define gv_lanes() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
@@ -436,6 +441,95 @@ static inline __m256 gf_halves(__m256i v) {
 #else
 #define GR 8
 #endif
+
+/* ---- Packed weights ----
+ * At load a weight's blocks are rearranged for the kernels (mb_pack): the same bytes, GR rows at a
+ * time, so that one vector load gives a field's 4 bytes of each of the GR rows (one row a lane) and
+ * a matmul decodes them without transposing or gathering. Row by row, the blocks are taken a unit
+ * at a time: one block, or two where a block has a lone fp16 scale (Q4_0, Q5_0, Q8_0, Q6_K), which
+ * then go as [scale 0, scale 1, block 0 without it, block 1 without it], so every field starts on
+ * 4 bytes; a Q5_0 or Q5_1 block's 32 high bits are reordered (bit 8t + j holds weight 4j + t's) so
+ * that one shift puts the bits of 4 weights on bit 4 of their bytes. Then byte o of row c's unit lies
+ * at (o / 4) 4 GR + 4 c + o % 4 of the GR rows' packed unit. A last group's missing rows repeat the
+ * weight's last row; an odd count of paired blocks gets a zero block. The format's number + PACKED
+ * names the packed form. */
+#define PACKED 256
+
+static inline int paired(int64_t fmt) { return fmt == Q4_0 || fmt == Q5_0 || fmt == Q8_0 || fmt == Q6_K; }
+
+/* Where a paired format's lone fp16 scale lies in its block. */
+static inline int lone_at(int64_t fmt) { return fmt == Q6_K ? 208 : 0; }
+
+/* Bytes of one packed row of K weights. */
+static int64_t packed_row_bytes(int64_t fmt, const struct format *f, int64_t K) {
+    int64_t pair = paired(fmt) ? 2 : 1;
+    return (K / f->values + pair - 1) / pair * pair * f->bytes;
+}
+
+/* The 32 high bits of a Q5_0 or Q5_1 block reordered: bit 8t + j takes bit 4j + t. */
+static void spread_high_bits(uint8_t *qh) {
+    uint32_t old, out = 0;
+    memcpy(&old, qh, 4);
+    for (int t = 0; t < 4; t++) {
+#if defined(__BMI2__) && defined(MB_AVX2)
+        out |= _pext_u32(old, 0x11111111u << t) << 8 * t;
+#else
+        for (int j = 0; j < 8; j++) out |= (old >> (4 * j + t) & 1u) << (8 * t + j);
+#endif
+    }
+    memcpy(qh, &out, 4);
+}
+
+/* Unit u of a row of `blocks` blocks, rearranged as above into r. */
+static void unit_bytes(int64_t fmt, const struct format *f, const uint8_t *row, int64_t blocks, int64_t u, uint8_t *r) {
+    int B = f->bytes;
+    if (!paired(fmt)) {
+        memcpy(r, row + u * B, B);
+        if (fmt == Q5_1) spread_high_bits(r + 4);
+        return;
+    }
+    int at = lone_at(fmt), rest = at == 0 ? 2 : 0;
+    for (int i = 0; i < 2; i++) {
+        uint8_t blk[256] = {0};
+        if (2 * u + i < blocks) memcpy(blk, row + (2 * u + i) * B, B);
+        memcpy(r + 2 * i, blk + at, 2);
+        memcpy(r + 4 + i * (B - 2), blk + rest, B - 2);
+        if (fmt == Q5_0) spread_high_bits(r + 4 + i * (B - 2));
+    }
+}
+
+/* The rows packed together (GR). */
+int mb_group_rows(void) { return GR; }
+
+/* Bytes mb_pack writes for N rows of K weights of format fmt; 0 where it does not pack them. */
+int64_t mb_packed_bytes(int64_t fmt, int64_t N, int64_t K) {
+    struct format f;
+#ifdef MB_AVX2
+    if (format_of(fmt, &f) && K % f.values == 0 && N > 0) return (N + GR - 1) / GR * GR * packed_row_bytes(fmt, &f, K);
+#endif
+    (void)fmt, (void)N, (void)K, (void)f;
+    return 0;
+}
+
+/* The N rows of K weights of format fmt at w, packed into out (mb_packed_bytes of them). */
+void mb_pack(const uint8_t *w, int64_t fmt, int64_t N, int64_t K, uint8_t *out) {
+    struct format f;
+    if (!mb_packed_bytes(fmt, N, K) || !format_of(fmt, &f)) return;
+    int64_t bytes = K / f.values * f.bytes, unit = (paired(fmt) ? 2 : 1) * f.bytes;
+    int64_t units = packed_row_bytes(fmt, &f, K) / unit;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < (N + GR - 1) / GR; g++) {
+        uint8_t r[512];
+        for (int64_t u = 0; u < units; u++) {
+            uint8_t *to = out + (g * units + u) * unit * GR;
+            for (int c = 0; c < GR; c++) {
+                int64_t n = g * GR + c < N ? g * GR + c : N - 1;
+                unit_bytes(fmt, &f, w + n * bytes, K / f.values, u, r);
+                for (int o = 0; o < unit; o += 4) memcpy(to + o * GR + 4 * c, r + o, 4);
+            }
+        }
+    }
+}
 
 #ifdef MB_AVX2
 #ifdef MB_VNNI
@@ -532,14 +626,37 @@ static inline gvf byte_times(gvi v, int j, int is_signed, gvf s) {
     return gf_mul(gf_cvt(x), s);
 }
 
-/* The scales (and mins) of block b of GR rows, stride bytes apart from blk, into d [units][GR] and m
- * [mins][GR]: the same values as block_scales, computed for the GR rows at once. */
-static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, float *d, float *m) {
-    gvi at = gv_mullo(gv_lanes(), gv_set1((int)stride)), low = gv_set1(0xFFFF);
+/* Dword o (a multiple of 4) of GR rows' blocks: stride bytes apart from blk, or with stride 0 packed
+ * (mb_pack: the rows' dwords side by side at blk + o GR). */
+static inline gvi dwords(const uint8_t *blk, int64_t o, int64_t stride) {
+    return stride ? gv_gather(blk + o, gv_mullo(gv_lanes(), gv_set1((int)stride))) : gv_load(blk + o * GR);
+}
+
+/* The scales (and mins) of a block of GR rows into d [units][GR] and m [mins][GR]: the same values as
+ * block_scales, computed for the GR rows at once. The block's byte o lies at blk's byte base + o,
+ * stride bytes apart from row to row (stride 0: packed, base where the block lies in its unit); a
+ * paired format's lone fp16 in half `half` of the unit's dword 0 where packed. */
+static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, int64_t base,
+                         int half, float *d, float *m) {
+    gvi low = gv_set1(0xFFFF);
+    if (paired(fmt)) { /* the lone scale, then (Q6_K) the 16 signed scales */
+        gvi dd = stride ? dwords(blk, lone_at(fmt), stride) : gv_srli(dwords(blk, 0, 0), 16 * half);
+        gvf scale = gf_halves(gv_and(dd, low));
+        if (fmt != Q6_K) {
+            gf_store(d, scale);
+            return;
+        }
+        for (int i = 0; i < 4; i++) {
+            gvi sc = dwords(blk, base + 192 + 4 * i, stride);
+            for (int j = 0; j < 4; j++) gf_store(d + GR * (4 * i + j), byte_times(sc, j, 1, scale));
+        }
+        return;
+    }
     switch (fmt) {
     case Q4_K:
     case Q5_K: {
-        gvi dd = gv_gather(blk, at), u0 = gv_gather(blk + 4, at), u1 = gv_gather(blk + 8, at), u2 = gv_gather(blk + 12, at);
+        gvi dd = dwords(blk, base, stride), u0 = dwords(blk, base + 4, stride), u1 = dwords(blk, base + 8, stride),
+            u2 = dwords(blk, base + 12, stride);
         gvi lo6 = gv_set1(0x3f3f3f3f), lo4 = gv_set1(0x0f0f0f0f), lo2 = gv_set1(0x03030303);
         gvi sc[2] = {gv_and(u0, lo6), gv_or(gv_and(u2, lo4), gv_slli(gv_and(gv_srli(u0, 6), lo2), 4))};
         gvi mn[2] = {gv_and(u1, lo6), gv_or(gv_and(gv_srli(u2, 4), lo4), gv_slli(gv_and(gv_srli(u1, 6), lo2), 4))};
@@ -550,24 +667,77 @@ static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk
         }
         return;
     }
-    case Q6_K: {
-        gvf scale = gf_halves(gv_and(gv_gather(blk + 208, at), low));
-        for (int i = 0; i < 4; i++) {
-            gvi sc = gv_gather(blk + 192 + 4 * i, at);
-            for (int j = 0; j < 4; j++) gf_store(d + GR * (4 * i + j), byte_times(sc, j, 1, scale));
-        }
-        return;
-    }
-    case MB_Q8: gv_store(d, gv_gather(blk, at)); return;
-    default: {
-        gvi dm = gv_gather(blk, at);
+    case MB_Q8: gv_store(d, dwords(blk, base, stride)); return;
+    default: { /* Q4_1, Q5_1: the scale and the min */
+        gvi dm = dwords(blk, base, stride);
         gf_store(d, gf_halves(gv_and(dm, low)));
         if (f->min) gf_store(m, gf_halves(gv_srli(dm, 16)));
     }
     }
 }
+
+/* Vector j (weights 4j .. 4j + 3 of each of the GR rows) of chunk k (weights 32k ..) of a packed block:
+ * its stored values, as decode_block gives them. The block's byte o lies at unit's byte base + o. */
+static inline gvi packed_values(int64_t fmt, const uint8_t *unit, int64_t base, int k, int j, int sign) {
+    const gvi low = gv_set1(0x0f0f0f0f);
+    gvi v, h;
+    switch (fmt) {
+    case Q8_0:
+    case MB_Q8:
+        v = dwords(unit, base + (fmt == Q8_0 ? 2 : 4) + 4 * j, 0);
+        return sign ? v : gv_xor(v, gv_set1((int)0x80808080));
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+        int qs = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
+        v = dwords(unit, base + qs + 4 * (j & 3), 0);
+        v = gv_and(j < 4 ? v : gv_srli(v, 4), low);
+        if (fmt == Q4_0 || fmt == Q4_1) return v;
+        h = dwords(unit, base + qs - 4, 0); /* bit 8t + j: weight 4j + t's, to bit 4 of byte t */
+        h = j <= 4 ? gv_sll(h, 4 - j) : gv_srl(h, j - 4);
+        return gv_or(v, gv_and(h, gv_set1(0x10101010)));
+    }
+    case Q4_K:
+    case Q5_K:
+        v = dwords(unit, base + (fmt == Q4_K ? 16 : 48) + 32 * (k >> 1) + 4 * j, 0);
+        v = gv_and(k & 1 ? gv_srli(v, 4) : v, low);
+        if (fmt == Q4_K) return v;
+        h = dwords(unit, base + 16 + 4 * j, 0); /* bit k of each byte, to bit 4 */
+        h = k <= 4 ? gv_sll(h, 4 - k) : gv_srl(h, k - 4);
+        return gv_or(v, gv_and(h, gv_set1(0x10101010)));
+    case Q6_K: {
+        int n = k >> 2, s = k & 3;
+        v = dwords(unit, base + 64 * n + 32 * (s & 1) + 4 * j, 0);
+        v = gv_and(s < 2 ? v : gv_srli(v, 4), low);
+        h = dwords(unit, base + 128 + 32 * n + 4 * j, 0); /* bits 2s, 2s + 1 to 4, 5 */
+        h = s <= 2 ? gv_sll(h, 4 - 2 * s) : gv_srli(h, 2);
+        return gv_or(v, gv_and(h, gv_set1(0x30303030)));
+    }
+    }
+    return gv_zero();
+}
+
+/* A packed group of GR rows (mb_pack) decoded for the tiles, as decode_group decodes the rows as the file
+ * has them. */
+static void decode_packed(int64_t fmt, const struct format *f, const uint8_t *group, int64_t K, uint8_t *q,
+                          float *d, float *m) {
+    int V = f->values, units = V / f->unit, mins = V / 32, pair = paired(fmt) ? 2 : 1, sign = SIGNED(f);
+    for (int64_t b = 0; b < K / V; b++) {
+        const uint8_t *unit = group + b / pair * pair * f->bytes * GR;
+        int half = (int)(b % pair);
+        int64_t base = pair == 1 ? 0 : 4 + half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
+        group_scales(fmt, f, unit, 0, base, half, d + b * units * GR, m + b * mins * GR);
+        for (int k = 0; k < V / 32; k++) {
+            uint8_t *out = q + (b * V / 32 + k) * 32 * GR;
+            for (int j = 0; j < 8; j++) gv_store(out + 4 * GR * j, packed_values(fmt, unit, base, k, j, sign));
+        }
+    }
+}
 #else
-static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, float *d, float *m) {
+static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, int64_t base,
+                         int half, float *d, float *m) {
+    (void)base, (void)half;
     float ds[16], ms[8];
     for (int c = 0; c < GR; c++) {
         block_scales(fmt, blk + c * stride, ds, ms);
@@ -634,12 +804,12 @@ static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row
     int64_t chunks = K / 32, share = (ahead + chunks - 1) / chunks;
     for (int64_t b = 0; b < K / V; b++) {
         const uint8_t *blk = row0 + b * f->bytes;
-        group_scales(fmt, f, blk, stride, d + b * units * GR, m + b * mins * GR);
+        group_scales(fmt, f, blk, stride, 0, 0, d + b * units * GR, m + b * mins * GR);
 #ifdef MB_AVX2
         if ((fmt == Q4_0 || fmt == Q4_1) && b + 1 < K / V) { /* blocks b and b + 1: their packed bytes at once */
             for (int64_t at = b * share; next && at < (b + 2) * share && at < ahead; at += 64)
                 __builtin_prefetch(next + at, 0, 1);
-            group_scales(fmt, f, blk + f->bytes, stride, d + (b + 1) * GR, m + (b + 1) * GR);
+            group_scales(fmt, f, blk + f->bytes, stride, 0, 0, d + (b + 1) * GR, m + (b + 1) * GR);
             uint8_t *to[16];
             chunk_targets(q + b * 32 * GR, 0, to);
             nibble_chunks(blk + (fmt == Q4_0 ? 2 : 4), blk + f->bytes + (fmt == Q4_0 ? 2 : 4), stride, to);
@@ -853,12 +1023,17 @@ static void tile_task(void *arg, int64_t task, int who) {
         int p = 0, col = 0;
         while (g >= mm->first[p + 1]) col += w->n[p++];
         struct format f;
-        if (!format_of(w->fmt[p], &f)) continue;
+        int64_t fmt = w->fmt[p] % PACKED;
+        if (!format_of(fmt, &f)) continue;
         int64_t row0 = (g - mm->first[p]) * GR, n = w->n[p] - row0 < GR ? w->n[p] - row0 : GR, bytes = K / f.values * f.bytes;
         /* a last group's rows past the weight's end decode its last row again (their lanes are dropped) */
         const uint8_t *first = w->data[p] + row0 * bytes, *next = first + n * bytes;
         int64_t ahead = g + 1 < end && row0 + n < w->n[p] ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
-        if (n == GR) {
+        if (w->fmt[p] >= PACKED) {
+#ifdef MB_AVX2
+            decode_packed(fmt, &f, w->data[p] + row0 * packed_row_bytes(fmt, &f, K), K, q, d, m);
+#endif
+        } else if (n == GR) {
             decode_group(w->fmt[p], &f, first, bytes, K, q, d, m, next, ahead);
         } else { /* rows n.. alias row n - 1: as the stride cannot, copy the last group into a full one */
             uint8_t *full = thread_buffer(1, GR * bytes);

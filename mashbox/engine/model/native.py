@@ -32,6 +32,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "mb_matmul": (_P, _P, _P, _I, _I),
     "mb_dequantize": (_P, _I, _P, _I, _I, _P),
+    "mb_pack": (_P, _I, _I, _I, _P),
     "mb_q8_quantize": (_P, _P, _I, _I),
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I),
     "mb_chunk_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I),
@@ -61,6 +62,8 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.mb_attention_bf16.argtypes, lib.mb_attention_bf16.restype = (), ctypes.c_int
+    lib.mb_group_rows.argtypes, lib.mb_group_rows.restype = (), ctypes.c_int
+    lib.mb_packed_bytes.argtypes, lib.mb_packed_bytes.restype = (_I, _I, _I), _I
     return lib
 
 

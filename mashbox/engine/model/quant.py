@@ -1,9 +1,10 @@
 """Weights as blocks: a GGUF's own quantized rows, which mashbox's CPU kernels multiply as they are.
 
 A ``Blocks`` is one matrix as the file has it: uint8 [rows, row bytes], each row its blocks in
-order, in one of ggml's formats (Q4_0 ... Q6_K; a view of the memory-mapped file, never copied) or
+order, in one of ggml's formats (Q4_0 ... Q6_K; a view of the memory-mapped file) or
 ``MB_Q8``, mashbox's int8 blocks (an fp32 scale, then 32 int8), for weights that come as floats or
-in a format the kernels do not read. ``dequantize`` gives fp32 rows of any of them (the kernels'
+in a format the kernels do not read. ``pack`` rearranges a matrix's blocks for the kernels (the same
+bytes, a rows' group at a time: ``mb_pack`` in kernels.c), which multiply them without transposing. ``dequantize`` gives fp32 rows of any of them (the kernels'
 ``mb_dequantize``, else gguf-py's numpy code): the embedding's rows for a step, or whole matrices
 where a device or form needs floats.
 """
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 MB_Q8 = 100
+PACKED = 256  # added to a format's number: its blocks packed for the kernels
 FORMATS = {  # ggml type -> (name, weights a block, bytes a block): the ones the kernels read
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), MB_Q8: ("int8", 32, 36),
@@ -28,21 +30,27 @@ class Blocks:
     """A matrix of ``rows`` x ``k`` weights as blocks of format ``fmt`` (a ggml type number)."""
 
     fmt: int
-    data: torch.Tensor  # uint8 [rows, row bytes]
+    data: torch.Tensor  # uint8 [rows, row bytes]; packed: [rows rounded up to a group, packed row bytes]
     k: int
+    count: int | None = None  # packed: the rows (data repeats the last one up to a whole group)
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.data.shape[0] if self.count is None else self.count
 
     @property
     def name(self) -> str:
-        return FORMATS[self.fmt][0] if self.fmt in FORMATS else _ggml_name(self.fmt)
+        fmt = self.fmt % PACKED
+        return FORMATS[fmt][0] if fmt in FORMATS else _ggml_name(fmt)
 
     @property
     def readable(self) -> bool:
         """Whether mashbox's kernels multiply this format as it is."""
-        return self.fmt in FORMATS
+        return self.fmt % PACKED in FORMATS
+
+    @property
+    def packed(self) -> bool:
+        return self.fmt >= PACKED
 
     def select(self, rows: torch.Tensor) -> Blocks:
         """These rows, in this order (a copy)."""
@@ -52,6 +60,8 @@ class Blocks:
 def dequantize(blocks: Blocks, lib: ctypes.CDLL | None, ids: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [len(ids) or rows, k]: the rows ``ids`` (all by default), exactly as the file defines them."""
     n = blocks.rows if ids is None else ids.shape[0]
+    if blocks.packed:
+        raise ValueError("packed blocks are read by mb_matmul only")
     if lib is not None and blocks.readable:
         out = torch.empty(n, blocks.k)
         ids = None if ids is None else ids.to(torch.long).contiguous()
@@ -67,6 +77,18 @@ def dequantize(blocks: Blocks, lib: ctypes.CDLL | None, ids: torch.Tensor | None
     from gguf.quants import dequantize as gguf_dequantize
 
     return torch.from_numpy(gguf_dequantize(data.numpy(), GGMLQuantizationType(blocks.fmt)).astype(np.float32))
+
+
+def pack(blocks: Blocks, lib: ctypes.CDLL) -> Blocks:
+    """The blocks packed for the kernels (a copy of the same size, or 1.03x with an odd count of
+    paired blocks a row); as they are where the kernels do not pack (no AVX2) or already packed."""
+    size = 0 if blocks.packed else lib.mb_packed_bytes(blocks.fmt, blocks.rows, blocks.k)
+    if not size:
+        return blocks
+    out = torch.empty(size, dtype=torch.uint8)
+    lib.mb_pack(blocks.data.data_ptr(), blocks.fmt, blocks.rows, blocks.k, out.data_ptr())
+    rows = -(-blocks.rows // lib.mb_group_rows()) * lib.mb_group_rows()
+    return Blocks(blocks.fmt + PACKED, out.view(rows, -1), blocks.k, blocks.rows)
 
 
 def quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> Blocks:

@@ -23,8 +23,8 @@ log = logging.getLogger("mashbox.engine")
 class Linear:
     """``x @ weight.T`` in one of four forms, chosen once per model.
 
-    ``blocks``: mashbox's CPU kernels over ``Blocks`` (``quant.py``): a GGUF's own, as the file has
-    them, or int8 blocks made from float weights; up to three matrices stacked by rows (q, k and v;
+    ``blocks``: mashbox's CPU kernels over ``Blocks`` (``quant.py``): a GGUF's own, or int8 blocks
+    made from float weights, packed for the kernels (the same bytes rearranged); up to three matrices stacked by rows (q, k and v;
     gate and up), each of its own format; fp32 activations, each row computed alone.
     ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
     memory traffic (fbgemm does not promise a row's bits independent of the batch).
@@ -42,6 +42,7 @@ class Linear:
         self._packed = self._bias = self._lib = self._struct = None
         if mode == "blocks":
             self._lib = lib
+            self.parts = [quant.pack(p, lib) for p in self.parts]
             self._struct = quant.Parts.of(self.parts)
             self.shape = (sum(p.rows for p in self.parts), self.parts[0].k)
             return
@@ -220,6 +221,8 @@ class Weights:
             cos=cos,
             sin=sin,
         )
+        if ckpt.release is not None and any(p.packed for lin in weights.linears for p in lin.parts):
+            ckpt.release()  # the kernels read packed copies: the pages they were made from are let go
         widened = sorted({ckpt.blocks[n].name for n in ckpt.blocks if not ckpt.blocks[n].readable})
         if widened and mode == "gguf":
             log.info("weights in %s have no kernel here: widened to int8 blocks at load", ", ".join(widened))
