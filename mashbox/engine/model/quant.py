@@ -4,9 +4,9 @@ A ``Blocks`` is one matrix as the file has it: uint8 [rows, row bytes], each row
 order, in one of ggml's formats (Q4_0 ... Q6_K; a view of the memory-mapped file) or
 ``MB_Q8``, mashbox's int8 blocks (an fp32 scale, then 32 int8), for weights that come as floats or
 in a format the kernels do not read. ``pack`` rearranges a matrix's blocks for the kernels (the same
-bytes, a rows' group at a time: ``mb_pack`` in kernels.c), which multiply them without transposing. ``dequantize`` gives fp32 rows of any of them (the kernels'
-``mb_dequantize``, else gguf-py's numpy code): the embedding's rows for a step, or whole matrices
-where a device or form needs floats.
+bytes, a group of rows at a time: ``mb_pack`` in kernels.c), which multiply them without transposing.
+``dequantize`` gives fp32 rows of any unpacked blocks (the kernels' ``mb_dequantize``, else gguf-py's
+numpy code): the embedding's rows for a step, or whole matrices where a device or form needs floats.
 """
 
 from __future__ import annotations
