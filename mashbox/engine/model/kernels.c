@@ -870,45 +870,77 @@ struct acts {
 
 #ifdef MB_AVX2
 
-/* y[r, 0..GR) for the rows r < rows of x against one decoded group. unit, offset, has_min and sign are
- * the format's (constants where this is inlined); a block's weights sum in two chains (even and odd
- * j, or with unit 16 the two halves) so that a tile's multiply-adds do not wait on each other. */
+/* Block b (weights 32b ..) of a tile: w[j] holds weights 4j .. 4j + 3 of the GR rows, d and m the block's
+ * scales and mins (d [2][GR] with unit 16). unit, offset, has_min and sign are the format's (constants
+ * where this is inlined); a block's weights sum in two chains (even and odd j, or with unit 16 the two
+ * halves) so that a tile's multiply-adds do not wait on each other. */
+static inline __attribute__((always_inline)) void tile_block(
+        struct acts x, const gvi w[8], const float *d, const float *m, int64_t K, int64_t b, const int unit,
+        const int offset, const int has_min, const int sign, const int rows, gvf acc[TR]) {
+    int64_t nb = K / 32;
+    gvi sum[TR][2];
+    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
+    for (int j = 0; j < 8; j++) {
+        int chain = unit == 16 ? j >> 2 : j & 1;
+        for (int r = 0; r < rows; r++) { /* 4 activations broadcast from memory, into the multiply where it can */
+            int32_t x4 = *(const int32_u *)(x.q + r * K + b * 32 + 4 * j);
+            if (sign) sum[r][chain] = gv_dots(sum[r][chain], w[j], gv_set1(x4));
+            else sum[r][chain] = gv_dotu(sum[r][chain], w[j], gv_set1(x4));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int32_t *t = x.t + r * 2 * nb + 2 * b;
+        gvf xs = gf_set1(x.s[r * nb + b]);
+        if (unit == 16) {
+            for (int h = 0; h < 2; h++) {
+                gvi dot = gv_add(sum[r][h], gv_set1(offset * t[h]));
+                acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d + h * GR), xs), acc[r]);
+            }
+        } else {
+            gvi dot = gv_add(sum[r][0], sum[r][1]);
+            if (offset) dot = gv_add(dot, gv_set1(offset * (t[0] + t[1])));
+            acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d), xs), acc[r]);
+        }
+        if (has_min) acc[r] = gf_fma(gf_load(m), gf_set1(x.sm[r * nb + b]), acc[r]);
+    }
+}
+
+/* y[r, 0..GR) for the rows r < rows of x against one decoded group. */
 static inline __attribute__((always_inline)) void tile(
         struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, const int unit,
         const int offset, const int has_min, const int sign, const int rows, float *y, int64_t ldy) {
-    int64_t nb = K / 32;
     gvf acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = gf_zero();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = q + b * 32 * GR;
-        gvi sum[TR][2];
-        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
-        for (int j = 0; j < 8; j++) {
-            gvi w = gv_load(blk + 4 * GR * j);
-            int chain = unit == 16 ? j >> 2 : j & 1;
-            for (int r = 0; r < rows; r++) { /* 4 activations broadcast from memory, into the multiply where it can */
-                int32_t x4 = *(const int32_u *)(x.q + r * K + b * 32 + 4 * j);
-                if (sign) sum[r][chain] = gv_dots(sum[r][chain], w, gv_set1(x4));
-                else sum[r][chain] = gv_dotu(sum[r][chain], w, gv_set1(x4));
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            const int32_t *t = x.t + r * 2 * nb + 2 * b;
-            gvf xs = gf_set1(x.s[r * nb + b]);
-            if (unit == 16) {
-                for (int h = 0; h < 2; h++) {
-                    gvi dot = gv_add(sum[r][h], gv_set1(offset * t[h]));
-                    acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d + (2 * b + h) * GR), xs), acc[r]);
-                }
-            } else {
-                gvi dot = gv_add(sum[r][0], sum[r][1]);
-                if (offset) dot = gv_add(dot, gv_set1(offset * (t[0] + t[1])));
-                acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d + b * GR), xs), acc[r]);
-            }
-            if (has_min) acc[r] = gf_fma(gf_load(m + b * GR), gf_set1(x.sm[r * nb + b]), acc[r]);
-        }
+    for (int64_t b = 0; b < K / 32; b++) {
+        gvi w[8];
+        for (int j = 0; j < 8; j++) w[j] = gv_load(q + b * 32 * GR + 4 * GR * j);
+        tile_block(x, w, d + (unit == 16 ? 2 * b : b) * GR, m + b * GR, K, b, unit, offset, has_min, sign, rows, acc);
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
+
+/* y[0, 0..GR) for one row of x against one packed group, its weights multiplied as they are loaded (no
+ * decoded buffer): the same sums and steps as decode_packed and then tile. fmt is a constant where inlined. */
+static inline __attribute__((always_inline)) void tile_packed(
+        const int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
+        const int unit, const int offset, const int has_min, const int sign, float *y) {
+    int V = f->values, pair = paired(fmt) ? 2 : 1;
+    float d[16 * GR], m[8 * GR];
+    gvf acc[TR];
+    acc[0] = gf_zero();
+    for (int64_t c = 0; c < K / V; c++) {
+        const uint8_t *at = group + c / pair * pair * f->bytes * GR;
+        int half = (int)(c % pair);
+        int64_t base = pair == 1 ? 0 : 4 + half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
+        group_scales(fmt, f, at, 0, base, half, d, m);
+        for (int k = 0; k < V / 32; k++) {
+            gvi w[8];
+            for (int j = 0; j < 8; j++) w[j] = packed_values(fmt, at, base, k, j, sign);
+            tile_block(x, w, d + (unit == 16 ? 2 * k : k) * GR, m + k * GR, K, c * V / 32 + k, unit, offset, has_min,
+                       sign, 1, acc);
+        }
+    }
+    gf_store(y, acc[0]);
 }
 #else
 static void tile(struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, int unit, int offset,
@@ -965,6 +997,24 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
         TILE_ROWS(32, -128, 0, 0)
     }
 }
+
+#ifdef MB_AVX2
+/* tile_packed in its format's form (the tile's constants, as tile_any picks them). */
+static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
+                            float *y) {
+    switch (fmt) {
+    case Q4_0: tile_packed(Q4_0, f, x, group, K, 32, -8, 0, 0, y); return;
+    case Q5_0: tile_packed(Q5_0, f, x, group, K, 32, -16, 0, 0, y); return;
+    case Q4_1: tile_packed(Q4_1, f, x, group, K, 32, 0, 1, 0, y); return;
+    case Q5_1: tile_packed(Q5_1, f, x, group, K, 32, 0, 1, 0, y); return;
+    case Q4_K: tile_packed(Q4_K, f, x, group, K, 32, 0, 1, 0, y); return;
+    case Q5_K: tile_packed(Q5_K, f, x, group, K, 32, 0, 1, 0, y); return;
+    case Q6_K: tile_packed(Q6_K, f, x, group, K, 16, -32, 0, 0, y); return;
+    case Q8_0: tile_packed(Q8_0, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y); return;
+    case MB_Q8: tile_packed(MB_Q8, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y); return;
+    }
+}
+#endif
 
 /* A weight as mb_matmul takes it: up to 3 parts stacked by rows (q, k and v; gate and up), each
  * n[p] rows of its own format, its rows' blocks at data[p]. */
@@ -1029,9 +1079,16 @@ static void tile_task(void *arg, int64_t task, int who) {
         /* a last group's rows past the weight's end decode its last row again (their lanes are dropped) */
         const uint8_t *first = w->data[p] + row0 * bytes, *next = first + n * bytes;
         int64_t ahead = g + 1 < end && row0 + n < w->n[p] ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
+        float *y = mm->y + col + row0, part[TR * GR];
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
-            decode_packed(fmt, &f, w->data[p] + row0 * packed_row_bytes(fmt, &f, K), K, q, d, m);
+            const uint8_t *group = w->data[p] + row0 * packed_row_bytes(fmt, &f, K);
+            if (mm->M == 1) { /* one row: multiplied as loaded */
+                tile_packed_any(fmt, &f, mm->a, group, K, n == GR ? y : part);
+                if (n < GR) memcpy(y, part, sizeof(float) * n);
+                continue;
+            }
+            decode_packed(fmt, &f, group, K, q, d, m);
 #endif
         } else if (n == GR) {
             decode_group(w->fmt[p], &f, first, bytes, K, q, d, m, next, ahead);
@@ -1040,7 +1097,6 @@ static void tile_task(void *arg, int64_t task, int who) {
             for (int c = 0; c < GR; c++) memcpy(full + c * bytes, first + (c < n ? c : n - 1) * bytes, bytes);
             decode_group(w->fmt[p], &f, full, bytes, K, q, d, m, NULL, 0);
         }
-        float *y = mm->y + col + row0, part[TR * GR];
         for (int64_t r = 0; r < mm->M; r += TR) {
             int64_t nb = K / QK;
             int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
