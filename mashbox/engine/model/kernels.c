@@ -490,8 +490,12 @@ static void unit_bytes(int64_t fmt, const struct format *f, const uint8_t *row, 
     }
     int at = lone_at(fmt), rest = at == 0 ? 2 : 0;
     for (int i = 0; i < 2; i++) {
-        uint8_t blk[256] = {0};
-        if (2 * u + i < blocks) memcpy(blk, row + (2 * u + i) * B, B);
+        if (2 * u + i == blocks) { /* an odd count: a zero block */
+            memset(r + 2 * i, 0, 2);
+            memset(r + 4 + i * (B - 2), 0, B - 2);
+            continue;
+        }
+        const uint8_t *blk = row + (2 * u + i) * B;
         memcpy(r + 2 * i, blk + at, 2);
         memcpy(r + 4 + i * (B - 2), blk + rest, B - 2);
         if (fmt == Q5_0) spread_high_bits(r + 4 + i * (B - 2));
