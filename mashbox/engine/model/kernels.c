@@ -680,6 +680,13 @@ static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk
     }
 }
 
+/* Share i of n of the `ahead` bytes at next fetched into the caches: a group's rows are read a unit at
+ * a time, which the CPU's prefetchers do not run ahead of; the next group comes in meanwhile. */
+static inline void fetch_share(const uint8_t *next, int64_t ahead, int64_t i, int64_t n) {
+    int64_t share = (ahead + n - 1) / n;
+    for (int64_t at = i * share; at < (i + 1) * share && at < ahead; at += 64) __builtin_prefetch(next + at, 0, 1);
+}
+
 /* Vector j (weights 4j .. 4j + 3 of each of the GR rows) of chunk k (weights 32k ..) of a packed block:
  * its stored values, as decode_block gives them. The block's byte o lies at unit's byte base + o. */
 static inline gvi packed_values(int64_t fmt, const uint8_t *unit, int64_t base, int k, int j, int sign) {
@@ -725,9 +732,10 @@ static inline gvi packed_values(int64_t fmt, const uint8_t *unit, int64_t base, 
 /* A packed group of GR rows (mb_pack) decoded for the tiles, as decode_group decodes the rows as the file
  * has them. */
 static void decode_packed(int64_t fmt, const struct format *f, const uint8_t *group, int64_t K, uint8_t *q,
-                          float *d, float *m) {
+                          float *d, float *m, const uint8_t *next, int64_t ahead) {
     int V = f->values, units = V / f->unit, mins = V / 32, pair = paired(fmt) ? 2 : 1, sign = SIGNED(f);
     for (int64_t b = 0; b < K / V; b++) {
+        fetch_share(next, ahead, b, K / V);
         const uint8_t *unit = group + b / pair * pair * f->bytes * GR;
         int half = (int)(b % pair);
         int64_t base = pair == 1 ? 0 : 4 + half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
@@ -927,12 +935,14 @@ static inline __attribute__((always_inline)) void tile(
  * decoded buffer): the same sums and steps as decode_packed and then tile. fmt is a constant where inlined. */
 static inline __attribute__((always_inline)) void tile_packed(
         const int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
-        const int unit, const int offset, const int has_min, const int sign, float *y) {
+        const int unit, const int offset, const int has_min, const int sign, float *y, const uint8_t *next,
+        int64_t ahead) {
     int V = f->values, pair = paired(fmt) ? 2 : 1;
     float d[16 * GR], m[8 * GR];
     gvf acc[TR];
     acc[0] = gf_zero();
     for (int64_t c = 0; c < K / V; c++) {
+        fetch_share(next, ahead, c, K / V);
         const uint8_t *at = group + c / pair * pair * f->bytes * GR;
         int half = (int)(c % pair);
         int64_t base = pair == 1 ? 0 : 4 + half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
@@ -1005,17 +1015,17 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
 #ifdef MB_AVX2
 /* tile_packed in its format's form (the tile's constants, as tile_any picks them). */
 static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
-                            float *y) {
+                            float *y, const uint8_t *next, int64_t ahead) {
     switch (fmt) {
-    case Q4_0: tile_packed(Q4_0, f, x, group, K, 32, -8, 0, 0, y); return;
-    case Q5_0: tile_packed(Q5_0, f, x, group, K, 32, -16, 0, 0, y); return;
-    case Q4_1: tile_packed(Q4_1, f, x, group, K, 32, 0, 1, 0, y); return;
-    case Q5_1: tile_packed(Q5_1, f, x, group, K, 32, 0, 1, 0, y); return;
-    case Q4_K: tile_packed(Q4_K, f, x, group, K, 32, 0, 1, 0, y); return;
-    case Q5_K: tile_packed(Q5_K, f, x, group, K, 32, 0, 1, 0, y); return;
-    case Q6_K: tile_packed(Q6_K, f, x, group, K, 16, -32, 0, 0, y); return;
-    case Q8_0: tile_packed(Q8_0, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y); return;
-    case MB_Q8: tile_packed(MB_Q8, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y); return;
+    case Q4_0: tile_packed(Q4_0, f, x, group, K, 32, -8, 0, 0, y, next, ahead); return;
+    case Q5_0: tile_packed(Q5_0, f, x, group, K, 32, -16, 0, 0, y, next, ahead); return;
+    case Q4_1: tile_packed(Q4_1, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
+    case Q5_1: tile_packed(Q5_1, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
+    case Q4_K: tile_packed(Q4_K, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
+    case Q5_K: tile_packed(Q5_K, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
+    case Q6_K: tile_packed(Q6_K, f, x, group, K, 16, -32, 0, 0, y, next, ahead); return;
+    case Q8_0: tile_packed(Q8_0, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y, next, ahead); return;
+    case MB_Q8: tile_packed(MB_Q8, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y, next, ahead); return;
     }
 }
 #endif
@@ -1086,13 +1096,15 @@ static void tile_task(void *arg, int64_t task, int who) {
         float *y = mm->y + col + row0, part[TR * GR];
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
-            const uint8_t *group = w->data[p] + row0 * packed_row_bytes(fmt, &f, K);
+            int64_t size = GR * packed_row_bytes(fmt, &f, K);
+            const uint8_t *group = w->data[p] + row0 / GR * size;
+            ahead = ahead ? size : 0;
             if (mm->M == 1) { /* one row: multiplied as loaded */
-                tile_packed_any(fmt, &f, mm->a, group, K, n == GR ? y : part);
+                tile_packed_any(fmt, &f, mm->a, group, K, n == GR ? y : part, group + size, ahead);
                 if (n < GR) memcpy(y, part, sizeof(float) * n);
                 continue;
             }
-            decode_packed(fmt, &f, group, K, q, d, m);
+            decode_packed(fmt, &f, group, K, q, d, m, group + size, ahead);
 #endif
         } else if (n == GR) {
             decode_group(w->fmt[p], &f, first, bytes, K, q, d, m, next, ahead);
