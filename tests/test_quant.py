@@ -172,7 +172,7 @@ def test_a_gguf_of_another_architecture_is_refused_before_its_tokenizer_is_read(
 @pytest.mark.parametrize("name", FORMATS)
 def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
     """The kernels read a packed copy (the same bytes rearranged, ``quant.pack``): every output bit is
-    what the blocks as the file has them give, at 1, 4 and 17 rows, on partial groups and odd block counts."""
+    what the blocks as the file has them give, at 1 to 4 and 17 rows, on partial groups and odd block counts."""
     fmt = FORMATS[name]
     for n, k in [(37, 256), (9, 768), (24, 96)]:
         if k % quant.FORMATS[fmt][1]:
@@ -182,7 +182,7 @@ def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
         assert packed.packed and packed.rows == n and packed.name == name
         assert packed.data.nbytes <= blocks.data.nbytes * 1.2 + 16 * quant.FORMATS[fmt][2] * k
         x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
-        for rows in (1, 4, 17):
+        for rows in (1, 2, 3, 4, 17):
             out = [torch.empty(rows, n) for _ in range(2)]
             for b, y in zip((blocks, packed), out):
                 parts = quant.Parts.of([b])

@@ -931,16 +931,17 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
 
-/* y[0, 0..GR) for one row of x against one packed group, its weights multiplied as they are loaded (no
- * decoded buffer): the same sums and steps as decode_packed and then tile. fmt is a constant where inlined. */
+/* y[r, 0..GR) for the rows r < rows (up to TR) of x against one packed group, its weights multiplied as
+ * they are loaded (no decoded buffer): the same sums and steps as decode_packed and then tile. fmt and
+ * rows are constants where inlined. */
 static inline __attribute__((always_inline)) void tile_packed(
         const int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
-        const int unit, const int offset, const int has_min, const int sign, float *y, const uint8_t *next,
-        int64_t ahead) {
+        const int unit, const int offset, const int has_min, const int sign, const int rows, float *y,
+        int64_t ldy, const uint8_t *next, int64_t ahead) {
     int V = f->values, pair = paired(fmt) ? 2 : 1;
     float d[16 * GR], m[8 * GR];
     gvf acc[TR];
-    acc[0] = gf_zero();
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
     for (int64_t c = 0; c < K / V; c++) {
         fetch_share(next, ahead, c, K / V);
         const uint8_t *at = group + c / pair * pair * f->bytes * GR;
@@ -951,10 +952,10 @@ static inline __attribute__((always_inline)) void tile_packed(
             gvi w[8];
             for (int j = 0; j < 8; j++) w[j] = packed_values(fmt, at, base, k, j, sign);
             tile_block(x, w, d + (unit == 16 ? 2 * k : k) * GR, m + k * GR, K, c * V / 32 + k, unit, offset, has_min,
-                       sign, 1, acc);
+                       sign, rows, acc);
         }
     }
-    gf_store(y, acc[0]);
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
 #else
 static void tile(struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, int unit, int offset,
@@ -1013,19 +1014,27 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
 }
 
 #ifdef MB_AVX2
-/* tile_packed in its format's form (the tile's constants, as tile_any picks them). */
+/* tile_packed in its format's form and for its count of rows (the tile's constants, as tile_any picks them). */
+#define PACKED_ROWS(F, u, o, mn, sg)                                                                   \
+    switch (rows) {                                                                                    \
+    case 1: tile_packed(F, f, x, group, K, u, o, mn, sg, 1, y, ldy, next, ahead); return;             \
+    case 2: tile_packed(F, f, x, group, K, u, o, mn, sg, 2, y, ldy, next, ahead); return;             \
+    case 3: tile_packed(F, f, x, group, K, u, o, mn, sg, 3, y, ldy, next, ahead); return;             \
+    default: tile_packed(F, f, x, group, K, u, o, mn, sg, TR, y, ldy, next, ahead); return;           \
+    }
+
 static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
-                            float *y, const uint8_t *next, int64_t ahead) {
+                            int rows, float *y, int64_t ldy, const uint8_t *next, int64_t ahead) {
     switch (fmt) {
-    case Q4_0: tile_packed(Q4_0, f, x, group, K, 32, -8, 0, 0, y, next, ahead); return;
-    case Q5_0: tile_packed(Q5_0, f, x, group, K, 32, -16, 0, 0, y, next, ahead); return;
-    case Q4_1: tile_packed(Q4_1, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
-    case Q5_1: tile_packed(Q5_1, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
-    case Q4_K: tile_packed(Q4_K, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
-    case Q5_K: tile_packed(Q5_K, f, x, group, K, 32, 0, 1, 0, y, next, ahead); return;
-    case Q6_K: tile_packed(Q6_K, f, x, group, K, 16, -32, 0, 0, y, next, ahead); return;
-    case Q8_0: tile_packed(Q8_0, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y, next, ahead); return;
-    case MB_Q8: tile_packed(MB_Q8, f, x, group, K, 32, SIGNED8 ? 0 : -128, 0, SIGNED8, y, next, ahead); return;
+    case Q4_0: PACKED_ROWS(Q4_0, 32, -8, 0, 0)
+    case Q5_0: PACKED_ROWS(Q5_0, 32, -16, 0, 0)
+    case Q4_1: PACKED_ROWS(Q4_1, 32, 0, 1, 0)
+    case Q5_1: PACKED_ROWS(Q5_1, 32, 0, 1, 0)
+    case Q4_K: PACKED_ROWS(Q4_K, 32, 0, 1, 0)
+    case Q5_K: PACKED_ROWS(Q5_K, 32, 0, 1, 0)
+    case Q6_K: PACKED_ROWS(Q6_K, 16, -32, 0, 0)
+    case Q8_0: PACKED_ROWS(Q8_0, 32, SIGNED8 ? 0 : -128, 0, SIGNED8)
+    case MB_Q8: PACKED_ROWS(MB_Q8, 32, SIGNED8 ? 0 : -128, 0, SIGNED8)
     }
 }
 #endif
@@ -1099,9 +1108,10 @@ static void tile_task(void *arg, int64_t task, int who) {
             int64_t size = GR * packed_row_bytes(fmt, &f, K);
             const uint8_t *group = w->data[p] + row0 / GR * size;
             ahead = ahead ? size : 0;
-            if (mm->M == 1) { /* one row: multiplied as loaded */
-                tile_packed_any(fmt, &f, mm->a, group, K, n == GR ? y : part, group + size, ahead);
-                if (n < GR) memcpy(y, part, sizeof(float) * n);
+            if (mm->M <= TR) { /* one tile of rows: multiplied as loaded */
+                tile_packed_any(fmt, &f, mm->a, group, K, (int)mm->M, n == GR ? y : part, n == GR ? mm->N : GR,
+                                group + size, ahead);
+                for (int i = 0; n < GR && i < mm->M; i++) memcpy(y + i * mm->N, part + i * GR, sizeof(float) * n);
                 continue;
             }
             decode_packed(fmt, &f, group, K, q, d, m, group + size, ahead);
