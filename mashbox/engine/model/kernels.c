@@ -1101,13 +1101,14 @@ static void tile_task(void *arg, int64_t task, int who) {
         int64_t row0 = (g - mm->first[p]) * GR, n = w->n[p] - row0 < GR ? w->n[p] - row0 : GR, bytes = K / f.values * f.bytes;
         /* a last group's rows past the weight's end decode its last row again (their lanes are dropped) */
         const uint8_t *first = w->data[p] + row0 * bytes, *next = first + n * bytes;
-        int64_t ahead = g + 1 < end && row0 + n < w->n[p] ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
+        int more = g + 1 < end && row0 + n < w->n[p]; /* this task runs the part's next group */
+        int64_t ahead = more ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
         float *y = mm->y + col + row0, part[TR * GR];
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
             int64_t size = GR * packed_row_bytes(fmt, &f, K);
             const uint8_t *group = w->data[p] + row0 / GR * size;
-            ahead = ahead ? size : 0;
+            ahead = more ? size : 0;
             if (mm->M <= TR) { /* one tile of rows: multiplied as loaded */
                 tile_packed_any(fmt, &f, mm->a, group, K, (int)mm->M, n == GR ? y : part, n == GR ? mm->N : GR,
                                 group + size, ahead);
