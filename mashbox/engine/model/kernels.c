@@ -461,13 +461,13 @@ static inline int paired(int64_t fmt) { return fmt == Q4_0 || fmt == Q5_0 || fmt
 static inline int lone_at(int64_t fmt) { return fmt == Q6_K ? 208 : 0; }
 
 /* Bytes of one packed row of K weights. */
-static int64_t packed_row_bytes(int64_t fmt, const struct format *f, int64_t K) {
+static inline int64_t packed_row_bytes(int64_t fmt, const struct format *f, int64_t K) {
     int64_t pair = paired(fmt) ? 2 : 1;
     return (K / f->values + pair - 1) / pair * pair * f->bytes;
 }
 
 /* The 32 high bits of a Q5_0 or Q5_1 block reordered: bit 8t + j takes bit 4j + t. */
-static void spread_high_bits(uint8_t *qh) {
+static inline void spread_high_bits(uint8_t *qh) {
     uint32_t old, out = 0;
     memcpy(&old, qh, 4);
     for (int t = 0; t < 4; t++) {
@@ -478,28 +478,6 @@ static void spread_high_bits(uint8_t *qh) {
 #endif
     }
     memcpy(qh, &out, 4);
-}
-
-/* Unit u of a row of `blocks` blocks, rearranged as above into r. */
-static void unit_bytes(int64_t fmt, const struct format *f, const uint8_t *row, int64_t blocks, int64_t u, uint8_t *r) {
-    int B = f->bytes;
-    if (!paired(fmt)) {
-        memcpy(r, row + u * B, B);
-        if (fmt == Q5_1) spread_high_bits(r + 4);
-        return;
-    }
-    int at = lone_at(fmt), rest = at == 0 ? 2 : 0;
-    for (int i = 0; i < 2; i++) {
-        if (2 * u + i == blocks) { /* an odd count: a zero block */
-            memset(r + 2 * i, 0, 2);
-            memset(r + 4 + i * (B - 2), 0, B - 2);
-            continue;
-        }
-        const uint8_t *blk = row + (2 * u + i) * B;
-        memcpy(r + 2 * i, blk + at, 2);
-        memcpy(r + 4 + i * (B - 2), blk + rest, B - 2);
-        if (fmt == Q5_0) spread_high_bits(r + 4 + i * (B - 2));
-    }
 }
 
 /* The rows packed together (GR). */
@@ -515,24 +493,47 @@ int64_t mb_packed_bytes(int64_t fmt, int64_t N, int64_t K) {
     return 0;
 }
 
-/* The N rows of K weights of format fmt at w, packed into out (mb_packed_bytes of them). */
+/* The N rows of K weights of format fmt at w, packed into out (mb_packed_bytes of them): each dword of a
+ * group's unit gathered from its GR rows at once. */
 void mb_pack(const uint8_t *w, int64_t fmt, int64_t N, int64_t K, uint8_t *out) {
+#ifdef MB_AVX2
     struct format f;
     if (!mb_packed_bytes(fmt, N, K) || !format_of(fmt, &f)) return;
-    int64_t bytes = K / f.values * f.bytes, unit = (paired(fmt) ? 2 : 1) * f.bytes;
-    int64_t units = packed_row_bytes(fmt, &f, K) / unit;
+    int B = f.bytes, pair = paired(fmt) ? 2 : 1, lone = lone_at(fmt), rest = lone == 0 ? 2 : 0;
+    int64_t bytes = K / f.values * B, blocks = K / f.values, units = (blocks + pair - 1) / pair;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < (N + GR - 1) / GR; g++) {
-        uint8_t r[512];
+        int32_t rows[GR]; /* each lane's row from the group's first, rows past N the last one */
+        for (int c = 0; c < GR; c++) rows[c] = (int32_t)(((g * GR + c < N ? g * GR + c : N - 1) - g * GR) * bytes);
+        gvi at = gv_load(rows);
+        const uint8_t *row0 = w + g * GR * bytes;
         for (int64_t u = 0; u < units; u++) {
-            uint8_t *to = out + (g * units + u) * unit * GR;
-            for (int c = 0; c < GR; c++) {
-                int64_t n = g * GR + c < N ? g * GR + c : N - 1;
-                unit_bytes(fmt, &f, w + n * bytes, K / f.values, u, r);
-                for (int o = 0; o < unit; o += 4) memcpy(to + o * GR + 4 * c, r + o, 4);
+            uint8_t *to = out + (g * units + u) * pair * B * GR;
+            if (pair == 1) {
+                for (int o = 0; o < B; o += 4) gv_store(to + o * GR, gv_gather(row0 + u * B + o, at));
+                if (fmt == Q5_1)
+                    for (int c = 0; c < GR; c++) spread_high_bits(to + 4 * GR + 4 * c);
+                continue;
+            }
+            gvi scales = gv_zero(); /* the two lone fp16, from the dword that holds each in its block */
+            for (int i = 0; i < 2 && 2 * u + i < blocks; i++) {
+                gvi dw = gv_gather(row0 + (2 * u + i) * B + (lone ? lone - 2 : 0), at);
+                dw = lone ? gv_srli(dw, 16) : gv_and(dw, gv_set1(0xFFFF));
+                scales = gv_or(scales, i ? gv_slli(dw, 16) : dw);
+            }
+            gv_store(to, scales);
+            for (int i = 0; i < 2; i++) {
+                uint8_t *field = to + (4 + i * (B - 2)) * GR;
+                for (int o = 0; o < B - 2; o += 4)
+                    gv_store(field + o * GR, 2 * u + i < blocks ? gv_gather(row0 + (2 * u + i) * B + rest + o, at) : gv_zero());
+                if (fmt == Q5_0)
+                    for (int c = 0; c < GR; c++) spread_high_bits(field + 4 * c);
             }
         }
     }
+#else
+    (void)w, (void)fmt, (void)N, (void)K, (void)out;
+#endif
 }
 
 #ifdef MB_AVX2
