@@ -730,16 +730,24 @@ static inline gvi packed_values(int64_t fmt, const uint8_t *unit, int64_t base, 
     return gv_zero();
 }
 
+/* Block b of a packed group: its unit, returned, where the block's byte o lies at byte *base + o (a
+ * paired format's block less its lone scale, which is in half *half of the unit's dword 0). */
+static inline const uint8_t *packed_block(int64_t fmt, const struct format *f, const uint8_t *group, int64_t b,
+                                          int64_t *base, int *half) {
+    int pair = paired(fmt) ? 2 : 1;
+    *half = (int)(b % pair);
+    *base = pair == 1 ? 0 : 4 + *half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
+    return group + b / pair * pair * f->bytes * GR;
+}
+
 /* A packed group of GR rows (mb_pack) decoded for the tiles, as decode_group decodes the rows as the file
  * has them. */
 static void decode_packed(int64_t fmt, const struct format *f, const uint8_t *group, int64_t K, uint8_t *q,
                           float *d, float *m, const uint8_t *next, int64_t ahead) {
-    int V = f->values, units = V / f->unit, mins = V / 32, pair = paired(fmt) ? 2 : 1, sign = SIGNED(f);
-    for (int64_t b = 0; b < K / V; b++) {
+    int V = f->values, units = V / f->unit, mins = V / 32, sign = SIGNED(f), half;
+    for (int64_t b = 0, base; b < K / V; b++) {
         fetch_share(next, ahead, b, K / V);
-        const uint8_t *unit = group + b / pair * pair * f->bytes * GR;
-        int half = (int)(b % pair);
-        int64_t base = pair == 1 ? 0 : 4 + half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
+        const uint8_t *unit = packed_block(fmt, f, group, b, &base, &half);
         group_scales(fmt, f, unit, 0, base, half, d + b * units * GR, m + b * mins * GR);
         for (int k = 0; k < V / 32; k++) {
             uint8_t *out = q + (b * V / 32 + k) * 32 * GR;
@@ -939,15 +947,13 @@ static inline __attribute__((always_inline)) void tile_packed(
         const int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
         const int unit, const int offset, const int has_min, const int sign, const int rows, float *y,
         int64_t ldy, const uint8_t *next, int64_t ahead) {
-    int V = f->values, pair = paired(fmt) ? 2 : 1;
+    int V = f->values, half;
     float d[16 * GR], m[8 * GR];
     gvf acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = gf_zero();
-    for (int64_t c = 0; c < K / V; c++) {
+    for (int64_t c = 0, base; c < K / V; c++) {
         fetch_share(next, ahead, c, K / V);
-        const uint8_t *at = group + c / pair * pair * f->bytes * GR;
-        int half = (int)(c % pair);
-        int64_t base = pair == 1 ? 0 : 4 + half * (f->bytes - 2) - (lone_at(fmt) == 0 ? 2 : 0);
+        const uint8_t *at = packed_block(fmt, f, group, c, &base, &half);
         group_scales(fmt, f, at, 0, base, half, d, m);
         for (int k = 0; k < V / 32; k++) {
             gvi w[8];

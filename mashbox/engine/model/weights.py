@@ -24,8 +24,9 @@ class Linear:
     """``x @ weight.T`` in one of four forms, chosen once per model.
 
     ``blocks``: mashbox's CPU kernels over ``Blocks`` (``quant.py``): a GGUF's own, or int8 blocks
-    made from float weights, packed for the kernels (the same bytes rearranged); up to three matrices stacked by rows (q, k and v;
-    gate and up), each of its own format; fp32 activations, each row computed alone.
+    made from float weights, packed for the kernels (the same bytes rearranged); up to three
+    matrices stacked by rows (q, k and v; gate and up), each of its own format; fp32 activations,
+    each row computed alone.
     ``packed``: fp16 weights packed for fbgemm (CPU), fp32 activations; half the
     memory traffic (fbgemm does not promise a row's bits independent of the batch).
     ``plain``: one matmul. ``tiled``: every row goes through a matmul of exactly
