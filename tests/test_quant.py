@@ -11,7 +11,7 @@ from tiny import greedy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mashbox import Engine
-from mashbox.engine.load.gguf_file import GGUFFile, checkpoint
+from mashbox.engine.load.gguf_file import GGUFFile, checkpoint, open_model
 from mashbox.engine.model import quant
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Linear
@@ -116,12 +116,12 @@ def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, arch, formats):
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    exact = ModelRunner(checkpoint(path, cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
+    exact = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
     expected = [_generate(model, p) for p in prompts]
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert greedy(exact, prompts) == expected
 
-    ckpt = checkpoint(path, cpu, torch.float32, lib)
+    ckpt = checkpoint(open_model(path), cpu, torch.float32, lib)
     assert ckpt.blocks["lm_head.weight"] is ckpt.blocks["model.embed_tokens.weight"]
     runner = ModelRunner(ckpt, num_slots=4, ctx=512, form="gguf")
     assert {f for layer in runner.weights.layers for lin in (layer.qkv_proj, layer.o, layer.gate_up, layer.down)
@@ -157,7 +157,7 @@ def test_a_gguf_mashbox_cannot_run_is_refused_before_loading(tmp_path, arch, num
     model = _tiny(LlamaConfig, LlamaForCausalLM)
     path = write_gguf(tmp_path / "m.gguf", arch, model.config, {}, {}, numbers)
     with pytest.raises(ModelLoadError, match=says):
-        checkpoint(path, torch.device("cpu"), torch.float32, None)
+        checkpoint(open_model(path), torch.device("cpu"), torch.float32, None)
 
 
 def test_a_gguf_of_another_architecture_is_refused_before_its_tokenizer_is_read(tmp_path, monkeypatch):

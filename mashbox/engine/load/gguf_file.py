@@ -167,14 +167,17 @@ class Strings(Sequence[str]):
 
 
 def _row_bytes(kind: int, width: int) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     if kind in _FLOATS:
         return width * _FLOATS[kind].itemsize
-    try:
-        values, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-    except ValueError as err:
-        raise ValueError(f"unknown tensor type {kind}") from err
+    if kind in quant.FORMATS and kind != quant.MB_Q8:  # the kernels' own formats: gguf-py (~1 s to import) is not needed
+        _, values, size = quant.FORMATS[kind]
+    else:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            values, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except ValueError as err:
+            raise ValueError(f"unknown tensor type {kind}") from err
     if width % values:
         raise ValueError(f"a row of {width} is not whole blocks of {values}")
     return width // values * size
@@ -190,34 +193,33 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def refuse_unknown(path: Path) -> None:
-    """Refuse a GGUF file whose architecture mashbox cannot run, from its header alone (a file that
-    does not read is left for the loading to report)."""
-    try:
-        gguf = GGUFFile(path)
-    except (OSError, ValueError):
-        return
-    try:
-        _supported(gguf, path)
-    finally:
-        gguf.close()
-
-
-def _supported(gguf: GGUFFile, path: Path) -> str:
-    arch = gguf.fields.get("general.architecture")
-    if arch not in SUPPORTED:
-        raise ModelLoadError(f"'{path}' holds a {arch!r} model; mashbox runs {', '.join(SUPPORTED)} models")
-    return arch
-
-
-def checkpoint(path: Path, device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None) -> Checkpoint:
-    """The model in a GGUF file, its matrices as blocks (``lib``: the kernels that dequantize them on
-    first use as floats, where a form needs floats; gguf-py's numpy code without them)."""
+def open_model(path: Path) -> GGUFFile:
+    """The GGUF file at ``path``, its header read once, refused (ModelLoadError) where it does not
+    read or holds an architecture mashbox cannot run."""
     try:
         gguf = GGUFFile(path)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"Cannot read the GGUF file '{path}': {err}") from err
-    arch = _supported(gguf, path)
+    try:
+        _supported(gguf)
+    except ModelLoadError:
+        gguf.close()
+        raise
+    return gguf
+
+
+def _supported(gguf: GGUFFile) -> str:
+    arch = gguf.fields.get("general.architecture")
+    if arch not in SUPPORTED:
+        raise ModelLoadError(f"'{gguf.path}' holds a {arch!r} model; mashbox runs {', '.join(SUPPORTED)} models")
+    return arch
+
+
+def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None) -> Checkpoint:
+    """The model in a GGUF file (from ``open_model``), its matrices as blocks (``lib``: the kernels
+    that dequantize them on first use as floats, where a form needs floats; gguf-py's numpy code
+    without them)."""
+    arch = _supported(gguf)
     meta = lambda key, default=None: gguf.fields.get(f"{arch}.{key}", default)
     heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", int(meta("embedding_length")) // heads))

@@ -94,10 +94,10 @@ class _CacheUnreadable(ModelLoadError):
 def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: torch.dtype,
           step: Callable[[str], None]) -> LoadedModel:
     if source.kind == "gguf":
-        gguf_file.refuse_unknown(source.path)
+        gguf = gguf_file.open_model(source.path)  # read once; a file it cannot run is refused before anything else
         tokenizer = _gguf_tokenizer(source, converted, step)
         step("mapping the weights")
-        ckpt = gguf_file.checkpoint(source.path, dev, dt, native.load())
+        ckpt = gguf_file.checkpoint(gguf, dev, dt, native.load())
         size = source.path.stat().st_size
     else:
         _refuse_unknown(source.path)
