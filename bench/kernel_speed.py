@@ -3,7 +3,8 @@ all threads), on the matrix shapes of Qwen2.5-1.5B (1536 wide, 8960 for the MLP'
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/kernel_speed.py [--formats Q4_K Q6_K ...]
 
-Each shape is 64 MB or more of blocks, so a pass reads them from memory as a decode step does.
+Each pass reads its matrix from memory as a decode step does: the matrix has copies enough to fill
+COPIES_BYTES (well over a last-level cache), taken in turn.
 Run it from two checkouts in turn (PYTHONPATH=<checkout>) to compare kernels side by side.
 """
 
@@ -23,15 +24,18 @@ from mashbox.engine.model import native
 from mashbox.engine.model.weights import Linear
 
 SHAPES = [(1536, 17920), (8960, 1536)]  # (K, N): gate and up together; down
+COPIES_BYTES = 256 << 20
 
 
-def seconds(fn, x: torch.Tensor) -> float:
-    reps, best = max(2, 64 // x.shape[0]), float("inf")
-    fn(x)
+def seconds(fns: list, x: torch.Tensor) -> float:
+    """The best time of one matmul, over passes that take the copies in turn."""
+    reps, best = max(len(fns), 64 // x.shape[0]), float("inf")
+    for fn in fns:
+        fn(x)
     for _ in range(3):
         start = time.perf_counter()
-        for _ in range(reps):
-            fn(x)
+        for i in range(reps):
+            fns[i % len(fns)](x)
         best = min(best, (time.perf_counter() - start) / reps)
     return best
 
@@ -46,9 +50,9 @@ def main() -> None:
     for name in args.formats:
         for k, n in SHAPES:
             blocks = random_blocks(name, n, k, seed=1)
-            lin = Linear("blocks", lib=lib, parts=[blocks])
+            copies = [Linear("blocks", lib=lib, parts=[blocks]) for _ in range(-(-COPIES_BYTES // blocks.data.nbytes))]
             for m in (1, 16, 256):
-                t = seconds(lin, torch.randn(m, k))
+                t = seconds(copies, torch.randn(m, k))
                 print(f"{name:5} {k}x{n} rows {m:3}: {t * 1e3:7.2f} ms {2 * m * n * k / t / 1e9:6.1f} GF/s "
                       f"{blocks.data.nbytes / t / 1e9:5.1f} GB/s", flush=True)
 
