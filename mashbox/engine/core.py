@@ -57,14 +57,16 @@ class Stream:
     budget: ThinkBudget | None = None
     guard: CallGuard | None = None
     started: bool = False
+    pushed: int = 0  # tokens through the state machines
     reasoning_tokens: int = 0
     channel: Channel[Event] = field(default_factory=Channel)
 
     def push(self, token: int) -> None:
         thinking = self.markup.state == "think"
+        self.pushed += 1
         self._put(self.markup.push(self.stop.push(self.detok.push(token))))
-        if self.guard is not None:
-            self.seq.constraint = self.guard.follow(self.markup.open_call(), self.seq.output_ids)
+        if self.guard is not None:  # the answer up to this token (a step may have appended more)
+            self.seq.constraint = self.guard.follow(self.markup.open_call(), self.seq.output_ids[: self.pushed])
         self.reasoning_tokens += thinking
         budget = self.budget
         if budget and thinking and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
@@ -187,9 +189,8 @@ class EngineCore:
             for seq in {w.seq.id: w.seq for w in plan.work}.values():
                 self._end(self.streams[seq.id], Status.FINISHED_ERROR, f"device step failed: {exc}")
             return
-        for seq, token in self.scheduler.update(plan, tokens, seconds):
-            self.counters.generated_tokens += 1
-            self._emit(self.streams[seq.id], token)
+        for seq, new in self.scheduler.update(plan, tokens, seconds):
+            self._emit_all(self.streams[seq.id], new)
         if pages := self.scheduler.persist:
             self.scheduler.persist = []
             self.runner.keep(pages, self.scheduler.cache.disk)
@@ -211,13 +212,25 @@ class EngineCore:
             host_cache_cap_bytes=s.cache.host.cap, host_cache_evictions=s.cache.host.evictions,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
             prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens, prefix_diverged=s.diverged,
-            preemptions=c.preemptions, finished=dict(c.finished),
+            preemptions=c.preemptions, finished=dict(c.finished), draft_tokens=s.drafted, accepted_tokens=s.accepted,
         )
 
     def _close(self, stream: Stream, error: str | None = None) -> None:
         self.counters.finished[stream.seq.finish_reason or "error"] += 1
         self.snapshot = self._stats()  # counted before its client can see the end
         stream.finish(error)
+
+    def _emit_all(self, stream: Stream, tokens: list[int]) -> None:
+        """A step's new tokens of one request, in order. Where one ends the answer (a stop string, a
+        loop), starts a grammar (a tool call begun) or forced tokens (thinking spent), the rest
+        (accepted proposals, chosen without knowing) are taken back, as if never made."""
+        seq, ended = stream.seq, stream.seq.status.is_finished  # at its limits: every token still goes out
+        for i, token in enumerate(tokens):
+            self.counters.generated_tokens += 1
+            self._emit(stream, token)
+            if i + 1 < len(tokens) and (seq.status.is_finished and not ended or seq.constraint is not None or seq.forced):
+                seq.rewind(len(tokens) - i - 1)
+                return
 
     def _emit(self, stream: Stream, token: int) -> None:
         if token in stream.seq.eos_ids:

@@ -81,7 +81,8 @@ class Runtime:
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
-                              _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
+                              _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere,
+                              speculate=config.speculation and runner.cut_anywhere)
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
     @property

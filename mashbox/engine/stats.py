@@ -35,6 +35,8 @@ class EngineStats:
     preemptions: int
     finished: dict[str, int]
     prefix_diverged: int = 0  # prompts that left a longer cached prefix before its end
+    draft_tokens: int = 0  # tokens proposed by speculation and checked, and of those accepted
+    accepted_tokens: int = 0
 
     @property
     def prefix_miss_tokens(self) -> int:

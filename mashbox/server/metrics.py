@@ -52,6 +52,9 @@ ENGINE_COUNTERS = {  # EngineStats field -> (metric name, help)
     "prefix_diverged": ("mashbox:prefix_cache_diverged", "Prompts that left a longer cached prefix before its "
                         "end (the x-mashbox-cache header and the log say where)."),
     "preemptions": ("mashbox:num_preemptions", "Requests preempted (mashbox never preempts)."),
+    "draft_tokens": ("mashbox:spec_decode_num_draft_tokens", "Tokens proposed by speculation and checked."),
+    "accepted_tokens": ("mashbox:spec_decode_num_accepted_tokens", "Proposed tokens the model's own choice "
+                        "confirmed (kept)."),
 }
 
 

@@ -83,14 +83,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: Plan) -> list[int]:
-        """Forward every token of ``plan``; one sampled token per sampling work item."""
+        """Forward every token of ``plan``; one sampled token per sampling row: a sampling work item's
+        last row, or each of its rows where it carries proposals (``Work.draft``)."""
         for op in plan.cache_ops:
             self._move(op)
         logits = self._replayed(plan) if self._graphs is not None and self._graphs.takes(plan) else None
         if logits is None:
             batch = self._batch(plan)
             logits = self._logits(self.forward(batch)[batch.sample_rows])
-        sampling = [w.seq for w in plan.work if w.sample]
+        sampling = [w.seq for w in plan.work if w.sample for _ in range(1 + w.draft)]
         for row, seq in zip(logits, sampling):
             if seq.constraint is not None:
                 seq.constraint.mask(row)
@@ -222,7 +223,7 @@ class ModelRunner:
             positions.extend(range(item.position, item.position + n))
             slots.extend([item.slot] * n)
             if item.sample:
-                rows.append(len(ids) - 1)
+                rows.extend(range(len(ids) - 1 - item.draft, len(ids)))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         columns = lambda xs, k: as_tensor(xs).reshape(-1, k).T.contiguous()
         return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), as_tensor(rows), columns(single, 3),

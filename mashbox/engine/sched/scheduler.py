@@ -16,6 +16,12 @@ than the pace allows.
 No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
 then starts from a copy of it.
+
+With ``speculate`` (where the runner's rows do not depend on what runs beside them), a greedy
+request's decode item also carries the tokens its own text proposes (``draft.py``), while at most
+SPEC_ROWS requests decode: the runner gives the greedy token after each of them, and ``update``
+keeps the proposals up to the first that differs, then that token: the same tokens one step each
+would give, several a step.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mashbox.engine.sched.draft import Drafts
 from mashbox.engine.sched.pace import Pace
 from mashbox.engine.sched.prefix_cache import CacheOp, Live, Persist, PrefixCache
 from mashbox.engine.sched.sequence import Sequence, Status
@@ -36,6 +43,7 @@ PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, wher
 RATIO = 1.5  # how long a step with prompt tokens may take beside decoding requests, in decode steps
 SHORT = 4  # chunks: a prompt with no more to compute beside decoding requests goes in whole chunks,
 SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
+SPEC_ROWS = 4  # requests decoding, at most, for proposals to be checked: beyond, a step's rows cost their full share
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +54,7 @@ class Work:
     token_ids: tuple[int, ...]
     position: int
     sample: bool
+    draft: int = 0  # a decode item's last tokens that are proposals: each of its rows then samples
 
     @property
     def slot(self) -> int:
@@ -79,17 +88,19 @@ class Plan:
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
                  kv_bytes_per_token: int = 0, step_tokens: int | None = None, busy_tokens: int | None = None,
-                 disk: PageStore | None = None, cut_anywhere: bool = False) -> None:
+                 disk: PageStore | None = None, cut_anywhere: bool = False, speculate: bool = False) -> None:
         self.slots = SlotTable(num_slots)
         self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token, disk)
         self.lookup_tokens = 0
         self.hit_tokens = 0
         self.diverged = 0  # prompts that left a longer cached prefix before its end
+        self.drafted = self.accepted = 0  # proposals checked, and accepted, over all requests
         self.ctx = ctx
         self.chunk_tokens = chunk_tokens
         self.step_tokens = step_tokens or chunk_tokens
         self.busy_tokens = busy_tokens or chunk_tokens
         self.cut_anywhere = cut_anywhere
+        self.speculate = speculate
         self.pace = Pace()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -102,6 +113,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) >= self.ctx:
             raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit ctx {self.ctx}")
+        p = seq.sampling
+        if self.speculate and p.greedy and p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty):
+            seq.drafts = Drafts(seq.prompt_ids + seq.output_ids)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: Status) -> None:
@@ -115,7 +129,8 @@ class Scheduler:
             self.slots.free(seq.slot)
 
     def schedule(self) -> Plan:
-        plan = Plan([self._decode(s) for s in self.running if not s.in_prefill])
+        decoding = [s for s in self.running if not s.in_prefill]
+        plan = Plan([self._decode(s, len(decoding) <= SPEC_ROWS) for s in decoding])
         short = self._short_first()
         unit = self.chunk_tokens if short or not self.cut_anywhere else PIECE
         budget = (self.pace.budget(len(plan.work), unit, self.busy_tokens, SHORT_RATIO if short else RATIO,
@@ -134,25 +149,43 @@ class Scheduler:
             budget -= self._prefill(plan, seq, budget, unit)
         return plan
 
-    def update(self, plan: Plan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, int]]:
-        """Record what ran (in ``seconds``, if timed); ``sampled`` holds one token per sampling work
-        item. Prompt pages it completed are added to ``persist``."""
+    def update(self, plan: Plan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, list[int]]]:
+        """Record what ran (in ``seconds``, if timed); ``sampled`` holds one token per sampling row (one
+        per work item, 1 + its draft for a decode item with proposals). Returns each request's new
+        tokens. Prompt pages it completed are added to ``persist``."""
         if seconds is not None:
-            self.pace.record(plan.decode_rows, plan.prompt_tokens, seconds)
+            self.pace.record(plan.decode_rows + sum(w.draft for w in plan.work), plan.prompt_tokens, seconds)
         tokens = iter(sampled)
-        new: list[tuple[Sequence, int]] = []
+        new: list[tuple[Sequence, list[int]]] = []
         for w in plan.work:
             done, prompt = w.seq.num_computed, w.seq.prompt_ids
             w.seq.num_computed += len(w.token_ids)
             if done < len(prompt):
                 self.persist += self.cache.persist(w.slot, prompt, w.seq.cache_salt, done,
                                                    min(w.seq.num_computed, len(prompt)))
-            if w.sample and not w.seq.status.is_finished:
-                token = next(tokens)
-                w.seq.append(token)
-                new.append((w.seq, token))
-                self._check_limits(w.seq, token)
+            rows = [next(tokens) for _ in range(1 + w.draft)] if w.sample else []
+            if rows and not w.seq.status.is_finished:
+                new.append((w.seq, self._accept(w, rows)))
         return new
+
+    def _accept(self, w: Work, rows: list[int]) -> list[int]:
+        """The tokens a decode item gives: its proposals up to the first that differs from the token
+        its row before chose, then that row's token; each checked against the limits."""
+        seq, proposed = w.seq, w.token_ids[1:]
+        accepted = next((i for i, (p, t) in enumerate(zip(proposed, rows)) if p != t), len(proposed))
+        if w.draft:
+            seq.num_computed -= w.draft - accepted  # the keys of rejected proposals are written over later
+            seq.drafted, seq.accepted = seq.drafted + w.draft, seq.accepted + accepted
+            self.drafted, self.accepted = self.drafted + w.draft, self.accepted + accepted
+            seq.drafts.record(w.draft, accepted)
+        kept = []
+        for token in rows[: accepted + 1]:
+            seq.append(token)
+            kept.append(token)
+            self._check_limits(seq, token)
+            if seq.status.is_finished:
+                break
+        return kept
 
     def _short_first(self) -> bool:
         """Whether the prompt first in line is short (at most SHORT chunks not found in the prefix
@@ -188,8 +221,17 @@ class Scheduler:
         elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.ctx:
             self.finish(seq, Status.FINISHED_LENGTH)
 
-    def _decode(self, seq: Sequence) -> Work:
-        return Work(seq, (seq.output_ids[-1],), seq.num_tokens - 1, sample=True)
+    def _decode(self, seq: Sequence, speculate: bool) -> Work:
+        draft = self._draft(seq) if speculate else ()
+        return Work(seq, (seq.output_ids[-1], *draft), seq.num_tokens - 1, sample=True, draft=len(draft))
+
+    def _draft(self, seq: Sequence) -> tuple[int, ...]:
+        """Tokens ``seq``'s own text proposes, none where a grammar or forced tokens choose, and never
+        more than its limits leave room for after them."""
+        if seq.drafts is None or seq.constraint is not None or seq.forced:
+            return ()
+        room = min(seq.max_new_tokens - len(seq.output_ids), self.ctx - seq.num_tokens) - 1
+        return seq.drafts.propose(room)
 
     def _chunk_len(self, seq: Sequence, position: int) -> int:
         """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mashbox.engine.request import SamplingParams
+from mashbox.engine.sched.draft import Drafts
 
 
 class Status(enum.IntEnum):
@@ -55,6 +56,9 @@ class Sequence:
     cache_salt: str = ""  # prefixes are shared only between requests of the same salt (a tenant)
     session: str | None = None  # whose conversation this prompt continues (PrefixCache keeps it warm)
     generator: Any = None  # a sampled request's own random stream (torch.Generator), made at its first draw
+    drafts: Drafts | None = None  # where it speculates: its tokens indexed for proposals (draft.py)
+    drafted: int = 0  # tokens proposed and checked, and of those accepted
+    accepted: int = 0
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None
@@ -84,6 +88,16 @@ class Sequence:
         self.first_token = self.first_token or now
         self.last_token = now
         self.output_ids.append(token)
+        if self.drafts is not None:
+            self.drafts.add(token)
+
+    def rewind(self, n: int) -> None:
+        """Take back the last ``n`` output tokens (accepted in one step, but chosen before a grammar or
+        a forced token took over): the next step runs from the last one kept."""
+        del self.output_ids[len(self.output_ids) - n :]
+        self.num_computed = min(self.num_computed, self.num_tokens - 1)
+        if self.drafts is not None:
+            del self.drafts.tokens[len(self.drafts.tokens) - n :]
 
     def finish(self, status: Status) -> None:
         if not status.is_finished:
