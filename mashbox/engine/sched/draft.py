@@ -4,7 +4,8 @@ the next step checks them all at once (one row each, as a prompt chunk runs). Pu
 
 A coding agent's answer re-writes much of what it was shown (a file read a turn ago, with two
 lines changed), so long runs of proposals are right; on prose with nothing to copy there is rarely
-a match, and the length proposed backs off after misses (``Drafts.record``).
+a match, and the length proposed backs off after misses (``Drafts.record``). How many of the
+proposals a step checks is the scheduler's choice, by what rows cost (``Scheduler._afford``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ SHORTEST = 2
 MOST = 16  # tokens proposed at once, at most
 START = 4  # tokens proposed after a hit, before the record says more
 REST = 8  # tokens to wait after the proposals failed twice in a row before proposing again
+TAKEN = 0.5  # the share of proposals taken, assumed before a request's own record says
 
 
 class Drafts:
@@ -24,6 +26,7 @@ class Drafts:
         self.tokens: list[int] = []
         self._follows: dict[tuple[int, ...], int] = {}
         self.size = START
+        self.taken = TAKEN  # the share of its recent proposals taken (a running average)
         self._misses = 0
         self._resting = 0
         for token in tokens:
@@ -53,6 +56,7 @@ class Drafts:
     def record(self, proposed: int, accepted: int) -> None:
         """Adapt to how the last proposal did: all taken, propose twice as many (up to MOST); none
         taken, half as many, and after two such in a row rest for REST tokens."""
+        self.taken = 0.75 * self.taken + 0.25 * accepted / proposed
         if accepted == proposed:
             self.size, self._misses = min(MOST, 2 * self.size), 0
         elif accepted == 0:

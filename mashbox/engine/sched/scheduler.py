@@ -43,7 +43,7 @@ PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, wher
 RATIO = 1.5  # how long a step with prompt tokens may take beside decoding requests, in decode steps
 SHORT = 4  # chunks: a prompt with no more to compute beside decoding requests goes in whole chunks,
 SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
-SPEC_ROWS = 4  # requests decoding, at most, for proposals to be checked: beyond, a step's rows cost their full share
+SPEC_ROWS = 8  # requests decoding, at most, for proposals to be checked
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,10 +130,13 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         decoding = [s for s in self.running if not s.in_prefill]
-        plan = Plan([self._decode(s, len(decoding) <= SPEC_ROWS) for s in decoding])
+        drafts = self._afford(decoding) if len(decoding) <= SPEC_ROWS else [()] * len(decoding)
+        plan = Plan([Work(s, (s.output_ids[-1], *d), s.num_tokens - 1, sample=True, draft=len(d))
+                     for s, d in zip(decoding, drafts)])
         short = self._short_first()
         unit = self.chunk_tokens if short or not self.cut_anywhere else PIECE
-        budget = (self.pace.budget(len(plan.work), unit, self.busy_tokens, SHORT_RATIO if short else RATIO,
+        budget = (self.pace.budget(len(plan.work) + sum(w.draft for w in plan.work), unit, self.busy_tokens,
+                                   SHORT_RATIO if short else RATIO,
                                    self.chunk_tokens)
                   if plan else self.step_tokens)
         for seq in [s for s in self.running if s.in_prefill]:
@@ -221,10 +224,6 @@ class Scheduler:
         elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.ctx:
             self.finish(seq, Status.FINISHED_LENGTH)
 
-    def _decode(self, seq: Sequence, speculate: bool) -> Work:
-        draft = self._draft(seq) if speculate else ()
-        return Work(seq, (seq.output_ids[-1], *draft), seq.num_tokens - 1, sample=True, draft=len(draft))
-
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """Tokens ``seq``'s own text proposes, none where a grammar or forced tokens choose, and never
         more than its limits leave room for after them."""
@@ -232,6 +231,26 @@ class Scheduler:
             return ()
         room = min(seq.max_new_tokens - len(seq.output_ids), self.ctx - seq.num_tokens) - 1
         return seq.drafts.propose(room)
+
+    def _afford(self, decoding: list[Sequence]) -> list[tuple[int, ...]]:
+        """Each decoding request's proposals cut to what pays: its j-th is taken with about
+        ``taken``^j (its record), a step of n rows costs what ``Pace`` measured, and the count of
+        proposals checked, most likely first, is the one that gives the most tokens a second (none
+        until steps of two sizes are known)."""
+        rows, proposals = len(decoding), [self._draft(s) for s in decoding]
+        if not any(proposals) or len(self.pace.sizes) < 2:
+            return [()] * rows
+        likely = sorted(((s.drafts.taken ** j, i) for i, (s, p) in enumerate(zip(decoding, proposals))
+                         for j in range(1, len(p) + 1)), reverse=True)
+        tokens, best, rate = float(rows), 0, rows / self.pace.step(rows)
+        for extra, (chance, _) in enumerate(likely, 1):
+            tokens += chance
+            if tokens / self.pace.step(rows + extra) > rate:
+                best, rate = extra, tokens / self.pace.step(rows + extra)
+        keep = [0] * rows
+        for _, i in likely[:best]:
+            keep[i] += 1
+        return [p[:k] for p, k in zip(proposals, keep)]
 
     def _chunk_len(self, seq: Sequence, position: int) -> int:
         """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""
