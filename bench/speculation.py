@@ -95,7 +95,7 @@ def main() -> None:
     ctx, slots = 4096, max(args.streams)
     servers = []
     with tempfile.TemporaryDirectory() as pages:
-        for flags, name in (([], "mashbox"), (["--speculation"], "mashbox --speculation")):
+        for flags, name in ((["--no-speculation"], "mashbox"), ([], "mashbox (speculation)")):
             server = mashbox_server(args.model, 0, args.threads, pages)
             server.command[server.command.index("--ctx") + 1] = str(ctx)
             server.command[server.command.index("--slots") + 1] = str(slots)

@@ -73,10 +73,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--free-calls", action="store_true",
                      help="in tool_choice auto, leave a tool call the model begins unconstrained; by default "
                           "the rest of it is held to the declared tools' names and parameter schemas (default: off)")
-    run.add_argument("--speculation", action="store_true",
-                     help="greedy answers propose their next tokens from the prompt and their own text (where "
-                          "their last tokens occurred before) and check them in one step: the same tokens, "
-                          "faster where an answer copies, as an agent re-writing a file (default: off)")
+    run.add_argument("--no-speculation", action="store_true",
+                     help="turn off speculation: by default greedy answers propose their next tokens from the "
+                          "prompt and their own text (where their last tokens occurred before) and check them "
+                          "in one step: the same tokens, faster where an answer copies (an agent re-writing a file)")
     run.add_argument("--sampling", type=_sampling, default={}, metavar="NAME=VALUE,...",
                      help="sampling for requests that leave these fields out, e.g. temperature=0.7,top_p=0.8 "
                           "(Qwen's advice for agents; fields: " + ", ".join(SAMPLING_FIELDS) + "); a request's own "
@@ -213,7 +213,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
                "cache_disk_gib": args.cache_disk, "cache_dir": args.cache_dir,
                "allow_long_context": args.allow_long_context, "kv_dtype": args.kv_dtype,
                "verbatim_template": args.verbatim_template, "constrain_calls": not args.free_calls,
-               "speculation": args.speculation}
+               "speculation": not args.no_speculation}
     EngineConfig(model=args.model, **options)  # bad values fail here, before loading
     return options
 

@@ -140,7 +140,8 @@ def test_stream_usage_chunk_when_asked():
     assert usage["choices"] == []
     assert usage["usage"] == {
         "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
-        "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 1},
+        "prompt_tokens_details": {"cached_tokens": 3},
+        "completion_tokens_details": {"reasoning_tokens": 1, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
     assert usage["timings"] == chunks[-2]["timings"]
     sdk.ChatCompletionChunk.model_validate(usage)

@@ -4,13 +4,17 @@ tool calls and several requests at once; and they are taken (fewer steps where a
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
-from mashbox import Engine
+from mashbox import Engine, SamplingParams
 from mashbox.engine.sched.draft import MOST, REST, START, Drafts
+from mashbox.engine.sched.scheduler import Scheduler, Work
+from mashbox.engine.sched.sequence import Sequence
 
 SOURCE = (Path(__file__).parent.parent / "mashbox" / "engine" / "sched" / "draft.py").read_text()[:2400]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -36,7 +40,13 @@ PROMPTS = [  # (messages, extra request fields)
 
 @pytest.fixture(scope="module")
 def spec_engine():
-    with Engine("smollm2-135m", ctx=2048, slots=4, quiet=True, speculation=True) as engine:
+    with Engine("smollm2-135m", ctx=2048, slots=4, quiet=True) as engine:  # on by default
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def plain_engine():
+    with Engine("smollm2-135m", ctx=2048, slots=4, quiet=True, speculation=False) as engine:
         yield engine
 
 
@@ -74,11 +84,12 @@ def test_the_size_proposed_grows_with_hits_and_rests_after_misses():
     assert drafts.propose(10) != ()
 
 
-def test_speculation_gives_exactly_the_greedy_answer(smol_engine, spec_engine):
+def test_speculation_gives_exactly_the_greedy_answer(plain_engine, spec_engine):
     for messages, fields in PROMPTS:
-        assert answer(spec_engine, messages, fields) == answer(smol_engine, messages, fields), (messages, fields)
+        assert answer(spec_engine, messages, fields) == answer(plain_engine, messages, fields), (messages, fields)
     stats = spec_engine.stats()
     assert stats.draft_tokens > 100 and stats.accepted_tokens > 50  # the copies were proposed and taken
+    assert plain_engine.stats().draft_tokens == 0
 
 
 def test_an_answer_that_copies_takes_several_tokens_a_step(spec_engine):
@@ -89,11 +100,11 @@ def test_an_answer_that_copies_takes_several_tokens_a_step(spec_engine):
     assert tokens == 160 and accepted > tokens // 3  # here ~99: 160 tokens in ~61 steps
 
 
-def test_requests_speculating_together_each_get_their_own_answer(smol_engine, spec_engine):
+def test_requests_speculating_together_each_get_their_own_answer(plain_engine, spec_engine):
     work = PROMPTS[:4]
     with ThreadPoolExecutor(len(work)) as pool:
         together = list(pool.map(lambda p: answer(spec_engine, *p), work))
-    assert together == [answer(smol_engine, *p) for p in work]
+    assert together == [answer(plain_engine, *p) for p in work]
 
 
 def test_sampled_requests_do_not_speculate(spec_engine):
@@ -101,3 +112,54 @@ def test_sampled_requests_do_not_speculate(spec_engine):
     spec_engine.chat(messages=PROMPTS[0][0], max_tokens=40, temperature=0.7, seed=1)
     spec_engine.chat(messages=PROMPTS[0][0], max_tokens=40, frequency_penalty=0.5)
     assert spec_engine.stats().draft_tokens == before
+
+
+def test_chat_usage_says_how_many_proposed_tokens_were_kept(spec_engine):
+    out = spec_engine.chat(messages=PROMPTS[1][0], max_tokens=80)
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    assert details.accepted_prediction_tokens < out.usage.completion_tokens  # each step gives one of its own
+
+
+def test_a_predicted_output_is_proposed_and_changes_nothing_but_speed(plain_engine, spec_engine):
+    """OpenAI's ``prediction``: the text expected back (here the answer itself, as an edit tool would
+    know most of it) is a source of proposals; the answer is the greedy one with or without it."""
+    messages = ask("Write a short poem about the sea, with a title.")
+    plain = plain_engine.chat(messages=messages, max_tokens=60)
+    expected = plain.choices[0].message.content
+    predicted = spec_engine.chat(messages=messages, max_tokens=60,
+                                 prediction={"type": "content", "content": expected})
+    wrong = spec_engine.chat(messages=messages, max_tokens=60, prediction={"type": "content", "content": "x y z " * 20})
+    assert predicted.choices[0].message.content == wrong.choices[0].message.content == expected
+    assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 30
+
+
+def test_over_http_the_sdk_sends_a_prediction_and_reads_what_was_kept(oai):
+    """The real OpenAI SDK against the server (speculation on by default): ``prediction`` is taken,
+    the usage says how many proposed tokens were kept, and /metrics counts them."""
+    messages = ask(f"```python\n{SOURCE[:1200]}\n```\nCopy the code.")
+    plain = oai.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=60)
+    again = oai.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=60,
+                                        prediction={"type": "content", "content": SOURCE[:1200]})
+    assert again.choices[0].message.content == plain.choices[0].message.content
+    details = again.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens is not None
+    metrics = httpx.get(str(oai.base_url).removesuffix("/v1/") + "/metrics").text
+    kept = re.search(r"^mashbox:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert kept and float(kept.group(1)) > 0
+
+
+def _proposing(step_seconds: dict[int, float]) -> Work:
+    """The decode item of a request whose text repeats, after steps of these sizes took these times."""
+    s = Scheduler(2, 512, 32, speculate=True)
+    s.add(Sequence("a", [1, 2, 3, 4, 5] * 3, SamplingParams(), 50))
+    s.update(s.schedule(), [1])  # the prompt, then its first token: "... 4 5 1", which occurred before
+    for rows, seconds in step_seconds.items():
+        s.pace.record(rows, 0, seconds)
+    return s.schedule().work[0]
+
+
+def test_a_step_checks_the_proposals_that_pay_for_their_rows():
+    assert _proposing({1: 0.010, 17: 0.011}).token_ids == (1, 2, 3, 4, 5)  # rows nearly free: all START
+    assert _proposing({1: 0.010, 17: 0.170}).token_ids == (1,)  # each row as dear as a step: none
+    assert _proposing({1: 0.010}).draft == 0  # step costs not known yet: none

@@ -35,6 +35,8 @@ class PromptTokensDetails(OutModel):
 
 class CompletionTokensDetails(OutModel):
     reasoning_tokens: int
+    accepted_prediction_tokens: int  # speculation: proposed tokens kept, and proposed tokens not
+    rejected_prediction_tokens: int
 
 
 class ChatUsage(OutModel):
@@ -50,7 +52,9 @@ class ChatUsage(OutModel):
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
             total_tokens=u.total_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
-            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens),
+            completion_tokens_details=CompletionTokensDetails(
+                reasoning_tokens=u.reasoning_tokens, accepted_prediction_tokens=u.accepted_tokens,
+                rejected_prediction_tokens=u.rejected_tokens),
         )
 
 

@@ -120,6 +120,13 @@ class StreamOptions(Part):
     include_usage: bool | None = None
 
 
+class Prediction(Part):
+    """OpenAI's predicted output: text the answer is expected to resemble (a file with a small edit)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatRequest(RequestModel, SamplingFields):
     accepted_ignored = ("merge", "store")
 
@@ -138,6 +145,7 @@ class ChatRequest(RequestModel, SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    prediction: Prediction | None = None
 
     _no_logprobs = field_validator("logprobs", "top_logprobs")(refuse_logprobs)
 
@@ -170,6 +178,7 @@ def to_engine(req: ChatRequest) -> EngineRequest:
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=req.thinking(),
+        prediction=_text(req.prediction.content) if req.prediction else None,
     )
 
 

@@ -49,6 +49,7 @@ class ChatParams(SamplingKeywords, total=False):
     logprobs: bool | None
     top_logprobs: int | None
     response_format: dict[str, Any] | None
+    prediction: Object | None
 
 
 class CompletionParams(SamplingKeywords, total=False):

@@ -44,7 +44,7 @@ class EngineConfig:
     ``speculation``: a greedy request's answer proposes its next tokens from its own prompt and text
     (where its last tokens occurred before), checked together in its next step: the same tokens,
     several a step where the answer copies (an agent re-writing a file). With mashbox's CPU kernels
-    only, where a row's result never depends on the rows beside it; off by default for now.
+    only, where a row's result never depends on the rows beside it.
     A ``ctx`` above the context the model was trained on is refused unless
     ``allow_long_context`` (answers degrade past it); one whose KV cache
     (``ctx`` x ``slots``) needs more memory than the device has free is refused.
@@ -68,7 +68,7 @@ class EngineConfig:
     allow_long_context: bool = False
     verbatim_template: bool = False
     constrain_calls: bool = True
-    speculation: bool = False
+    speculation: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

@@ -80,7 +80,8 @@ class Stream:
         reason = seq.finish_reason or "error"
         if reason == "stop" and self.markup.num_calls:
             reason = "tool_calls"
-        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, self.reasoning_tokens)
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, self.reasoning_tokens, seq.accepted,
+                      seq.drafted - seq.accepted)
         self.channel.hold(Finish(reason, usage, _timings(seq), self.stop.matched, error))
 
     def _put(self, events: list[Event]) -> None:

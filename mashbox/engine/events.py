@@ -75,6 +75,8 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0  # of completion_tokens, those spent thinking
+    accepted_tokens: int = 0  # speculation: proposed tokens the model confirmed, and those it did not
+    rejected_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

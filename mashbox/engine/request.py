@@ -104,6 +104,7 @@ class EngineRequest:
     cache_salt: str = ""  # cached prompt prefixes are shared only between requests with the same salt
     session: str | None = None  # the client's session (an agent's): its conversation's prefix is kept warm
     response_schema: dict[str, Any] | None = None  # the answer is JSON valid under this schema (no tool calls)
+    prediction: str | None = None  # text the answer should resemble: a source of proposals (speed only)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:

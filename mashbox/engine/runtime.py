@@ -145,6 +145,8 @@ class Runtime:
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)
+        if request.prediction:
+            seq.predicted = tuple(self.tokenizer.encode(request.prediction, add_special_tokens=False))
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
         seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)

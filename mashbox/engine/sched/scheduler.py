@@ -84,6 +84,10 @@ class Plan:
     def decode_rows(self) -> int:
         return sum(not w.in_prompt for w in self.work)
 
+    @property
+    def draft_rows(self) -> int:
+        return sum(w.draft for w in self.work)
+
 
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
@@ -115,7 +119,7 @@ class Scheduler:
             raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit ctx {self.ctx}")
         p = seq.sampling
         if self.speculate and p.greedy and p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty):
-            seq.drafts = Drafts(seq.prompt_ids + seq.output_ids)
+            seq.drafts = Drafts([*seq.prompt_ids, *seq.predicted, *seq.output_ids])  # the latest occurrence wins
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: Status) -> None:
@@ -135,9 +139,8 @@ class Scheduler:
                      for s, d in zip(decoding, drafts)])
         short = self._short_first()
         unit = self.chunk_tokens if short or not self.cut_anywhere else PIECE
-        budget = (self.pace.budget(len(plan.work) + sum(w.draft for w in plan.work), unit, self.busy_tokens,
-                                   SHORT_RATIO if short else RATIO,
-                                   self.chunk_tokens)
+        ratio = SHORT_RATIO if short else RATIO
+        budget = (self.pace.budget(len(plan.work) + plan.draft_rows, unit, self.busy_tokens, ratio, self.chunk_tokens)
                   if plan else self.step_tokens)
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget, unit)
@@ -157,7 +160,7 @@ class Scheduler:
         per work item, 1 + its draft for a decode item with proposals). Returns each request's new
         tokens. Prompt pages it completed are added to ``persist``."""
         if seconds is not None:
-            self.pace.record(plan.decode_rows + sum(w.draft for w in plan.work), plan.prompt_tokens, seconds)
+            self.pace.record(plan.decode_rows + plan.draft_rows, plan.prompt_tokens, seconds)
         tokens = iter(sampled)
         new: list[tuple[Sequence, list[int]]] = []
         for w in plan.work:
@@ -174,7 +177,7 @@ class Scheduler:
     def _accept(self, w: Work, rows: list[int]) -> list[int]:
         """The tokens a decode item gives: its proposals up to the first that differs from the token
         its row before chose, then that row's token; each checked against the limits."""
-        seq, proposed = w.seq, w.token_ids[1:]
+        seq, proposed = w.seq, w.token_ids[len(w.token_ids) - w.draft :]
         accepted = next((i for i, (p, t) in enumerate(zip(proposed, rows)) if p != t), len(proposed))
         if w.draft:
             seq.num_computed -= w.draft - accepted  # the keys of rejected proposals are written over later
