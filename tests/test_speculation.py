@@ -5,15 +5,16 @@ tool calls and several requests at once; and they are taken (fewer steps where a
 from __future__ import annotations
 
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from mashbox import Engine, SamplingParams
+from mashbox import Engine, EngineRequest, Finish, Message, ReasoningDelta, SamplingParams, TextDelta
 from mashbox.engine.sched.draft import MOST, REST, START, Drafts
-from mashbox.engine.sched.scheduler import Scheduler, Work
+from mashbox.engine.sched.scheduler import PROBE, Scheduler, Work
 from mashbox.engine.sched.sequence import Sequence
 
 SOURCE = (Path(__file__).parent.parent / "mashbox" / "engine" / "sched" / "draft.py").read_text()[:2400]
@@ -163,3 +164,41 @@ def test_a_step_checks_the_proposals_that_pay_for_their_rows():
     assert _proposing({1: 0.010, 17: 0.011}).token_ids == (1, 2, 3, 4, 5)  # rows nearly free: all START
     assert _proposing({1: 0.010, 17: 0.170}).token_ids == (1,)  # each row as dear as a step: none
     assert _proposing({1: 0.010}).draft == 0  # step costs not known yet: none
+
+
+def test_proposals_that_seemed_too_dear_are_checked_now_and_then():
+    """One slow step measured at a busy moment must not turn speculation off for good."""
+    s = Scheduler(2, 512, 32, speculate=True)
+    s.add(Sequence("a", [1, 2, 3, 4, 5] * 20, SamplingParams(), 200))
+    s.update(s.schedule(), [1])
+    s.pace.record(1, 0, 0.010)
+    s.pace.record(5, 0, 0.500)  # a step of 5 rows once took 50 steps' time
+    drafts = []
+    for _ in range(2 * PROBE):
+        plan = s.schedule()
+        drafts.append(plan.work[0].draft)
+        s.update(plan, [plan.work[0].token_ids[-1]] * (1 + plan.work[0].draft))  # not timed
+    assert drafts.count(0) >= 2 * PROBE - 2 and 1 in drafts
+
+
+def test_a_thinking_budget_ends_thinking_where_it_would_without_speculation(tiny_model_dir, tmp_path):
+    """Forced tokens (the budget spent) take over mid-step: the proposals kept after them are taken back."""
+    from test_tools import THINK_TEMPLATE
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = THINK_TEMPLATE
+    tokenizer.save_pretrained(path)
+    request = EngineRequest(messages=(Message("user", "Think about it."),), enable_thinking=True, thinking_budget=6,
+                            sampling=SamplingParams(max_tokens=60))
+    runs = {}
+    for on in (False, True):
+        with Engine(str(path), ctx=512, slots=2, quiet=True, speculation=on) as engine:
+            events = [e for e in engine.stream(request) if isinstance(e, (ReasoningDelta, TextDelta, Finish))]
+            usage = events[-1].usage
+            runs[on] = [(type(e).__name__, e.text) for e in events[:-1]], (usage.completion_tokens, usage.reasoning_tokens)
+            drafted = engine.stats().draft_tokens
+    assert runs[True] == runs[False]
+    assert drafted > 0  # proposals were made (the tiny model repeats itself)

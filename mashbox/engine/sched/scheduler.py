@@ -44,6 +44,7 @@ RATIO = 1.5  # how long a step with prompt tokens may take beside decoding reque
 SHORT = 4  # chunks: a prompt with no more to compute beside decoding requests goes in whole chunks,
 SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
 SPEC_ROWS = 8  # requests decoding, at most, for proposals to be checked
+PROBE = 16  # steps with proposals none of which seemed to pay, before the likeliest is checked anyway
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,6 +106,7 @@ class Scheduler:
         self.busy_tokens = busy_tokens or chunk_tokens
         self.cut_anywhere = cut_anywhere
         self.speculate = speculate
+        self._unchecked = 0  # steps since proposals were last checked, while some were made
         self.pace = Pace()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -239,7 +241,8 @@ class Scheduler:
         """Each decoding request's proposals cut to what pays: its j-th is taken with about
         ``taken``^j (its record), a step of n rows costs what ``Pace`` measured, and the count of
         proposals checked, most likely first, is the one that gives the most tokens a second (none
-        until steps of two sizes are known)."""
+        until steps of two sizes are known); after PROBE steps of none, the likeliest one is checked,
+        which measures that step size again."""
         rows, proposals = len(decoding), [self._draft(s) for s in decoding]
         if not any(proposals) or len(self.pace.sizes) < 2:
             return [()] * rows
@@ -250,6 +253,9 @@ class Scheduler:
             tokens += chance
             if tokens / self.pace.step(rows + extra) > rate:
                 best, rate = extra, tokens / self.pace.step(rows + extra)
+        self._unchecked = 0 if best else self._unchecked + 1
+        if self._unchecked >= PROBE:  # a step time measured when the machine was busy is not kept forever
+            best, self._unchecked = 1, 0
         keep = [0] * rows
         for _, i in likely[:best]:
             keep[i] += 1
