@@ -72,6 +72,11 @@ class Stream:
         if budget and thinking and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
             self.seq.forced.extend(budget.close_ids)
 
+    @property
+    def ended(self) -> bool:
+        """A stop string matched, or the answer was cut as a loop: no later token is the answer's."""
+        return self.stop.matched is not None or self.markup.repeated
+
     def finish(self, error: str | None = None) -> None:
         if self.stop.matched is None:
             self._put(self.markup.push(self.stop.push(self.detok.flush()) + self.stop.flush()))
@@ -225,11 +230,11 @@ class EngineCore:
         """A step's new tokens of one request, in order. Where one ends the answer (a stop string, a
         loop), starts a grammar (a tool call begun) or forced tokens (thinking spent), the rest
         (accepted proposals, chosen without knowing) are taken back, as if never made."""
-        seq, ended = stream.seq, stream.seq.status.is_finished  # at its limits: every token still goes out
+        seq = stream.seq
         for i, token in enumerate(tokens):
             self.counters.generated_tokens += 1
             self._emit(stream, token)
-            if i + 1 < len(tokens) and (seq.status.is_finished and not ended or seq.constraint is not None or seq.forced):
+            if i + 1 < len(tokens) and (stream.ended or seq.constraint is not None or seq.forced):
                 seq.rewind(len(tokens) - i - 1)
                 return
 
@@ -237,7 +242,7 @@ class EngineCore:
         if token in stream.seq.eos_ids:
             return
         stream.push(token)
-        if stream.stop.matched is not None or stream.markup.repeated:
+        if stream.ended:
             self.scheduler.finish(stream.seq, Status.FINISHED_STOP)
 
     def _end(self, stream: Stream, status: Status, error: str | None = None) -> None:
