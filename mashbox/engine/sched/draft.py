@@ -1,6 +1,7 @@
 """Draft tokens from what a request already holds (prompt lookup): where its last few tokens occurred
-before, in the prompt or the answer so far, the tokens that followed them there are proposed, and
-the next step checks them all at once (one row each, as a prompt chunk runs). Pure: no torch.
+before (in the prompt, a predicted output, or the answer so far), the tokens that followed them there
+are proposed, and the next step checks them all at once (one row each, as a prompt chunk runs).
+Pure: no torch.
 
 A coding agent's answer re-writes much of what it was shown (a file read a turn ago, with two
 lines changed), so long runs of proposals are right; on prose with nothing to copy there is rarely
