@@ -95,7 +95,7 @@ def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: to
           step: Callable[[str], None]) -> LoadedModel:
     if source.kind == "gguf":
         gguf = gguf_file.open_model(source.path)  # read once; a file it cannot run is refused before anything else
-        tokenizer = _gguf_tokenizer(source, converted, step)
+        tokenizer = _gguf_tokenizer(source, converted, step, gguf)
         step("mapping the weights")
         ckpt = gguf_file.checkpoint(gguf, dev, dt, native.load())
         size = source.path.stat().st_size
@@ -113,8 +113,10 @@ def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: to
                        _ctx_default(source, ckpt), dev, dt)
 
 
-def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], None]) -> Tokenizer:
-    """The GGUF's tokenizer: from its copy in the cache, made on the first load."""
+def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], None],
+                    gguf: gguf_file.GGUFFile) -> Tokenizer:
+    """The GGUF's tokenizer: from its copy in the cache, made on the first load (``gguf``: the file,
+    its header read, whose chat template a converted tokenizer without one takes)."""
     if (converted / _DONE).is_file():
         step("reading the tokenizer")
         with _cached(converted / "tokenizer.json"):
@@ -125,7 +127,7 @@ def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], 
 
         tokenizer = Tokenizer.of(_gguf_call(source, AutoTokenizer.from_pretrained))
     if not tokenizer.chat_template:
-        tokenizer.chat_template = gguf_chat_template(source.path)
+        tokenizer.chat_template = gguf.fields.get("tokenizer.chat_template")
     _save_tokenizer(tokenizer, converted, source.path)
     return tokenizer
 
@@ -298,11 +300,6 @@ def _save_tokenizer(tokenizer: Tokenizer, dest: Path, gguf: Path) -> None:
         _prune_converted(dest.parent, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def gguf_chat_template(path: Path) -> str | None:
-    """The ``tokenizer.chat_template`` string from a GGUF file's metadata, if it has one."""
-    return gguf_file.GGUFFile(path).fields.get("tokenizer.chat_template")
 
 
 def _bpw(source: ModelSource, ckpt: checkpoint.Checkpoint) -> float:
