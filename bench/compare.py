@@ -92,17 +92,17 @@ def amx_without_support() -> bool:
         return False
 
 
-def mashbox_server(model: str, port: int, threads: int, pages: str) -> Server:
+def mashbox_server(model: str, port: int, threads: int, pages: str, ctx: int = CTX, slots: int = SLOTS) -> Server:
     """mashbox with its prompt pages in ``pages``, an empty folder: the cold prompt is cold."""
-    command = [str(ROOT / ".venv/bin/mashbox"), "run", model, "--port", str(port), "--ctx", str(CTX), "--slots",
-               str(SLOTS), "--cache-dir", pages]
+    command = [str(ROOT / ".venv/bin/mashbox"), "run", model, "--port", str(port), "--ctx", str(ctx), "--slots",
+               str(slots), "--cache-dir", pages]
     return Server("mashbox", command, gguf_of(model)[0], {"OMP_NUM_THREADS": str(threads)})
 
 
-def llama_server(model: str, binary: str, port: int, threads: int) -> Server:
+def llama_server(model: str, binary: str, port: int, threads: int, ctx: int = CTX, slots: int = SLOTS) -> Server:
     name, path = gguf_of(model)
     command = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-               "-c", str(CTX * SLOTS), "-np", str(SLOTS), "-t", str(threads), "--no-webui"]
+               "-c", str(ctx * slots), "-np", str(slots), "-t", str(threads), "--no-webui"]
     if amx_without_support():
         command.append("--no-repack")
     return Server("llama-server", command, name)

@@ -62,8 +62,7 @@ async def run(url: str, model: str, prompts: list[str], max_tokens: int) -> floa
 
 
 def measure(server: Server, args, ctx: int) -> dict[str, float]:
-    port = free_port()
-    server.command[server.command.index("--port") + 1] = str(port)
+    port = server.command[server.command.index("--port") + 1]
     proc = subprocess.Popen(server.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,
                             env={**os.environ, **server.env})
@@ -96,17 +95,13 @@ def main() -> None:
     servers = []
     with tempfile.TemporaryDirectory() as pages:
         for flags, name in ((["--no-speculation"], "mashbox"), ([], "mashbox (speculation)")):
-            server = mashbox_server(args.model, 0, args.threads, pages)
-            server.command[server.command.index("--ctx") + 1] = str(ctx)
-            server.command[server.command.index("--slots") + 1] = str(slots)
+            server = mashbox_server(args.model, free_port(), args.threads, pages, ctx, slots)
             server.command += flags
             server.name = name
             servers.append(server)
         if Path(args.llama_server).is_file():
             for mode in ["none", *args.modes]:
-                server = llama_server(args.model, args.llama_server, 0, args.threads)
-                server.command[server.command.index("-c") + 1] = str(ctx * slots)
-                server.command[server.command.index("-np") + 1] = str(slots)
+                server = llama_server(args.model, args.llama_server, free_port(), args.threads, ctx, slots)
                 server.command += ["--spec-type", mode]
                 server.name = f"llama-server {mode}"
                 servers.append(server)

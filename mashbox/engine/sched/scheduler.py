@@ -251,8 +251,8 @@ class Scheduler:
         tokens, best, rate = float(rows), 0, rows / self.pace.step(rows)
         for extra, (chance, _) in enumerate(likely, 1):
             tokens += chance
-            if tokens / self.pace.step(rows + extra) > rate:
-                best, rate = extra, tokens / self.pace.step(rows + extra)
+            if (now := tokens / self.pace.step(rows + extra)) > rate:
+                best, rate = extra, now
         self._unchecked = 0 if best else self._unchecked + 1
         if self._unchecked >= PROBE:  # a step time measured when the machine was busy is not kept forever
             best, self._unchecked = 1, 0
