@@ -150,10 +150,16 @@ def test_over_http_the_sdk_sends_a_prediction_and_reads_what_was_kept(oai):
     assert kept and float(kept.group(1)) > 0
 
 
+def _speculating(seq: Sequence) -> Sequence:
+    """``seq`` with its prompt indexed for proposals, as the engine gives a greedy request."""
+    seq.drafts = Drafts(seq.prompt_ids)
+    return seq
+
+
 def _proposing(step_seconds: dict[int, float]) -> Work:
     """The decode item of a request whose text repeats, after steps of these sizes took these times."""
-    s = Scheduler(2, 512, 32, speculate=True)
-    s.add(Sequence("a", [1, 2, 3, 4, 5] * 3, SamplingParams(), 50))
+    s = Scheduler(2, 512, 32)
+    s.add(_speculating(Sequence("a", [1, 2, 3, 4, 5] * 3, SamplingParams(), 50)))
     s.update(s.schedule(), [1])  # the prompt, then its first token: "... 4 5 1", which occurred before
     for rows, seconds in step_seconds.items():
         s.pace.record(rows, 0, seconds)
@@ -168,8 +174,8 @@ def test_a_step_checks_the_proposals_that_pay_for_their_rows():
 
 def test_proposals_that_seemed_too_dear_are_checked_now_and_then():
     """One slow step measured at a busy moment must not turn speculation off for good."""
-    s = Scheduler(2, 512, 32, speculate=True)
-    s.add(Sequence("a", [1, 2, 3, 4, 5] * 20, SamplingParams(), 200))
+    s = Scheduler(2, 512, 32)
+    s.add(_speculating(Sequence("a", [1, 2, 3, 4, 5] * 20, SamplingParams(), 200)))
     s.update(s.schedule(), [1])
     s.pace.record(1, 0, 0.010)
     s.pace.record(5, 0, 0.500)  # a step of 5 rows once took 50 steps' time

@@ -29,6 +29,7 @@ from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Weights
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.sched.disk_cache import PageStore
+from mashbox.engine.sched.draft import Drafts, speculates
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
@@ -81,8 +82,8 @@ class Runtime:
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
-                              _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere,
-                              speculate=config.speculation and runner.cut_anywhere)
+                              _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
+        self._speculate = config.speculation and runner.cut_anywhere  # a row's bits never depend on its batch
         self._core = EngineCore(scheduler, runner, self.tokenizer)
 
     @property
@@ -145,8 +146,9 @@ class Runtime:
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)
-        if request.prediction:
-            seq.predicted = tuple(self.tokenizer.encode(request.prediction, add_special_tokens=False))
+        if self._speculate and speculates(request.sampling):  # indexed here, not on the engine's thread
+            predicted = self.tokenizer.encode(request.prediction, add_special_tokens=False) if request.prediction else []
+            seq.drafts = Drafts([*ids, *predicted])  # the latest occurrence wins: a prediction over the prompt
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
         seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)

@@ -11,12 +11,21 @@ proposals a step checks is the scheduler's choice, by what rows cost (``Schedule
 
 from __future__ import annotations
 
+from mashbox.engine.request import SamplingParams
+
 LONGEST = 4  # the longest suffix looked up, then shorter ones down to SHORTEST
 SHORTEST = 2
 MOST = 16  # tokens proposed at once, at most
 START = 4  # tokens proposed after a hit, before the record says more
 REST = 8  # tokens to wait after the proposals failed twice in a row before proposing again
 TAKEN = 0.5  # the share of proposals taken, assumed before a request's own record says
+
+
+def speculates(sampling: SamplingParams) -> bool:
+    """Whether a request's tokens may come from proposals: greedy, without penalties (each row's
+    choice then depends on that row's logits alone)."""
+    p = sampling
+    return p.greedy and p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty)
 
 
 class Drafts:

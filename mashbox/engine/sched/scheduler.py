@@ -17,9 +17,9 @@ No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
 then starts from a copy of it.
 
-With ``speculate`` (where the runner's rows do not depend on what runs beside them), a greedy
-request's decode item also carries the tokens its own text proposes (``draft.py``), while at most
-SPEC_ROWS requests decode: the runner gives the greedy token after each of them, and ``update``
+A request given proposals (``Sequence.drafts``: the engine makes them where the runner's rows do
+not depend on what runs beside them) has its decode item also carry the tokens its own text
+proposes (``draft.py``), while at most SPEC_ROWS requests decode: the runner gives the greedy token after each of them, and ``update``
 keeps the proposals up to the first that differs, then that token: the same tokens one step each
 would give, several a step.
 """
@@ -30,7 +30,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mashbox.engine.sched.draft import Drafts
 from mashbox.engine.sched.pace import Pace
 from mashbox.engine.sched.prefix_cache import CacheOp, Live, Persist, PrefixCache
 from mashbox.engine.sched.sequence import Sequence, Status
@@ -93,7 +92,7 @@ class Plan:
 class Scheduler:
     def __init__(self, num_slots: int, ctx: int, chunk_tokens: int, host_cache_bytes: int = 0,
                  kv_bytes_per_token: int = 0, step_tokens: int | None = None, busy_tokens: int | None = None,
-                 disk: PageStore | None = None, cut_anywhere: bool = False, speculate: bool = False) -> None:
+                 disk: PageStore | None = None, cut_anywhere: bool = False) -> None:
         self.slots = SlotTable(num_slots)
         self.cache = PrefixCache(num_slots, chunk_tokens, host_cache_bytes, kv_bytes_per_token, disk)
         self.lookup_tokens = 0
@@ -105,7 +104,6 @@ class Scheduler:
         self.step_tokens = step_tokens or chunk_tokens
         self.busy_tokens = busy_tokens or chunk_tokens
         self.cut_anywhere = cut_anywhere
-        self.speculate = speculate
         self._unchecked = 0  # steps since proposals were last checked, while some were made
         self.pace = Pace()
         self.waiting: deque[Sequence] = deque()
@@ -119,9 +117,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) >= self.ctx:
             raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit ctx {self.ctx}")
-        p = seq.sampling
-        if self.speculate and p.greedy and p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty):
-            seq.drafts = Drafts([*seq.prompt_ids, *seq.predicted, *seq.output_ids])  # the latest occurrence wins
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: Status) -> None:

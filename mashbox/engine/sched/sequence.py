@@ -57,7 +57,6 @@ class Sequence:
     session: str | None = None  # whose conversation this prompt continues (PrefixCache keeps it warm)
     generator: Any = None  # a sampled request's own random stream (torch.Generator), made at its first draw
     drafts: Drafts | None = None  # where it speculates: its tokens indexed for proposals (draft.py)
-    predicted: tuple[int, ...] = ()  # the tokens of a text the answer should resemble: proposals only
     drafted: int = 0  # tokens proposed and checked, and of those accepted
     accepted: int = 0
     arrived: float = field(default_factory=time.perf_counter)
