@@ -3,8 +3,10 @@ with its n-gram modes, on the same GGUF and the same requests.
 
     .venv/bin/python bench/speculation.py [--model qwen2.5-coder-0.5b] [--streams 1 4 16]
                                           [--llama-server PATH] [--modes ngram-simple ngram-map-k ngram-mod]
+                                          [--temperature 0.7]
 
-Two workloads, greedy, non-streaming chat requests of ``--max-tokens`` new tokens each:
+Two workloads, non-streaming chat requests of ``--max-tokens`` new tokens each, greedy (or sampled at
+``--temperature``, stream i with seed i):
   * edit: an agent's edit turn: a real source file of this repository shown in full, and the whole
     file asked back with one function renamed (the answer copies most of the prompt);
   * prose: a story, with nothing in the prompt to copy.
@@ -44,20 +46,20 @@ def prose(i: int) -> str:
     return f"Write a long story about {TOPICS[i % len(TOPICS)]}, with several characters and a clear ending."
 
 
-async def run(url: str, model: str, prompts: list[str], max_tokens: int) -> float:
+async def run(url: str, model: str, prompts: list[str], max_tokens: int, temperature: float) -> float:
     """Output tokens per second of ``prompts`` sent at once."""
     async with httpx.AsyncClient(timeout=900) as client:
-        async def one(prompt: str, most: int = max_tokens) -> int:
+        async def one(prompt: str, seed: int, most: int = max_tokens) -> int:
             r = await client.post(f"{url}/v1/chat/completions", json={
                 "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": most,
-                "temperature": 0, "seed": 0})
+                "temperature": temperature, "seed": seed})
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
         for prompt in prompts:  # each prompt once first: the answers' speed, not the prompts', is measured
-            await one(prompt, 1)
+            await one(prompt, 0, 1)
         start = time.perf_counter()
-        tokens = await asyncio.gather(*(one(p) for p in prompts))
+        tokens = await asyncio.gather(*(one(p, i) for i, p in enumerate(prompts)))
         return sum(tokens) / (time.perf_counter() - start)
 
 
@@ -72,7 +74,8 @@ def measure(server: Server, args, ctx: int) -> dict[str, float]:
             raise SystemExit(f"{server.name} did not start: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
         for streams in args.streams:
             for name, make in (("edit", edit), ("prose", prose)):
-                rate = asyncio.run(run(url, server.model, [make(i) for i in range(streams)], args.max_tokens))
+                prompts = [make(i) for i in range(streams)]
+                rate = asyncio.run(run(url, server.model, prompts, args.max_tokens, args.temperature))
                 figures[f"{name} x{streams}"] = rate
                 print(f"  {server.name}: {name} x{streams}: {rate:.1f} tok/s", flush=True)
     finally:
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=str(DEFAULT_LLAMA))
     parser.add_argument("--modes", nargs="*", default=["ngram-simple", "ngram-map-k", "ngram-mod"],
                         help="llama-server's --spec-type values to run (none is always run)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=180)
     args = parser.parse_args()

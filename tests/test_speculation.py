@@ -108,11 +108,56 @@ def test_requests_speculating_together_each_get_their_own_answer(plain_engine, s
     assert together == [answer(plain_engine, *p) for p in work]
 
 
-def test_sampled_requests_do_not_speculate(spec_engine):
-    before = spec_engine.stats().draft_tokens
-    spec_engine.chat(messages=PROMPTS[0][0], max_tokens=40, temperature=0.7, seed=1)
-    spec_engine.chat(messages=PROMPTS[0][0], max_tokens=40, frequency_penalty=0.5)
-    assert spec_engine.stats().draft_tokens == before
+COPY = SOURCE + "\n\n" + SOURCE[: SOURCE.index("\n", 600) + 1]  # a text begun again: it goes on as before
+SETTINGS = [dict(temperature=0.7, seed=1), dict(temperature=1.0, top_p=0.9, seed=2),
+            dict(temperature=0.8, top_k=40, frequency_penalty=0.5, seed=3),
+            dict(temperature=0.5, repetition_penalty=1.2, presence_penalty=0.3, seed=4),
+            dict(frequency_penalty=0.5)]  # greedy with a penalty: each row counts the proposals before it
+
+
+def test_sampling_with_a_seed_gives_the_same_answer_with_speculation(plain_engine, spec_engine):
+    """A token is drawn with a number that depends on its seed and position only, so a proposal is kept
+    exactly where drawing one token at a time would have drawn it: the same answer, penalties and all."""
+    before = spec_engine.stats()
+    for fields in SETTINGS:
+        for messages, extra in PROMPTS[:3]:
+            request = {"max_tokens": 60, **extra, **fields}
+            assert answer(spec_engine, messages, request) == answer(plain_engine, messages, request)
+        texts = [e.complete(prompt=COPY, max_tokens=40, **fields).choices[0].text for e in (spec_engine, plain_engine)]
+        assert texts[0] == texts[1]
+    after = spec_engine.stats()
+    drafted, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
+    assert accepted > 100 and drafted - accepted > 10  # proposals were kept and turned down
+
+
+def copied_words(text: str, original: str) -> int:
+    return next((i for i, (a, b) in enumerate(zip(text.split(" "), original.split(" "))) if a != b),
+                len(original.split(" ")))
+
+
+def test_sampled_answers_come_from_the_same_distribution_with_speculation(plain_engine, spec_engine):
+    """Unseeded, 200 answers each way (at temperature 1.3) that go on copying a text or not: how many of its words each
+    copies is distributed alike (a chi-square test of homogeneity at the 0.1% level), while the
+    speculating engine kept most proposals and turned some down. Keeping every proposal would make
+    nearly all answers copy to the end."""
+    original = plain_engine.complete(prompt=COPY, max_tokens=16).choices[0].text
+    whole = len(original.split(" "))
+    buckets = lambda n: 0 if n == 0 else 1 if n == 1 else 2 if n < whole else 3
+    before = spec_engine.stats()
+    counts = []
+    for engine in (spec_engine, plain_engine):
+        with ThreadPoolExecutor(8) as pool:
+            texts = pool.map(lambda _: engine.complete(prompt=COPY, max_tokens=16, temperature=1.3).choices[0].text,
+                             range(200))
+            counts.append([0] * 4)
+            for text in texts:
+                counts[-1][buckets(copied_words(text, original))] += 1
+    after = spec_engine.stats()
+    drafted, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
+    assert accepted > 50 and drafted - accepted > 10, (drafted, accepted)
+    totals = [a + b for a, b in zip(*counts)]
+    chi2 = sum((row[k] - totals[k] / 2) ** 2 / (totals[k] / 2) for row in counts for k in range(4) if totals[k])
+    assert chi2 < 16.27, counts  # the 99.9% point of chi-square with 3 degrees of freedom
 
 
 def test_chat_usage_says_how_many_proposed_tokens_were_kept(spec_engine):

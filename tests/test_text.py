@@ -46,18 +46,24 @@ def row(values):
     return torch.tensor([values], dtype=torch.float32)
 
 
-def test_greedy_takes_argmax_without_generator():
+def test_greedy_takes_argmax_without_drawing():
     assert sampler.sample(row([0.1, 3.0, 2.0]), [SamplingParams()], [([], [])], [None]) == [1]
 
 
 def test_seeded_sampling_is_reproducible():
     params = SamplingParams(temperature=1.0, seed=5)
     logits = torch.randn(1, 1000)
-    draws = []
-    for _ in range(2):
-        g = torch.Generator().manual_seed(5)
-        draws.append([sampler.sample(logits, [params], [([], [])], [g])[0] for _ in range(20)])
+    draws = [[sampler.sample(logits, [params], [([], [])], [sampler.uniform(5, i)])[0] for i in range(20)]
+             for _ in range(2)]
     assert draws[0] == draws[1] and len(set(draws[0])) > 1
+
+
+def test_the_number_drawn_depends_on_seed_and_position_alone_and_is_uniform():
+    numbers = [sampler.uniform(seed, position) for seed in (0, 1, -7, 2**63) for position in range(2500)]
+    assert numbers[:2500] == [sampler.uniform(0, p) for p in range(2500)]  # no state between draws
+    assert len(set(numbers)) == len(numbers) and all(0 <= u < 1 for u in numbers)
+    tenths = [sum(int(10 * u) == k for u in numbers) for k in range(10)]
+    assert max(abs(n - 1000) for n in tenths) < 130  # ~4 standard deviations of a uniform's count
 
 
 def test_top_k_one_is_greedy():
@@ -94,8 +100,7 @@ def test_min_p_drops_unlikely_tokens():
 def test_filtered_draws_follow_the_filtered_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     params = SamplingParams(temperature=1.0, top_p=0.8, seed=1)
-    g = torch.Generator().manual_seed(1)
-    draws = [sampler.draw(logits, params, g) for _ in range(4000)]
+    draws = [sampler.draw(logits, params, sampler.uniform(1, i)) for i in range(4000)]
     assert set(draws) == {0, 1} and abs(draws.count(0) / 4000 - 0.5 / 0.8) < 0.03
 
 

@@ -41,10 +41,11 @@ class EngineConfig:
     come first, so that an agent's tools stay a cached prefix when its system text changes.
     ``constrain_calls``: in ``tool_choice`` ``auto``, once the model begins a tool call, the rest of it
     is held to the declared tools' names and parameter schemas (text answers stay free).
-    ``speculation``: a greedy request's answer proposes its next tokens from its own prompt and text
-    (where its last tokens occurred before), checked together in its next step: the same tokens,
-    several a step where the answer copies (an agent re-writing a file). With mashbox's CPU kernels
-    only, where a row's result never depends on the rows beside it.
+    ``speculation``: a request's answer proposes its next tokens from its own prompt and text
+    (where its last tokens occurred before), checked together in its next step: the same tokens
+    (greedy, or sampled with the same seed), several a step where the answer copies (an agent
+    re-writing a file). With mashbox's CPU kernels only, where a row's result never depends on the
+    rows beside it.
     A ``ctx`` above the context the model was trained on is refused unless
     ``allow_long_context`` (answers degrade past it); one whose KV cache
     (``ctx`` x ``slots``) needs more memory than the device has free is refused.

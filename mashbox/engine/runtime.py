@@ -29,7 +29,7 @@ from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Weights
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.sched.disk_cache import PageStore
-from mashbox.engine.sched.draft import Drafts, speculates
+from mashbox.engine.sched.draft import Drafts
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
@@ -146,7 +146,7 @@ class Runtime:
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)
-        if self._speculate and speculates(request.sampling):  # indexed here, not on the engine's thread
+        if self._speculate:  # indexed here, not on the engine's thread
             predicted = self.tokenizer.encode(request.prediction, add_special_tokens=False) if request.prediction else []
             seq.drafts = Drafts([*ids, *predicted])  # the latest occurrence wins: a prediction over the prompt
         if request.messages is None:

@@ -91,15 +91,17 @@ class ModelRunner:
         if logits is None:
             batch = self._batch(plan)
             logits = self._logits(self.forward(batch)[batch.sample_rows])
-        sampling = [w.seq for w in plan.work if w.sample for _ in range(1 + w.draft)]
+        rows = [(w, j) for w in plan.work if w.sample for j in range(1 + w.draft)]
+        sampling = [w.seq for w, _ in rows]
         for row, seq in zip(logits, sampling):
             if seq.constraint is not None:
                 seq.constraint.mask(row)
         tokens = sampler.sample(
             logits,
             [s.sampling for s in sampling],
-            [(s.prompt_ids, s.output_ids) for s in sampling],
-            [self._generator(seq) for seq in sampling],
+            [(w.seq.prompt_ids, _output(w, j)) for w, j in rows],
+            [None if w.seq.sampling.greedy else sampler.uniform(_seed(w.seq), len(w.seq.output_ids) + j)
+             for w, j in rows],
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
 
@@ -237,16 +239,19 @@ class ModelRunner:
         rows = torch.arange(item.position, item.position + n, device=self.device)[:, None]
         return torch.arange(item.position + n, device=self.device)[None, :] <= rows
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        """The request's own random stream, seeded at its first draw: the same seed gives the same
-        draws whatever ran in its slot before, however long its prompt, and across a preemption."""
-        if seq.sampling.greedy:
-            return None
-        if seq.generator is None:
-            seed = seq.sampling.seed
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(seed if seed is not None else random.getrandbits(63))
-        return seq.generator
+
+def _output(item: Work, row: int) -> list[int]:
+    """The output before a sampling row of ``item``: its request's, then the proposals before that row."""
+    if row == 0:
+        return item.seq.output_ids
+    return [*item.seq.output_ids, *item.token_ids[len(item.token_ids) - item.draft :][:row]]
+
+
+def _seed(seq: Sequence) -> int:
+    """A sampled request's seed: its own, else one drawn at its first token and kept for the rest."""
+    if seq.seed is None:
+        seq.seed = seq.sampling.seed if seq.sampling.seed is not None else random.getrandbits(63)
+    return seq.seed
 
 
 def _add_chunk(chunks: list[tuple[int, int, int, int]], chunk: tuple[int, int, int, int]) -> None:

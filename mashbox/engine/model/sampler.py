@@ -1,8 +1,11 @@
 """Token sampling: pure functions over a batch of logits rows.
 
 Each row has its own ``SamplingParams`` and, when it samples randomly, its
-own generator, so a seeded request draws the same tokens whatever runs
-beside it. Greedy rows take the argmax and never touch a generator.
+own uniform number: a hash of the request's seed and the output position
+drawn (``uniform``), so a seeded request draws the same tokens whatever runs
+beside it, however its tokens are grouped into steps (one at a time, or
+several positions at once where a step checks proposals), and a position
+drawn again draws the same. Greedy rows take the argmax and draw nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         counts = counts[: logits.shape[-1]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+MASK = (1 << 64) - 1
+
+
+def uniform(seed: int, position: int) -> float:
+    """The number in [0, 1) that a request of ``seed`` draws its output token at ``position`` with
+    (splitmix64 of the pair: a counter-based generator, no state between draws)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return ((z ^ (z >> 31)) >> 11) / (1 << 53)
 
 
 CANDIDATES = 1024  # top-p and min-p look at the most likely tokens first, the whole vocabulary only if needed
@@ -63,28 +78,27 @@ def filtered(params: SamplingParams) -> bool:
     return bool(params.top_k) or params.top_p < 1.0 or params.min_p > 0
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Sample one token from one row: one uniform number against the cumulative distribution."""
+def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """Sample one token from one row: the uniform number ``u`` against the cumulative distribution."""
     if not filtered(params):
-        return _pick(torch.softmax(logits.float() / params.temperature, -1), generator)
+        return _pick(torch.softmax(logits.float() / params.temperature, -1), u)
     ids, probs = support(logits.float(), params)
-    return int(ids[_pick(probs, generator)])
+    return int(ids[_pick(probs, u)])
 
 
-def _pick(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Index drawn in proportion to ``probs`` (which need not sum to one)."""
+def _pick(probs: torch.Tensor, u: float) -> int:
+    """Index that ``u`` falls on in the cumulative ``probs`` (which need not sum to one)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+    return min(int(torch.searchsorted(cdf, cdf[-1:] * u, right=True)), len(cdf) - 1)
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     histories: list[tuple[list[int], list[int]]],
-    generators: list[torch.Generator | None],
+    uniforms: list[float | None],
 ) -> list[int]:
-    """One token per row of ``logits`` [rows, vocab]."""
+    """One token per row of ``logits`` [rows, vocab]; a sampled row draws with its number of ``uniforms``."""
     logits = logits.float()
     tokens = torch.argmax(logits, -1).tolist()
     for i, p in enumerate(params):
@@ -92,5 +106,5 @@ def sample(
         if not needs_penalty and p.greedy:
             continue
         row = apply_penalties(logits[i].clone(), p, *histories[i]) if needs_penalty else logits[i]
-        tokens[i] = int(torch.argmax(row)) if p.greedy else draw(row, p, generators[i])
+        tokens[i] = int(torch.argmax(row)) if p.greedy else draw(row, p, uniforms[i])
     return tokens

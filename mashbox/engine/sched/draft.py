@@ -7,11 +7,15 @@ A coding agent's answer re-writes much of what it was shown (a file read a turn 
 lines changed), so long runs of proposals are right; on prose with nothing to copy there is rarely
 a match, and the length proposed backs off after misses (``Drafts.record``). How many of the
 proposals a step checks is the scheduler's choice, by what rows cost (``Scheduler._afford``).
+
+A proposal is kept where the token the model chooses at its position is the same, and the first
+that differs is replaced by that choice. Greedy, that is the argmax; sampled, the token drawn with
+the number of that position (``sampler.uniform``), so a proposal is kept with the probability the
+model gives it and otherwise the token comes from the rest of its distribution: rejection sampling
+for a proposal that is one token, and the same tokens as without speculation for the same seed.
 """
 
 from __future__ import annotations
-
-from mashbox.engine.request import SamplingParams
 
 LONGEST = 4  # the longest suffix looked up, then shorter ones down to SHORTEST
 SHORTEST = 2
@@ -19,13 +23,6 @@ MOST = 16  # tokens proposed at once, at most
 START = 4  # tokens proposed after a hit, before the record says more
 REST = 8  # tokens to wait after the proposals failed twice in a row before proposing again
 TAKEN = 0.5  # the share of proposals taken, assumed before a request's own record says
-
-
-def speculates(sampling: SamplingParams) -> bool:
-    """Whether a request's tokens may come from proposals: greedy, without penalties (each row's
-    choice then depends on that row's logits alone)."""
-    p = sampling
-    return p.greedy and p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty)
 
 
 class Drafts:

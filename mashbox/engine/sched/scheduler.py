@@ -19,9 +19,9 @@ then starts from a copy of it.
 
 A request given proposals (``Sequence.drafts``: the engine makes them where the runner's rows do
 not depend on what runs beside them) has its decode item also carry the tokens its own text
-proposes (``draft.py``), while at most SPEC_ROWS requests decode: the runner gives the greedy token after each of them, and ``update``
-keeps the proposals up to the first that differs, then that token: the same tokens one step each
-would give, several a step.
+proposes (``draft.py``), while at most SPEC_ROWS requests decode: the runner chooses a token after
+each of them (as it would one step at a time), and ``update`` keeps the proposals up to the first
+that differs, then that token: the same tokens one step each would give, several a step.
 """
 
 from __future__ import annotations
