@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from mashbox.engine.load.catalog import resolve
+from mashbox.engine.load.checkpoint import rotary
 from mashbox.engine.model import quant
 
 FORMATS = {name: fmt for fmt, (name, _, _) in quant.FORMATS.items() if fmt != quant.MB_Q8}
@@ -63,7 +64,8 @@ def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks],
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or rope.get("full_attention", rope)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     for key, value in (numbers or {}).items():
         writer.add_uint32(key, value)
@@ -89,9 +91,12 @@ def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks],
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GEMMA3 = {**_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+           "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -100,22 +105,27 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA3 if arch == 'gemma3' else _LAYER)[module]}.{kind}"
 
 
 def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str], seed: int = 0) -> Path:
-    """Write ``model`` (a tiny transformers Llama or Qwen2, its matrices a multiple of 256 wide) as a GGUF
-    whose matrices are random blocks, cycling through ``formats`` (the embedding in Q8_0), and set the
-    model's own weights to what those blocks hold, so that it is the reference for the file."""
+    """Write ``model`` (a tiny transformers Llama, Qwen2 or Gemma 3, its matrices a multiple of 256 wide)
+    as a GGUF whose matrices are random blocks, cycling through ``formats`` (the embedding in Q8_0), and
+    set the model's own weights to what those blocks hold, so that it is the reference for the file.
+    Gemma's norms are written as llama.cpp's converter writes them (1 + weight), with its head size and
+    sliding window."""
     matrices, floats, turn = {}, {}, 0
-    config = model.config
+    config, numbers = model.config, {}
+    if arch == "gemma3":
+        numbers = {"gemma3.attention.key_length": config.head_dim, "gemma3.attention.value_length": config.head_dim,
+                   "gemma3.attention.sliding_window": config.sliding_window}
     with torch.no_grad():
         for hf, param in model.state_dict().items():
             if hf == "lm_head.weight" and config.tie_word_embeddings:
                 continue
-            name = gguf_name(hf)
+            name = gguf_name(hf, arch)
             if param.dim() == 1:
-                floats[name] = param.clone()
+                floats[name] = param + 1 if arch == "gemma3" and "norm" in name else param.clone()
                 continue
             fmt = "Q8_0" if hf == "model.embed_tokens.weight" else formats[turn % len(formats)]
             turn += hf != "model.embed_tokens.weight"
@@ -125,7 +135,11 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
                 heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
                 blocks = blocks.select(_permute(param.shape[0], heads))
             matrices[name] = blocks
-    return write_gguf(path, arch, config, matrices, floats)
+        scaled = model.model.rotary_emb
+        if getattr(scaled, "rope_type", "default") == "llama3":  # the converter's per-frequency factors
+            plain = rotary(config.rope_parameters["rope_theta"], config.hidden_size // config.num_attention_heads)
+            floats["rope_freqs.weight"] = plain / scaled.inv_freq
+    return write_gguf(path, arch, config, matrices, floats, numbers)
 
 
 def _permute(rows: int, heads: int) -> torch.Tensor:

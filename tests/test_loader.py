@@ -166,17 +166,17 @@ def test_bad_argument_says_what_to_do(tmp_path: Path, make, words: list[str]) ->
 
 def test_an_hf_directory_of_an_architecture_mashbox_cannot_run_is_refused_before_loading(tiny_model_dir: Path,
                                                                                           tmp_path: Path) -> None:
-    """A Gemma 3 directory (its config, its weights) is refused by name before its tokenizer or
+    """A Mamba directory (its config, its weights) is refused by name before its tokenizer or
     weights are read, not loaded through transformers and run as a Llama."""
-    folder = tmp_path / "gemma"
+    folder = tmp_path / "mamba"
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3_text"}))
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
     (folder / "tokenizer.json").write_text("not read")  # reading it would fail otherwise
     with pytest.raises(ModelLoadError) as err:
         load(str(folder))
-    assert str(err.value) == (f"'{folder}' holds a 'gemma3_text' model (config.json's model_type); "
-                              "mashbox runs llama, mistral, qwen2, qwen3 models")
+    assert str(err.value) == (f"'{folder}' holds a 'mamba' model (config.json's model_type); "
+                              "mashbox runs llama, mistral, qwen2, qwen3, gemma3 models")
 
 
 @pytest.mark.parametrize("head", [b"", b"GGUF\x03\x00\x00\x00"])

@@ -89,9 +89,10 @@ def test_q8_kv_rows_are_ggml_q8_0_blocks(lib):
     assert ((read - floats).abs() <= scale.repeat_interleave(32, -1).reshape(read.shape) * (0.5 + 127 * 2**-11)).all()
 
 
+@pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("bf16", [0, 1])
 @pytest.mark.parametrize("kvq,dim", [(0, 16), (1, 64)])
-def test_decode_attention_matches_sdpa(lib, bf16, kvq, dim):
+def test_decode_attention_matches_sdpa(lib, bf16, kvq, dim, window):
     g = torch.Generator().manual_seed(1)
     slots, ctx, kv_heads, heads = 3, 40, 2, 4
     keys, key_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
@@ -101,54 +102,60 @@ def test_decode_attention_matches_sdpa(lib, bf16, kvq, dim):
     out = torch.empty(2, heads * dim)
     lib.mb_decode_attention(q.data_ptr(), heads * dim, keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                             which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
-                            dim**-0.5, bf16, kvq)
+                            dim**-0.5, bf16, kvq, window)
     q, keys, values, atol = _as_read(lib, bf16, q, key_values, value_values, dim**-0.5)
     for r in range(2):
-        k = keys[which[r], :, : lens[r]][None]
-        v = values[which[r], :, : lens[r]][None]
+        first = max(0, int(lens[r]) - window) if window else 0  # a sliding window: the last `window` only
+        k = keys[which[r], :, first : lens[r]][None]
+        v = values[which[r], :, first : lens[r]][None]
         ref = F.scaled_dot_product_attention(q[r][None, :, None], k, v, enable_gqa=True, scale=1.0)
         assert torch.allclose(out[r], ref.reshape(-1), atol=atol)
 
 
-def _chunk_reference(q, keys, values, chunks, heads, dim):
-    """Each chunk's rows over their slot's cache, causally, by SDPA in fp32 (q already scaled)."""
+def _chunk_reference(q, keys, values, chunks, heads, dim, window=0):
+    """Each chunk's rows over their slot's cache, causally (within ``window`` positions where it is not
+    0), by SDPA in fp32 (q already scaled)."""
     out = torch.empty(q.shape[0], heads * dim)
     for row, n, slot, start in chunks:
         end = start + n
         k, v = (t[slot, :, :end][None] for t in (keys, values))
-        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        offset = torch.arange(start, end)[:, None] - torch.arange(end)[None, :]
+        mask = (offset >= 0) & ((offset < window) if window else True)
         query = q[row : row + n].view(n, heads, dim).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True, scale=1.0)
         out[row : row + n] = o[0].transpose(0, 1).reshape(n, -1)
     return out
 
 
-def _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim):
+def _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim, window=0):
     out = torch.full((q.shape[0], heads * dim), float("nan"))
     rows, ns, slots, starts = torch.tensor(chunks).T.contiguous()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                            ns.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(), len(chunks), heads,
-                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16, kvq)
+                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16, kvq, window)
     return out
 
 
+@pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("bf16", [0, 1])
 @pytest.mark.parametrize("kvq,heads,kv_heads,dim", [(0, 4, 2, 16), (0, 9, 3, 64), (0, 14, 2, 64), (1, 9, 3, 64),
                                                     (1, 14, 2, 128)])
-def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, kvq, heads, kv_heads, dim, bf16):
+def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib, kvq, heads, kv_heads, dim, bf16,
+                                                                            window):
+    """Also with a sliding window (each row sees its last 100 positions), shorter and longer than chunks."""
     g = torch.Generator().manual_seed(2)
     slots, ctx = 3, 900
     keys, key_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
     values, value_values = _cache(lib, kvq, torch.randn(slots, kv_heads, ctx, dim, generator=g))
     q = torch.randn(450, heads * dim, generator=g)
     chunks = [(0, 37, 0, 0), (37, 300, 1, 129), (337, 5, 2, 800), (342, 108, 0, 37)]
-    out = _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim)
+    out = _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim, window)
     *read, atol = _as_read(lib, bf16, q, key_values, value_values, dim**-0.5)
-    assert torch.allclose(out, _chunk_reference(*read, chunks, heads, dim), atol=atol)
+    assert torch.allclose(out, _chunk_reference(*read, chunks, heads, dim, window), atol=atol)
     # slot 1's 300 rows again, as three chunks of other sizes in one call with slot 2's
     again = [(0, 64, 1, 129), (64, 5, 2, 800), (69, 100, 1, 193), (169, 136, 1, 293)]
     rows = torch.cat([q[37:101], q[337:342], q[101:337]])
-    split = _chunk_attention(lib, bf16, kvq, rows, keys, values, again, heads, kv_heads, dim)
+    split = _chunk_attention(lib, bf16, kvq, rows, keys, values, again, heads, kv_heads, dim, window)
     assert torch.equal(torch.cat([split[:64], split[69:]]), out[37:337])
     assert torch.equal(split[64:69], out[337:342])
 

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 from quants import FORMATS, random_blocks, tiny_gguf, write_gguf
-from tiny import greedy
+from tiny import generate, greedy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mashbox import Engine
@@ -97,27 +97,28 @@ def _tiny(config_cls, model_cls, **extra):
     return model_cls(config).eval()
 
 
-def _generate(model, prompt: list[int], n: int = 12) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+LLAMA3 = dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+MODELS = {"llama": lambda: _tiny(LlamaConfig, LlamaForCausalLM), "qwen2": lambda: _tiny(Qwen2Config, Qwen2ForCausalLM),
+          "llama3": lambda: _tiny(LlamaConfig, LlamaForCausalLM, **LLAMA3)}  # Llama 3.2 1B's form, tied
 
 
-@pytest.mark.parametrize("arch,formats", [("llama", ["Q4_K", "Q6_K", "Q5_K", "Q8_0"]),
-                                          ("qwen2", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q6_K"])])
-def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, arch, formats):
+@pytest.mark.parametrize("name,formats", [("llama", ["Q4_K", "Q6_K", "Q5_K", "Q8_0"]),
+                                          ("qwen2", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q6_K"]),
+                                          ("llama3", ["Q4_K", "Q6_K", "Q8_0"])])
+def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, name, formats):
     """Read straight from the file: dequantized (the exact float form) it answers token for token as
     transformers does on the same weights (names, llama's rotary order, biases, the tied embedding,
-    the metadata); as blocks, the kernels' form, every answer is the same alone and batched, fused or
-    not, and mostly the exact form's."""
-    model = _tiny(LlamaConfig, LlamaForCausalLM) if arch == "llama" else _tiny(Qwen2Config, Qwen2ForCausalLM)
-    path = tiny_gguf(tmp_path / f"{arch}.gguf", model, arch, formats)
+    the metadata, Llama 3's rotary factors); as blocks, the kernels' form, every answer is the same
+    alone and batched, fused or not, and mostly the exact form's."""
+    model, arch = MODELS[name](), "qwen2" if name == "qwen2" else "llama"
+    path = tiny_gguf(tmp_path / f"{name}.gguf", model, arch, formats)
+    assert ("rope_freqs.weight" in GGUFFile(path).tensors) == (name == "llama3")
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
     exact = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
-    expected = [_generate(model, p) for p in prompts]
+    expected = [generate(model, p) for p in prompts]
     assert len({tuple(e) for e in expected}) == len(prompts)
     assert greedy(exact, prompts) == expected
 
@@ -150,7 +151,7 @@ def test_the_engine_runs_a_gguf_it_was_given(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch,numbers,says", [
-    ("gemma3", {}, "'gemma3' model; mashbox runs llama, mistral, qwen2, qwen3"),
+    ("mamba", {}, "'mamba' model; mashbox runs llama, mistral, qwen2, qwen3, gemma3"),
     ("llama", {"llama.rope.dimension_count": 32}, "partial rotary"),
 ])
 def test_a_gguf_mashbox_cannot_run_is_refused_before_loading(tmp_path, arch, numbers, says):
@@ -161,10 +162,10 @@ def test_a_gguf_mashbox_cannot_run_is_refused_before_loading(tmp_path, arch, num
 
 
 def test_a_gguf_of_another_architecture_is_refused_before_its_tokenizer_is_read(tmp_path, monkeypatch):
-    """Engine("gemma.gguf") says the architecture and the supported ones, and makes no tokenizer copy."""
+    """Engine("mamba.gguf") says the architecture and the supported ones, and makes no tokenizer copy."""
     monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "gemma.gguf", "gemma3", _tiny(LlamaConfig, LlamaForCausalLM).config, {}, {}, {})
-    with pytest.raises(ModelLoadError, match="'gemma3' model; mashbox runs llama, mistral, qwen2, qwen3"):
+    path = write_gguf(tmp_path / "mamba.gguf", "mamba", _tiny(LlamaConfig, LlamaForCausalLM).config, {}, {}, {})
+    with pytest.raises(ModelLoadError, match="'mamba' model; mashbox runs llama, mistral, qwen2, qwen3, gemma3"):
         Engine(str(path), slots=1, ctx=64, quiet=True)
     assert not (tmp_path / "cache" / "converted").exists()
 

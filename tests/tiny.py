@@ -1,6 +1,7 @@
-"""A tiny random Llama config for tests that need a model but not a good one, and greedy answers of a
-runner without an engine around it."""
+"""A tiny random Llama config for tests that need a model but not a good one, greedy answers of a
+runner without an engine around it, and transformers' own greedy answers."""
 
+import torch
 from transformers import LlamaConfig
 
 from mashbox import SamplingParams
@@ -31,3 +32,11 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list
         cost = 1 + len(scheduler.running) % 4
         scheduler.update(plan, runner.run(plan), 0.001 * (plan.decode_rows + cost * plan.prompt_tokens))
     return [s.output_ids for s in seqs]
+
+
+def generate(model, prompt: list[int], n: int = 12) -> list[int]:
+    """transformers' greedy answer of ``n`` tokens to ``prompt`` (ids)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -35,7 +35,7 @@ from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
 from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup, looping_call
-from mashbox.engine.text.template import ChatTemplate, part_at
+from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -268,7 +268,7 @@ def _context(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    ids = {loaded.tokenizer.eos_token_id}
+    ids = {loaded.tokenizer.eos_token_id, *turn_ends(loaded.tokenizer)}
     ids.update(loaded.checkpoint.eos_ids)
     return frozenset(i for i in ids if i is not None)
 

@@ -22,7 +22,8 @@ import torch
 
 from mashbox.engine.model import quant
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+TYPES = {"gemma3_text": "gemma3"}  # transformers' model type -> the GGUF architecture it is
 _NEEDED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
 
 
@@ -33,10 +34,11 @@ class Spec:
     num_kv_heads: int
     head_dim: int
     eps: float
+    scale_dim: int = 0  # attention scores are scaled by its inverse square root (0: head_dim's)
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        return (self.scale_dim or self.head_dim) ** -0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +53,10 @@ class Checkpoint:
     tensors: Tensors
     blocks: dict[str, quant.Blocks] = field(default_factory=dict)  # a GGUF's matrices as the file has them
     release: Callable[[], None] | None = None  # lets go of the file's pages read so far (a GGUF's mapping)
+    embed_scale: float = 1.0  # the embedding's rows are multiplied by it (Gemma: the square root of the width)
+    norm_shift: float = 0.0  # added to every norm's weight (Gemma's RMSNorm multiplies by 1 + weight)
+    windows: tuple[int, ...] = ()  # each layer's sliding window (0: it attends to every position); ()
+    local_inv_freq: torch.Tensor | None = None  # the rotary of the sliding-window layers, where theirs differs
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:
@@ -58,8 +64,13 @@ class Checkpoint:
         rotary = model.model.rotary_emb
         eos = getattr(model.generation_config, "eos_token_id", None)
         tensors = Tensors({name: t.detach() for name, t in model.state_dict().items()})
-        return _build(model.config.to_dict(), tensors, rotary.inv_freq.float(), float(rotary.attention_scaling),
-                      _ids(eos))
+        if hasattr(rotary, "inv_freq"):
+            return _build(model.config.to_dict(), tensors, rotary.inv_freq.float(),
+                          float(rotary.attention_scaling), _ids(eos))
+        # one rotary per layer type (Gemma 3: full and sliding attention)
+        return _build(model.config.to_dict(), tensors, rotary.full_attention_inv_freq.float(),
+                      float(rotary.full_attention_attention_scaling), _ids(eos),
+                      rotary.sliding_attention_inv_freq.float())
 
     @property
     def nbytes(self) -> int:
@@ -69,10 +80,12 @@ class Checkpoint:
     def numel(self) -> int:
         return self.tensors.numel
 
-    def cos_sin(self, ctx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [ctx, head_dim] for positions 0..ctx-1, as the model's rotary embedding makes them."""
-        positions = torch.arange(ctx, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
+    def cos_sin(self, ctx: int, dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [ctx, head_dim] for positions 0..ctx-1, as the model's rotary embedding makes them
+        (``local``: the sliding-window layers' one, where it differs)."""
+        inv_freq = self.local_inv_freq if local and self.local_inv_freq is not None else self.inv_freq
+        positions = torch.arange(ctx, device=inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat([freqs, freqs], dim=-1)
         return ((angles.cos() * self.rope_scale).to(dtype).contiguous(),
                 (angles.sin() * self.rope_scale).to(dtype).contiguous())
@@ -88,10 +101,12 @@ def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | N
     if any(name not in tensors for name in _NEEDED):
         return None
     config = json.loads((path / "config.json").read_text())
-    inv_freq, scale = _rope(path, config, device)
+    layered = "full_attention" in (config.get("rope_parameters") or {})  # a rotary per layer type
+    inv_freq, scale = _rope(path, config, device, "full_attention" if layered else None)
+    local = _rope(path, config, device, "sliding_attention")[0] if layered else None
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    return _build(config, tensors, inv_freq, scale, _ids(eos))
+    return _build(config, tensors, inv_freq, scale, _ids(eos), local)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -103,23 +118,33 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, scale: float,
-           eos_ids: tuple[int, ...]) -> Checkpoint:
+           eos_ids: tuple[int, ...], local_inv_freq: torch.Tensor | None = None) -> Checkpoint:
     heads = config["num_attention_heads"]
+    model_type = TYPES.get(config.get("model_type", "llama"), config.get("model_type", "llama"))
+    gemma = model_type == "gemma3"
     spec = Spec(
         num_layers=config["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         eps=config.get("rms_norm_eps", 1e-6),
+        scale_dim=config.get("query_pre_attn_scalar") or 0,
     )
-    return Checkpoint(config.get("model_type", "llama"), spec, config.get("hidden_act", "silu"),
-                      config.get("max_position_embeddings"), inv_freq, scale, eos_ids, tensors)
+    window = config.get("sliding_window") or 0
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in config.get("layer_types") or ())
+    return Checkpoint(model_type, spec, config.get("hidden_act") or config.get("hidden_activation") or "silu",
+                      config.get("max_position_embeddings"), inv_freq, scale, eos_ids, tensors,
+                      embed_scale=config["hidden_size"] ** 0.5 if gemma else 1.0, norm_shift=1.0 if gemma else 0.0,
+                      windows=windows if any(windows) else (), local_inv_freq=local_inv_freq)
 
 
-def _rope(path: Path, config: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, scale) of the model's rotary embedding. The plain kind is computed
-    here; scaled kinds (llama3, yarn, ...) go through transformers' own functions."""
+def _rope(path: Path, config: dict[str, Any], device: torch.device,
+          layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, scale) of the model's rotary embedding (of the layers of ``layer_type``,
+    where the config has one for each). The plain kind is computed here; scaled kinds (llama3, yarn,
+    linear, ...) go through transformers' own functions."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = params[layer_type] if layer_type else params
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -128,7 +153,9 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device) -> tuple[tor
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](AutoConfig.from_pretrained(path, local_files_only=True), device)
+    hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    by_type = {"layer_type": layer_type} if layer_type else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](getattr(hf, "text_config", hf), device, **by_type)
     return inv_freq.float(), float(scale)
 
 

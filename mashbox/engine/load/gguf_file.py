@@ -37,7 +37,11 @@ _LAYER = {  # GGUF tensor -> HF name, in each layer
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_GEMMA3 = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+           "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 3's norms around attention and the MLP
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GEMMA3_PATTERN = 6  # Gemma 3: every sixth layer attends to all positions, the others to a sliding window
+GEMMA3_LOCAL_BASE = 10000.0  # the sliding-window layers' rotary base (llama.cpp's, not in the file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +187,13 @@ def _row_bytes(kind: int, width: int) -> int:
     return width // values * size
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
-    parts = name.split(".")
+    parts, layer = name.split("."), _GEMMA3 if arch == "gemma3" else _LAYER
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -228,15 +232,30 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                 eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)))
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
-    return Checkpoint(arch, spec, "silu", meta("context_length"), _rotary(gguf, meta, head_dim).to(device), 1.0,
-                      tuple(int(i) for i in eos), Tensors.of(floats, found, dtype, device, lib), found, gguf.release)
+    gemma = arch == "gemma3"  # its norms' weights were written as 1 + weight, as they multiply
+    windows = _windows(meta, spec.num_layers) if gemma else ()
+    local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if windows else None
+    return Checkpoint(arch, spec, "gelu_pytorch_tanh" if gemma else "silu", meta("context_length"),
+                      _rotary(gguf, meta, head_dim).to(device), 1.0, tuple(int(i) for i in eos),
+                      Tensors.of(floats, found, dtype, device, lib), found, gguf.release,
+                      embed_scale=float(meta("embedding_length")) ** 0.5 if gemma else 1.0, windows=windows,
+                      local_inv_freq=local)
+
+
+def _windows(meta, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none): the file's pattern where it has one (true: sliding), else
+    Gemma 3's, every GEMMA3_PATTERN-th layer global."""
+    window = int(meta("attention.sliding_window", 0))
+    pattern = meta("attention.sliding_window_pattern")
+    sliding = pattern if isinstance(pattern, list) else [i % GEMMA3_PATTERN < GEMMA3_PATTERN - 1 for i in range(layers)]
+    return tuple(window if s else 0 for s in sliding) if window else ()
 
 
 def _tensors(gguf: GGUFFile, arch: str, spec: Spec) -> tuple[dict[str, torch.Tensor], dict[str, quant.Blocks]]:
     """(float tensors, matrices as blocks) by HF name; a tied output is the embedding under both names."""
     floats, found = {}, {}
     for name in gguf.tensors:
-        hf = hf_name(name)
+        hf = hf_name(name, arch)
         if hf is None:
             continue
         value = gguf.tensor(name)

@@ -41,6 +41,7 @@ from mashbox.engine.load import checkpoint, gguf_file  # noqa: E402
 from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
 from mashbox.engine.model import native  # noqa: E402
 from mashbox.engine.model.form import pick_dtype  # noqa: E402
+from mashbox.engine.text.template import FALLBACKS  # noqa: E402
 from mashbox.engine.text.tokenizer import Tokenizer  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
 
@@ -126,8 +127,9 @@ def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], 
         from transformers import AutoTokenizer
 
         tokenizer = Tokenizer.of(_gguf_call(source, AutoTokenizer.from_pretrained))
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = gguf.fields.get("tokenizer.chat_template")
+    if not tokenizer.chat_template:  # the file's, else the turns of its architecture where mashbox knows them
+        tokenizer.chat_template = (gguf.fields.get("tokenizer.chat_template")
+                                   or FALLBACKS.get(gguf.fields.get("general.architecture")))
     _save_tokenizer(tokenizer, converted, source.path)
     return tokenizer
 
@@ -208,7 +210,7 @@ def _refuse_unknown(path: Path) -> None:
         kind = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # reading the model says what is wrong with its config
-    if kind is not None and kind not in checkpoint.SUPPORTED:
+    if kind is not None and checkpoint.TYPES.get(kind, kind) not in checkpoint.SUPPORTED:
         raise ModelLoadError(f"'{path}' holds a {kind!r} model (config.json's model_type); mashbox runs "
                              f"{', '.join(checkpoint.SUPPORTED)} models")
 

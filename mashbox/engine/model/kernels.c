@@ -1317,7 +1317,8 @@ void mb_kv_store(const float *x, int64_t ld, uint8_t *cache, const int64_t *slot
 
 void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
-                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq);
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq,
+                        int64_t window);
 
 /* Decode attention for one (row, query head), a task of mb_decode_attention where D % 16 != 0
  * (an fp16 cache: q8_0 rows need D % 32 == 0). */
@@ -1329,7 +1330,7 @@ struct heads {
     float *out;
     int64_t H, KVH, D, ctx;
     float scale;
-    int64_t max_len;
+    int64_t max_len, window;
     float *scores[MAX_THREADS];
 };
 
@@ -1340,6 +1341,10 @@ static void head_task(void *arg, int64_t i, int who) {
     float *p = a->scores[who], *o = a->out + (a->rows[r] * H + h) * D, top = -INFINITY, sum = 0.0f;
     const float *qi = a->q + a->rows[r] * a->ldq + h * D;
     const uint16_t *kb = a->k + (a->slots[r] * KVH + g) * a->ctx * D, *vb = a->v + (a->slots[r] * KVH + g) * a->ctx * D;
+    int64_t from = a->window && len > a->window ? len - a->window : 0;
+    kb += from * D;
+    vb += from * D;
+    len -= from;
     for (int64_t t = 0; t < len; t++) {
         p[t] = dot_h(qi, kb + t * D, D) * a->scale;
         top = fmaxf(top, p[t]);
@@ -1352,24 +1357,27 @@ static void head_task(void *arg, int64_t i, int who) {
 /* One query row per request over its own slot's keys and values.
  * q: rows of H heads of D (row stride ldq); out: [rows, H, D]; k, v: one layer's cache
  * [slots, KVH, ctx, row] (each head's positions contiguous; rows as kvq says); for each of R requests,
- * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to.
+ * rows[r] is its query row, slots[r] its slot and lens[r] how many positions it attends to (the
+ * last `window` of them where window > 0: sliding-window attention).
  * Where D % 16 == 0, a row is a chunk of one (mb_chunk_attention below, bf16 as there): the query
  * heads of a KV head share each key, converted once, instead of each head reading the cache
  * again; otherwise each head multiplies in fp32. */
 void mb_decode_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
-                         int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq) {
+                         int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq,
+                         int64_t window) {
     if (D % 16 == 0) {
         int64_t *ns = malloc(sizeof(int64_t) * R * 2), *starts = ns + R;
         for (int64_t r = 0; r < R; r++) {
             ns[r] = 1;
             starts[r] = lens[r] - 1;
         }
-        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16, kvq);
+        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16, kvq, window);
         free(ns);
         return;
     }
-    struct heads a = {q, ldq, (const uint16_t *)k, (const uint16_t *)v, rows, slots, lens, out, H, KVH, D, ctx, scale, 1, {0}};
+    struct heads a = {q, ldq, (const uint16_t *)k, (const uint16_t *)v, rows, slots, lens, out, H, KVH, D, ctx, scale, 1,
+                      window, {0}};
     for (int64_t r = 0; r < R; r++) a.max_len = lens[r] > a.max_len ? lens[r] : a.max_len;
     pool_run(head_task, &a, R * H, 2 * R * H * a.max_len * D);
     for (int i = 0; i < MAX_THREADS; i++) free(a.scores[i]);
@@ -1383,7 +1391,9 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint8_t *k, const ui
  * blocks of KB positions counted from 0: convert the block once (to fp32, or to bf16 pairs where
  * the CPU has AVX512-BF16: MB_BF16 below), scores by a register tile, an online softmax per row in
  * fp32, and the weighted values added. A row's operations depend only on its
- * position and its cache, never on the chunk, the task or the thread around it. */
+ * position and its cache, never on the chunk, the task or the thread around it. With a sliding
+ * window of W, row p sees positions p-W+1..p: the earlier ones of a block score -inf, and a block
+ * with none of them is passed by as a block past its position is. */
 #define KB 64
 #ifndef ROWS
 #define ROWS 192 /* query rows a task packs: positions x query heads of one KV head */
@@ -1694,10 +1704,10 @@ static void block_values4(const float *p, const float *vb, float *o, int64_t n, 
 
 /* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g,
  * whose keys and values k, v hold from position 0; bf16: multiply in bf16 pairs (only where MB_BF16
- * is built; fp32 otherwise). */
+ * is built; fp32 otherwise); window: each row sees its last `window` positions only (0: all). */
 static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, int64_t kvq, int64_t row0,
                        int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale,
-                       float *out, int64_t ldo, float *buf, int bf16) {
+                       float *out, int64_t ldo, float *buf, int bf16, int64_t window) {
     (void)bf16;
     int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, RB = kv_row_bytes(D, kvq);
     float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
@@ -1718,7 +1728,8 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
 #endif
         for (int64_t d = 0; d < D; d++) qs[m * D + d] = src[d] * scale;
     }
-    for (int64_t t0 = 0; t0 <= last; t0 += KB) {
+    int64_t first = window && p0 >= window ? (p0 - window + 1) / KB * KB : 0; /* blocks before: no row's */
+    for (int64_t t0 = first; t0 <= last; t0 += KB) {
         int64_t n = last - t0 + 1 < KB ? last - t0 + 1 : KB;
         const uint8_t *kb = k + t0 * RB, *vbk = v + t0 * RB;
 #ifdef MB_BF16
@@ -1735,10 +1746,13 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
             int64_t seen[4], most = 0;
             for (int r = 0; r < 4; r++) {
                 int64_t pos = m + r < M ? p0 + (m + r) / G : last, c = pos - t0 + 1;
-                seen[r] = c < 0 ? 0 : c > KB ? KB : c;
+                int64_t before = window ? pos - window + 1 - t0 : 0; /* positions of the block out of the window */
+                seen[r] = c < 0 || before >= c || before >= KB ? 0 : c > KB ? KB : c;
                 most = seen[r] > most ? seen[r] : most;
-                if (seen[r] > 0) block_softmax(s + (m + r) * KB, seen[r], max + m + r, sum + m + r, o + (m + r) * D, D);
-                else memset(s + (m + r) * KB, 0, sizeof(float) * KB);
+                if (seen[r] > 0) {
+                    for (int64_t j = 0; j < before; j++) s[(m + r) * KB + j] = -INFINITY;
+                    block_softmax(s + (m + r) * KB, seen[r], max + m + r, sum + m + r, o + (m + r) * D, D);
+                } else memset(s + (m + r) * KB, 0, sizeof(float) * KB);
             }
 #ifdef MB_BF16
             if (bf16) {
@@ -1765,7 +1779,7 @@ struct chunks {
     float *out;
     int64_t H, KVH, D, ctx;
     float scale;
-    int64_t span, blocks, floats;
+    int64_t span, blocks, floats, window;
     int bf16;
     float *bufs[MAX_THREADS];
 };
@@ -1778,16 +1792,18 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
     int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span;
     int64_t base = (a->slots[c] * KVH + g) * a->ctx * kv_row_bytes(D, a->kvq);
     chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->kvq, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
-               a->scale, a->out, a->H * D, a->bufs[who], a->bf16);
+               a->scale, a->out, a->H * D, a->bufs[who], a->bf16, a->window);
 }
 
 /* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
  * (H heads of D, row stride ldq), at positions starts[c].. of slot slots[c]; out: [rows, H * D].
  * k, v: one layer's cache [slots, KVH, ctx, row], rows fp16 (kvq 0) or q8_0 (kvq 1, D % 32 == 0).
- * D % 16 == 0. bf16: multiply in bf16 pairs where this build can (mb_attention_bf16), else in fp32. */
+ * D % 16 == 0. bf16: multiply in bf16 pairs where this build can (mb_attention_bf16), else in fp32.
+ * window > 0: each row attends to its last `window` positions (itself included) only. */
 void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
-                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq) {
+                        int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq,
+                        int64_t window) {
     int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads(), work = 0;
     for (int64_t c = 0; c < R; c++) {
         longest = ns[c] > longest ? ns[c] : longest;
@@ -1797,7 +1813,7 @@ void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uin
     if ((longest + span - 1) / span < wanted) span = (longest + wanted - 1) / wanted;
     int64_t blocks = (longest + span - 1) / span, Mp = (span * G + 3) / 4 * 4;
     struct chunks a = {q, ldq, k, v, kvq, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
-                       Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2, bf16 != 0, {0}};
+                       Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2, window, bf16 != 0, {0}};
     pool_run(chunk_attention_task, &a, R * KVH * blocks, work);
     for (int i = 0; i < MAX_THREADS; i++) free(a.bufs[i]);
 }
@@ -1882,13 +1898,13 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
         starts[n++] = positions[m];
     }
     if (HD % 16 == 0) {
-        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16, kvq);
+        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16, kvq, 0);
     } else { /* each row over its position + 1 keys */
         for (int64_t m = 0; m < M; m++) {
             rows[m] = m;
             starts[m] = positions[m] + 1;
         }
-        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16, kvq);
+        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16, kvq, 0);
     }
     mb_matmul(attn, o_w, h, M, H * HD);
     add_rows(x, h, M * D);

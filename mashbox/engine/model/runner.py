@@ -155,14 +155,17 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         w, eps = self.weights, self.weights.spec.eps
         x = w.embed(batch.ids)
+        if w.embed_scale != 1.0:
+            x *= w.embed_scale
         if self._fused is not None and not batch.rest:  # every row attended by the kernels
             return self._fused(x, batch)
+        norm = lambda h, weight: h if weight is None else self.ops.rms_norm(h, weight, eps)
         for i, layer in enumerate(w.layers):
             h = self.ops.rms_norm(x, layer.ln_attn, eps)
-            q, k, v = layer.qkv(h, batch.positions, w.cos, w.sin, self.ops)
+            q, k, v = layer.qkv(h, batch.positions, self.ops)
             self.kv.write(i, batch.slots, batch.positions, k, v)
-            x += layer.o(self._attention(i, batch, q))
-            x += layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops)
+            x += norm(layer.o(self._attention(i, batch, q)), layer.post_attn)
+            x += norm(layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops), layer.post_mlp)
         return x
 
     def _attention(self, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
@@ -172,9 +175,11 @@ class ModelRunner:
         all its items."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16, self.kv.kvq)
+        window = self.weights.layers[layer].window
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16, self.kv.kvq,
+                 window)
         if batch.single.shape[1] and not self._native_rows:
-            self._rows_attention(layer, batch, q, out)
+            self._rows_attention(layer, batch, q, out, window)
         elif batch.single.shape[1]:
             rows, slots, lens = batch.single
             self.ops.lib.mb_decode_attention(
@@ -192,6 +197,7 @@ class ModelRunner:
         for item, start, mask in batch.rest:
             n, (keys, values) = len(item.token_ids), cache[item.slot]
             end = item.position + n
+            mask = self._causal_mask(item, window) if window else mask
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 query, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0), attn_mask=mask, enable_gqa=True,
@@ -200,11 +206,13 @@ class ModelRunner:
             out[start : start + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
         return out
 
-    def _rows_attention(self, layer: int, batch: Batch, q: torch.Tensor, out: torch.Tensor) -> None:
+    def _rows_attention(self, layer: int, batch: Batch, q: torch.Tensor, out: torch.Tensor, window: int) -> None:
         """All one-token rows in one SDPA call: each row's slot read up to the longest, the positions
-        past its own length masked out (and zeroed: the cache there may hold anything)."""
+        past its own length (and before its window) masked out (and zeroed: the cache there may hold anything)."""
         spec, (rows, slots, lens), longest = self.weights.spec, batch.single, batch.longest
-        mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        at = torch.arange(longest, device=self.device)[None, :]
+        mask = (at < lens[:, None]) & ((at >= lens[:, None] - window) if window else True)
+        mask = mask[:, None, None, :]
         keys, values = (t[layer, :, :, :longest][slots].to(q.dtype).masked_fill(~mask.transpose(-1, -2), 0)
                         for t in (self.kv.keys, self.kv.values))  # a masked NaN never written still gives NaN
         o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True,
@@ -231,13 +239,15 @@ class ModelRunner:
         return Batch(as_tensor(ids), as_tensor(positions), as_tensor(slots), as_tensor(rows), columns(single, 3),
                      max((length for *_, length in single), default=0), columns(chunks, 4), rest)
 
-    def _causal_mask(self, item: Work) -> torch.Tensor | None:
-        """Prompt chunk rows see the cache before them and the chunk up to themselves."""
+    def _causal_mask(self, item: Work, window: int = 0) -> torch.Tensor | None:
+        """Prompt chunk rows see the cache before them and the chunk up to themselves (of those, the
+        last ``window`` where it is not 0)."""
         n = len(item.token_ids)
-        if n == 1:
+        if n == 1 and not window:
             return None
         rows = torch.arange(item.position, item.position + n, device=self.device)[:, None]
-        return torch.arange(item.position + n, device=self.device)[None, :] <= rows
+        offset = rows - torch.arange(item.position + n, device=self.device)[None, :]
+        return (offset >= 0) & (offset < window) if window else offset >= 0
 
 
 def _output(item: Work, row: int) -> list[int]:
@@ -287,7 +297,8 @@ class FusedLayers:
     @staticmethod
     def fits(weights: Weights) -> bool:
         return all({layer.qkv_proj.mode, layer.o.mode, layer.gate_up.mode, layer.down.mode} == {"blocks"}
-                   and layer.q_norm is None and layer.act is None for layer in weights.layers)
+                   and layer.q_norm is None and layer.act is None and layer.post_attn is None
+                   and layer.post_mlp is None and not layer.window for layer in weights.layers)
 
     def _args(self, layer, i: int) -> tuple:
         p = lambda t: None if t is None else t.data_ptr()

@@ -1,4 +1,5 @@
-"""A Llama-family model's weights, fused and laid out for the runner."""
+"""A Llama-family model's weights, fused and laid out for the runner (Gemma 3's too: its norms after
+attention and around the MLP, its sliding-window layers with their own rotary)."""
 
 from __future__ import annotations
 
@@ -155,8 +156,13 @@ class Layer:
     gate_up: Linear
     down: Linear
     act: Callable[[torch.Tensor], torch.Tensor] | None  # None: SiLU, through ops.silu_mul
+    cos: torch.Tensor  # the layer's rotary tables [ctx, head_dim]
+    sin: torch.Tensor
+    post_attn: torch.Tensor | None = None  # norms of the attention's and the MLP's outputs (Gemma)
+    post_mlp: torch.Tensor | None = None
+    window: int = 0  # a sliding window: each position attends to its last ``window`` (0: to all)
 
-    def qkv(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor,
             ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [rows, heads, dim], rotated keys and values [rows, kv_heads, dim]."""
         s = self.spec
@@ -169,7 +175,7 @@ class Layer:
             q = ops.rms_norm(q.reshape(-1, s.head_dim), self.q_norm, s.eps).view(-1, q_size)
             k = ops.rms_norm(k.reshape(-1, s.head_dim), self.k_norm, s.eps).view(-1, kv_size)
             out = torch.cat([q, k, v], dim=-1)
-        out = ops.rope(out, s.num_heads + s.num_kv_heads, s.head_dim, positions, cos, sin)
+        out = ops.rope(out, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos, self.sin)
         q, k, v = out.split([q_size, kv_size, kv_size], dim=-1)
         return (q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim),
                 v.view(-1, s.num_kv_heads, s.head_dim))
@@ -190,6 +196,7 @@ class Weights:
     lm_head: Linear
     cos: torch.Tensor
     sin: torch.Tensor
+    embed_scale: float = 1.0  # the embedding's rows are multiplied by it
 
     @property
     def linears(self) -> list[Linear]:
@@ -212,15 +219,19 @@ class Weights:
             )
         t = ckpt.tensors
         act = _activation(ckpt.hidden_act)
-        cos, sin = ckpt.cos_sin(ctx, t.dtype or t["model.norm.weight"].dtype)
+        dtype = t.dtype or t["model.norm.weight"].dtype
+        tables = [ckpt.cos_sin(ctx, dtype), ckpt.cos_sin(ctx, dtype, local=True) if ckpt.windows else None]
+        windows = ckpt.windows or (0,) * ckpt.spec.num_layers
         weights = cls(
             spec=ckpt.spec,
             embed=Embedding(ckpt, lib),
-            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, lib) for i in range(ckpt.spec.num_layers)],
-            norm=t["model.norm.weight"],
+            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, lib, windows[i], tables[bool(windows[i])])
+                    for i in range(ckpt.spec.num_layers)],
+            norm=_norm(ckpt, "model.norm.weight"),
             lm_head=_linear(ckpt, ["lm_head.weight"], mode, lib),
-            cos=cos,
-            sin=sin,
+            cos=tables[0][0],
+            sin=tables[0][1],
+            embed_scale=ckpt.embed_scale,
         )
         if ckpt.release is not None and any(p.packed for lin in weights.linears for p in lin.parts):
             ckpt.release()  # the kernels read packed copies: the pages they were made from are let go
@@ -242,26 +253,39 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return ACT2FN[name]
 
 
-def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None) -> Layer:
+def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None, window: int,
+           rotary: tuple[torch.Tensor, torch.Tensor]) -> Layer:
     t = ckpt.tensors
     attn, mlp = at + "self_attn.", at + "mlp."
     qkv = [f"{attn}{p}_proj.weight" for p in "qkv"]
     bias = None
     if attn + "q_proj.bias" in t:
         bias = torch.cat([t[name.removesuffix("weight") + "bias"] for name in qkv])
+    sandwich = at + "pre_feedforward_layernorm.weight" in t  # Gemma: a norm before and after each part
+    norm = lambda name: _norm(ckpt, at + name + ".weight") if at + name + ".weight" in t else None
     return Layer(
         spec=ckpt.spec,
-        ln_attn=t[at + "input_layernorm.weight"],
+        ln_attn=norm("input_layernorm"),
         qkv_proj=_linear(ckpt, qkv, mode, lib),
         qkv_bias=bias,
-        q_norm=t.get(attn + "q_norm.weight"),
-        k_norm=t.get(attn + "k_norm.weight"),
+        q_norm=norm("self_attn.q_norm"),
+        k_norm=norm("self_attn.k_norm"),
         o=_linear(ckpt, [attn + "o_proj.weight"], mode, lib),
-        ln_mlp=t[at + "post_attention_layernorm.weight"],
+        ln_mlp=norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"),
         gate_up=_linear(ckpt, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], mode, lib),
         down=_linear(ckpt, [mlp + "down_proj.weight"], mode, lib),
         act=act,
+        cos=rotary[0],
+        sin=rotary[1],
+        post_attn=norm("post_attention_layernorm") if sandwich else None,
+        post_mlp=norm("post_feedforward_layernorm"),
+        window=window,
     )
+
+
+def _norm(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """A norm's weight as the runner multiplies by it (Gemma's 1 + weight, where the checkpoint has the weight)."""
+    return ckpt.tensors[name] + ckpt.norm_shift if ckpt.norm_shift else ckpt.tensors[name]
 
 
 def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None) -> Linear:

@@ -32,6 +32,19 @@ from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
 
+# Gemma's turns, for a GGUF of that architecture that holds no template (the pretrained Gemma 3 270M): it
+# knows no system role, so the system text opens the first turn; every role but the assistant's is "user".
+FALLBACKS = {"gemma3": r"""{{- bos_token -}}
+{%- if messages and messages[0].role == 'system' -%}
+{%- set system = messages[0].content + '\n\n' -%}{%- set turns = messages[1:] -%}
+{%- else -%}{%- set system = '' -%}{%- set turns = messages -%}{%- endif -%}
+{%- for m in turns or [{'role': 'user', 'content': ''}] -%}
+{{- '<start_of_turn>' + ('model' if m.role == 'assistant' else 'user') + '\n' + (system if loop.first else '')
+    + ((m.content or '') | trim) + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""}
+TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # tokens a template closes a turn with
+
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
 TOOLS_END = "</tools>"  # where a Hermes-style tools block's schemas end and its call rules begin
 
@@ -109,6 +122,14 @@ class ChatTemplate:
         if m.role == "tool" and not self.knows_tools:
             turn["content"] = f"<tool_response>\n{m.content}\n</tool_response>"
         return turn
+
+
+def turn_ends(tokenizer: Tokenizer) -> set[int]:
+    """The ids of the tokens its chat template ends a turn with (an answer ends there too, where the
+    model's end id is another token: Gemma's ``<end_of_turn>`` beside ``<eos>``)."""
+    template = tokenizer.chat_template or ""
+    ids = {tokenizer.backend_tokenizer.token_to_id(token) for token in TURN_ENDS if token in template}
+    return {i for i in ids if i is not None}
 
 
 def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: tuple[Tool, ...]) -> str:

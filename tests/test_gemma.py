@@ -1,0 +1,124 @@
+"""Gemma 3: tiny random models built through transformers (a few layers, most of them attending to a
+sliding window of 16 positions) answer token for token as transformers does, from an HF directory and
+from a GGUF written from them; the kernels keep each row's result whatever runs beside it and however
+much of the prompt came from the prefix cache (a cached prefix longer than the window); and the real
+Gemma 3 270M (the catalog's gemma3-270m) answers a question."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quants import tiny_gguf
+from tiny import generate, greedy
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from mashbox import Engine
+from mashbox.engine.load.gguf_file import checkpoint, open_model
+from mashbox.engine.model.runner import ModelRunner
+from mashbox.engine.request import Message
+from mashbox.engine.text.template import ChatTemplate
+
+SHAPE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, sliding_window=16,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1, tie_word_embeddings=False)
+WORDS = " ".join(f"{w} {i}" for i, w in enumerate(["red", "green", "blue", "gold", "grey", "pink"] * 6))
+
+
+def tiny_gemma(**config) -> Gemma3ForCausalLM:
+    """Five sliding-window layers and one global (Gemma 3's pattern), its norms set at random:
+    transformers starts them at 0, a weight of 1 + 0, which would hide a norm read without its shift.
+    Its lm_head is its own (a tied one, beside the embedding's scale, answers one token whatever came
+    before, which would hide a wrong window)."""
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**SHAPE, **config})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    assert model.config.layer_types.count("full_attention") == 1
+    return model
+
+
+def test_a_saved_gemma3_answers_as_transformers_does(tmp_path, smol_tokenizer):
+    """An HF directory (model type gemma3_text, read without transformers' model): the embedding scale,
+    the norms around attention and the MLP, q/k norms, GELU, the attention scale of
+    query_pre_attn_scalar, two rotary bases and the window give transformers' greedy tokens, on prompts
+    longer than the window."""
+    model = tiny_gemma(query_pre_attn_scalar=48)
+    model.save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    prompts = [WORDS, "one two three four", WORDS[:90]]
+    with Engine(str(tmp_path), dtype="float32", ctx=256, slots=3, quiet=True) as engine:
+        for prompt in prompts:
+            ids = smol_tokenizer.encode(prompt)
+            expected = smol_tokenizer.decode(generate(model, ids, 10), skip_special_tokens=True)
+            answer = engine.complete(prompt=prompt, max_tokens=10, temperature=0)
+            assert answer.usage.prompt_tokens == len(ids)
+            assert answer.choices[0].text == expected
+    assert len(smol_tokenizer.encode(WORDS)) > 4 * SHAPE["sliding_window"]
+
+
+@pytest.mark.parametrize("formats", [["Q4_K", "Q6_K", "Q5_0", "Q8_0"], ["Q4_0", "Q5_K", "Q4_1"]])
+def test_a_gemma3_gguf_runs_from_its_blocks(tmp_path, lib, formats):
+    """The GGUF llama.cpp's converter would write (norms as 1 + weight, head size and window in the
+    metadata): dequantized it answers token for token as transformers does; as blocks every answer is
+    the same alone and batched (prompts cut into chunks beside decoding rows) and mostly the exact one."""
+    model = tiny_gemma(query_pre_attn_scalar=64)  # llama.cpp scales by the head size
+    path = tiny_gguf(tmp_path / "gemma.gguf", model, "gemma3", formats)
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
+    exact = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
+    assert [layer.window for layer in exact.weights.layers] == [16] * 5 + [0]
+    expected = [generate(model, p) for p in prompts]
+    assert greedy(exact, prompts) == expected
+    runner = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="gguf")
+    assert runner._fused is None and runner._native_chunks  # the window runs in the attention kernels
+    batched = greedy(runner, prompts)
+    assert [greedy(runner, [p])[0] for p in prompts] == batched
+    assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
+
+
+def test_a_cached_prefix_longer_than_the_window_gives_the_same_answer(tmp_path, smol_tokenizer):
+    """On the kernels (int8 blocks): a prompt whose first 100+ tokens come from the prefix cache answers
+    as it does computed whole in a fresh engine."""
+    tiny_gemma().save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    prompt = WORDS + " and then"
+    with Engine(str(tmp_path), ctx=512, slots=2, quiet=True) as fresh:
+        expected = fresh.complete(prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    with Engine(str(tmp_path), ctx=512, slots=2, quiet=True) as engine:
+        assert engine.info.weights_mode == "blocks"
+        engine.complete(prompt=WORDS, max_tokens=1, temperature=0)
+        before = engine.stats().prefix_hit_tokens
+        answer = engine.complete(prompt=prompt, max_tokens=12, temperature=0)
+        assert engine.stats().prefix_hit_tokens - before > 4 * SHAPE["sliding_window"]
+    assert answer.choices[0].text == expected and len(expected) > 5
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    with Engine("gemma3-270m", ctx=2048, slots=2, quiet=True) as engine:
+        yield engine
+
+
+def test_the_real_gemma3_270m_answers_a_question(gemma):
+    """The pretrained 270M model (not instruction-tuned), asked in the form it was trained on."""
+    assert gemma.info.dtype.startswith("Q8_0 + Q5_0 + Q4_K + Q6_K blocks")
+    prompt = ("Q: What is the capital of Italy?\nA: Rome\nQ: What is the capital of Japan?\nA: Tokyo\n"
+              "Q: What is the capital of France?\nA:")
+    answer = gemma.complete(prompt=prompt, max_tokens=4, temperature=0)
+    assert answer.choices[0].text.split("\n")[0].strip() == "Paris"
+
+
+def test_gemma3_chat_is_rendered_in_gemma_turns_and_ends_at_end_of_turn(gemma):
+    """Its GGUF holds no chat template: Gemma's turns are used, the system text opening the first user
+    turn; an answer ends at ``<end_of_turn>`` as at ``<eos>``."""
+    text = ChatTemplate(gemma.tokenizer).render((Message("system", "Be brief."), Message("user", "Hi"),
+                                                   Message("assistant", "Hello."), Message("user", "Bye")))
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello."
+                    "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    end = gemma.tokenizer.backend_tokenizer.token_to_id("<end_of_turn>")
+    assert {end, gemma.tokenizer.eos_token_id} <= gemma.eos_ids
+    out = gemma.chat(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+    assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
