@@ -53,8 +53,8 @@ def _scales_k4(sc: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
 def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks], floats: dict[str, torch.Tensor],
                numbers: dict[str, int] | None = None) -> Path:
     """A GGUF model file: ``matrices`` (GGUF names) as their blocks, ``floats`` (norms, biases) as fp32,
-    the metadata of ``config`` (a transformers config), ``numbers`` (more uint32 fields) and the SmolLM2
-    tokenizer's fields."""
+    the metadata of ``config`` (a transformers config), ``numbers`` (more fields: uint32, float32 for
+    floats) and the SmolLM2 tokenizer's fields."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
@@ -68,7 +68,7 @@ def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks],
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or rope.get("full_attention", rope)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     for key, value in (numbers or {}).items():
-        writer.add_uint32(key, value)
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
     source = GGUFReader(str(resolve("smollm2-135m").path))
     for key, field in source.fields.items():
         if not key.startswith("tokenizer."):
@@ -94,6 +94,8 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
 _GEMMA3 = {**_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
            "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
            "post_feedforward_layernorm": "post_ffw_norm"}
+_PHI3 = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_LAYERS = {"gemma3": _GEMMA3, "phi3": _PHI3}
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -105,7 +107,7 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{(_GEMMA3 if arch == 'gemma3' else _LAYER)[module]}.{kind}"
+    return f"blk.{layer}.{_LAYERS.get(arch, _LAYER)[module]}.{kind}"
 
 
 def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str], seed: int = 0) -> Path:
@@ -113,12 +115,14 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
     as a GGUF whose matrices are random blocks, cycling through ``formats`` (the embedding in Q8_0), and
     set the model's own weights to what those blocks hold, so that it is the reference for the file.
     Gemma's norms are written as llama.cpp's converter writes them (1 + weight), with its head size and
-    sliding window."""
+    sliding window; Phi-3's rotated dimensions and LongRoPE factors as its converter writes them."""
     matrices, floats, turn = {}, {}, 0
     config, numbers = model.config, {}
     if arch == "gemma3":
         numbers = {"gemma3.attention.key_length": config.head_dim, "gemma3.attention.value_length": config.head_dim,
                    "gemma3.attention.sliding_window": config.sliding_window}
+    if arch == "phi3":
+        numbers = _phi3_fields(model, floats)
     with torch.no_grad():
         for hf, param in model.state_dict().items():
             if hf == "lm_head.weight" and config.tie_word_embeddings:
@@ -140,6 +144,19 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
             plain = rotary(config.rope_parameters["rope_theta"], config.hidden_size // config.num_attention_heads)
             floats["rope_freqs.weight"] = plain / scaled.inv_freq
     return write_gguf(path, arch, config, matrices, floats, numbers)
+
+
+def _phi3_fields(model, floats: dict[str, torch.Tensor]) -> dict[str, int | float]:
+    """Phi-3's rotated dimensions and, for LongRoPE, its factors (into ``floats``), attention factor and
+    original context, as llama.cpp's converter writes them."""
+    config, rope = model.config, model.config.rope_parameters
+    numbers: dict[str, int | float] = {"phi3.rope.dimension_count": 2 * model.model.rotary_emb.inv_freq.numel()}
+    if rope.get("rope_type") == "longrope":
+        floats["rope_factors_long.weight"] = torch.tensor(rope["long_factor"])
+        floats["rope_factors_short.weight"] = torch.tensor(rope["short_factor"])
+        numbers["phi3.rope.scaling.attn_factor"] = float(model.model.rotary_emb.attention_scaling)
+        numbers["phi3.rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    return numbers
 
 
 def _permute(rows: int, heads: int) -> torch.Tensor:

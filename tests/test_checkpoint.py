@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams
 from mashbox.engine.load import checkpoint
@@ -26,6 +37,9 @@ FAMILIES = {
         "original_max_position_embeddings": 256})),
     "qwen2, qkv bias": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=False)),
     "qwen3, q/k norms": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32)),
+    "phi3, fused, partial rotary": lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, partial_rotary_factor=0.75, pad_token_id=0)),
+    "gemma3, windows": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 6}, head_dim=16,
+                                                                  sliding_window=8, pad_token_id=0)),
 }
 
 

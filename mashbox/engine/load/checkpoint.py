@@ -22,9 +22,10 @@ import torch
 
 from mashbox.engine.model import quant
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 TYPES = {"gemma3_text": "gemma3"}  # transformers' model type -> the GGUF architecture it is
-_NEEDED = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
+_NEEDED = ("model.embed_tokens.weight", "model.norm.weight")
+_QUERIES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight")  # one of them
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +58,8 @@ class Checkpoint:
     norm_shift: float = 0.0  # added to every norm's weight (Gemma's RMSNorm multiplies by 1 + weight)
     windows: tuple[int, ...] = ()  # each layer's sliding window (0: it attends to every position); ()
     local_inv_freq: torch.Tensor | None = None  # the rotary of the sliding-window layers, where theirs differs
+    long_inv_freq: torch.Tensor | None = None  # LongRoPE: the rotary for a context past ``original_ctx``
+    original_ctx: int | None = None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:
@@ -65,11 +68,13 @@ class Checkpoint:
         eos = getattr(model.generation_config, "eos_token_id", None)
         tensors = Tensors({name: t.detach() for name, t in model.state_dict().items()})
         if hasattr(rotary, "inv_freq"):
-            return _build(model.config.to_dict(), tensors, rotary.inv_freq.float(),
-                          float(rotary.attention_scaling), _ids(eos))
-        # one rotary per layer type (Gemma 3: full and sliding attention)
-        return _build(model.config.to_dict(), tensors, rotary.full_attention_inv_freq.float(),
-                      float(rotary.full_attention_attention_scaling), _ids(eos),
+            config = model.config.to_dict()
+            return _build(config, tensors, rotary.inv_freq.float(), float(rotary.attention_scaling), _ids(eos),
+                          long=_long(model.config, config, rotary.inv_freq.device))
+        # one rotary per layer type (Gemma 3: full and sliding attention; a model of two layers has only the latter)
+        kind = "full_attention" if hasattr(rotary, "full_attention_inv_freq") else "sliding_attention"
+        return _build(model.config.to_dict(), tensors, getattr(rotary, f"{kind}_inv_freq").float(),
+                      float(getattr(rotary, f"{kind}_attention_scaling")), _ids(eos),
                       rotary.sliding_attention_inv_freq.float())
 
     @property
@@ -80,15 +85,27 @@ class Checkpoint:
     def numel(self) -> int:
         return self.tensors.numel
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's dimensions rotate (all but where the rotary is partial: Phi-4-mini's 3/4)."""
+        return 2 * self.inv_freq.numel()
+
     def cos_sin(self, ctx: int, dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [ctx, head_dim] for positions 0..ctx-1, as the model's rotary embedding makes them
-        (``local``: the sliding-window layers' one, where it differs)."""
+        (``local``: the sliding-window layers' one, where it differs; LongRoPE's long one for a ``ctx``
+        past the original, as llama.cpp chooses). A partial rotary's other dimensions pass unchanged
+        (cos 1, sin 0, unscaled): the runner's weights put them where a whole-head rotary would turn them
+        (``weights.rotary_rows``)."""
         inv_freq = self.local_inv_freq if local and self.local_inv_freq is not None else self.inv_freq
+        if self.long_inv_freq is not None and ctx > (self.original_ctx or ctx):
+            inv_freq = self.long_inv_freq
         positions = torch.arange(ctx, device=inv_freq.device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return ((angles.cos() * self.rope_scale).to(dtype).contiguous(),
-                (angles.sin() * self.rope_scale).to(dtype).contiguous())
+        passed = self.spec.head_dim // 2 - inv_freq.numel()
+        pad = lambda half, value: torch.nn.functional.pad(half * self.rope_scale, (0, passed), value=value)
+        cos, sin = pad(freqs.cos(), 1.0), pad(freqs.sin(), 0.0)
+        return (torch.cat([cos, cos], dim=-1).to(dtype).contiguous(),
+                torch.cat([sin, sin], dim=-1).to(dtype).contiguous())
 
 
 def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
@@ -98,7 +115,7 @@ def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | N
     if not files:
         return None
     tensors = Tensors.read(files, device, dtype)
-    if any(name not in tensors for name in _NEEDED):
+    if any(name not in tensors for name in _NEEDED) or not any(name in tensors for name in _QUERIES):
         return None
     config = json.loads((path / "config.json").read_text())
     layered = "full_attention" in (config.get("rope_parameters") or {})  # a rotary per layer type
@@ -106,7 +123,8 @@ def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | N
     local = _rope(path, config, device, "sliding_attention")[0] if layered else None
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    return _build(config, tensors, inv_freq, scale, _ids(eos), local)
+    long = _long(_hf_config(path), config, device) if _kind(config) == "longrope" else None
+    return _build(config, tensors, inv_freq, scale, _ids(eos), local, long)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -118,7 +136,8 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, scale: float,
-           eos_ids: tuple[int, ...], local_inv_freq: torch.Tensor | None = None) -> Checkpoint:
+           eos_ids: tuple[int, ...], local_inv_freq: torch.Tensor | None = None,
+           long: tuple[torch.Tensor, int] | None = None) -> Checkpoint:
     heads = config["num_attention_heads"]
     model_type = TYPES.get(config.get("model_type", "llama"), config.get("model_type", "llama"))
     gemma = model_type == "gemma3"
@@ -131,11 +150,13 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
         scale_dim=config.get("query_pre_attn_scalar") or 0,
     )
     window = config.get("sliding_window") or 0
-    windows = tuple(window if kind == "sliding_attention" else 0 for kind in config.get("layer_types") or ())
+    kinds = config.get("layer_types") or (["sliding_attention"] * spec.num_layers if model_type == "phi3" else ())
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
     return Checkpoint(model_type, spec, config.get("hidden_act") or config.get("hidden_activation") or "silu",
                       config.get("max_position_embeddings"), inv_freq, scale, eos_ids, tensors,
                       embed_scale=config["hidden_size"] ** 0.5 if gemma else 1.0, norm_shift=1.0 if gemma else 0.0,
-                      windows=windows if any(windows) else (), local_inv_freq=local_inv_freq)
+                      windows=windows if any(windows) else (), local_inv_freq=local_inv_freq,
+                      long_inv_freq=long[0] if long else None, original_ctx=long[1] if long else None)
 
 
 def _rope(path: Path, config: dict[str, Any], device: torch.device,
@@ -145,18 +166,41 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device,
     linear, ...) go through transformers' own functions."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     params = params[layer_type] if layer_type else params
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = _kind(params)
     if kind == "default":
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return rotary(theta, dim).to(device), 1.0
-    from transformers import AutoConfig
+        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        return rotary(theta, int(dim * partial)).to(device), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = AutoConfig.from_pretrained(path, local_files_only=True)
     by_type = {"layer_type": layer_type} if layer_type else {}
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](getattr(hf, "text_config", hf), device, **by_type)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](_hf_config(path), device, **by_type)
     return inv_freq.float(), float(scale)
+
+
+def _kind(params: dict[str, Any]) -> str:
+    """The rotary's kind in a config (or its rope parameters): default, llama3, longrope, ..."""
+    params = params.get("rope_parameters") or params.get("rope_scaling") or params
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def _hf_config(path: Path):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    return getattr(hf, "text_config", hf)
+
+
+def _long(hf, config: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """LongRoPE's rotary for a context past the original one, and that length; None for other kinds."""
+    if _kind(config) != "longrope":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    original = params.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+    return ROPE_INIT_FUNCTIONS["longrope"](hf, device, seq_len=original + 1)[0].float(), original
 
 
 def rotary(theta: float, dim: int) -> torch.Tensor:

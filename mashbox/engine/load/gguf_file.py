@@ -39,6 +39,8 @@ _LAYER = {  # GGUF tensor -> HF name, in each layer
 }
 _GEMMA3 = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
            "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 3's norms around attention and the MLP
+_PHI3 = {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # q, k, v in one; gate, up in one
+_LAYERS = {"gemma3": _GEMMA3, "phi3": _PHI3}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GEMMA3_PATTERN = 6  # Gemma 3: every sixth layer attends to all positions, the others to a sliding window
 GEMMA3_LOCAL_BASE = 10000.0  # the sliding-window layers' rotary base (llama.cpp's, not in the file)
@@ -189,7 +191,7 @@ def _row_bytes(kind: int, width: int) -> int:
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
-    parts, layer = name.split("."), _GEMMA3 if arch == "gemma3" else _LAYER
+    parts, layer = name.split("."), _LAYERS.get(arch, _LAYER)
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer:
@@ -233,13 +235,15 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
     gemma = arch == "gemma3"  # its norms' weights were written as 1 + weight, as they multiply
-    windows = _windows(meta, spec.num_layers) if gemma else ()
-    local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if windows else None
+    windows = _windows(meta, spec.num_layers) if gemma else ()  # Phi-3's window: unused, as llama.cpp does
+    local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if gemma and windows else None
+    inv_freq, long, original = _rotary(gguf, arch, meta, head_dim)
     return Checkpoint(arch, spec, "gelu_pytorch_tanh" if gemma else "silu", meta("context_length"),
-                      _rotary(gguf, meta, head_dim).to(device), 1.0, tuple(int(i) for i in eos),
+                      inv_freq.to(device), float(meta("rope.scaling.attn_factor", 1.0)), tuple(int(i) for i in eos),
                       Tensors.of(floats, found, dtype, device, lib), found, gguf.release,
                       embed_scale=float(meta("embedding_length")) ** 0.5 if gemma else 1.0, windows=windows,
-                      local_inv_freq=local)
+                      local_inv_freq=local, long_inv_freq=None if long is None else long.to(device),
+                      original_ctx=original)
 
 
 def _windows(meta, layers: int) -> tuple[int, ...]:
@@ -269,19 +273,27 @@ def _tensors(gguf: GGUFFile, arch: str, spec: Spec) -> tuple[dict[str, torch.Ten
     return floats, found
 
 
-def _rotary(gguf: GGUFFile, meta, head_dim: int) -> torch.Tensor:
-    """The rotary inverse frequencies, llama 3's per-frequency factors and linear scaling applied."""
-    if int(meta("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"'{gguf.path}' rotates part of each head (partial rotary), which mashbox does not run yet")
-    inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), head_dim)
+def _rotary(gguf: GGUFFile, arch: str, meta, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
+    """The rotary inverse frequencies (of the rotated part of a head), llama 3's per-frequency factors
+    and linear scaling applied; LongRoPE's (Phi-3): those of the short factors, those of the long ones
+    and the original context."""
+    dims = int(meta("rope.dimension_count", head_dim))
+    if dims != head_dim and arch == "llama":  # its converter interleaves the rotated pairs: not undone here
+        raise ModelLoadError(f"'{gguf.path}' rotates part of each head (partial rotary) of a llama model, "
+                             "which mashbox does not run yet")
+    inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), dims)
     if "rope_freqs.weight" in gguf.tensors:  # llama 3's long-context factors, per frequency
         inv_freq = inv_freq / gguf.tensor("rope_freqs.weight").float()
+    if "rope_factors_short.weight" in gguf.tensors:  # LongRoPE
+        factors = lambda kind: gguf.tensor(f"rope_factors_{kind}.weight").float()
+        original = int(meta("rope.scaling.original_context_length", meta("context_length")))
+        return inv_freq / factors("short"), inv_freq / factors("long"), original
     scaling = meta("rope.scaling.type", "none")
     if scaling == "linear":
-        return inv_freq / float(meta("rope.scaling.factor", 1.0))
+        return inv_freq / float(meta("rope.scaling.factor", 1.0)), None, None
     if scaling not in ("none", None):
         raise ModelLoadError(f"'{gguf.path}' uses {scaling} rotary scaling, which mashbox does not run yet")
-    return inv_freq
+    return inv_freq, None, None
 
 
 def _unpermute(value: torch.Tensor | quant.Blocks, heads: int) -> torch.Tensor | quant.Blocks:

@@ -1867,7 +1867,7 @@ static void add_rows(float *x, const float *y, int64_t n) {
 
 /* One decoder layer for M rows, x [M, D] updated in place: the same kernels, in the same order,
  * as the runner's general path, so a row's result is the same either way (weights as mb_matmul takes them). Keys and values of each row are stored
- * at its slot and position; it attends over positions 0..pos. Rows of one slot at consecutive
+ * at its slot and position; it attends over positions 0..pos (the last `window` of them where window > 0). Rows of one slot at consecutive
  * positions attend as one prompt chunk (mb_chunk_attention, which gives a row the same result in
  * any chunk; one-token rows are chunks of one, as in mb_decode_attention); where HD % 16 != 0
  * each row attends alone (mb_decode_attention's fp32 heads). */
@@ -1875,7 +1875,7 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
               float eps, float scale, const float *ln_attn, const struct weight *qkv_w,
               const float *qkv_bias, const struct weight *o_w, const float *ln_mlp,
               const struct weight *gu_w, const struct weight *down_w, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
-              uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq) {
+              uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq, int64_t window) {
     int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -1898,13 +1898,15 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
         starts[n++] = positions[m];
     }
     if (HD % 16 == 0) {
-        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16, kvq, 0);
+        mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16, kvq,
+                           window);
     } else { /* each row over its position + 1 keys */
         for (int64_t m = 0; m < M; m++) {
             rows[m] = m;
             starts[m] = positions[m] + 1;
         }
-        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16, kvq, 0);
+        mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16, kvq,
+                            window);
     }
     mb_matmul(attn, o_w, h, M, H * HD);
     add_rows(x, h, M * D);

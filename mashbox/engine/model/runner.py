@@ -298,19 +298,20 @@ class FusedLayers:
     def fits(weights: Weights) -> bool:
         return all({layer.qkv_proj.mode, layer.o.mode, layer.gate_up.mode, layer.down.mode} == {"blocks"}
                    and layer.q_norm is None and layer.act is None and layer.post_attn is None
-                   and layer.post_mlp is None and not layer.window for layer in weights.layers)
+                   and layer.post_mlp is None and layer.cos is weights.cos for layer in weights.layers)
 
     def _args(self, layer, i: int) -> tuple:
         p = lambda t: None if t is None else t.data_ptr()
         return (*layer.down.shape, p(layer.ln_attn), layer.qkv_proj.address, p(layer.qkv_bias), layer.o.address,
-                p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(self.kv.keys[i]), p(self.kv.values[i]))
+                p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(self.kv.keys[i]), p(self.kv.values[i]),
+                layer.window)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale = self.shape
         rows, ctx = x.shape[0], self.kv.keys.shape[3]
         slots, positions = batch.slots.data_ptr(), batch.positions.data_ptr()
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
-        for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, k, v in self.layers:
+        for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, k, v, window in self.layers:
             self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv, bias, o,
-                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq)
+                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq, window)
         return x

@@ -1,5 +1,6 @@
 """A Llama-family model's weights, fused and laid out for the runner (Gemma 3's too: its norms after
-attention and around the MLP, its sliding-window layers with their own rotary)."""
+attention and around the MLP, its sliding-window layers with their own rotary; Phi-3's: q, k and v in
+one matrix, gate and up in one, a rotary over part of each head)."""
 
 from __future__ import annotations
 
@@ -257,22 +258,28 @@ def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None, w
            rotary: tuple[torch.Tensor, torch.Tensor]) -> Layer:
     t = ckpt.tensors
     attn, mlp = at + "self_attn.", at + "mlp."
-    qkv = [f"{attn}{p}_proj.weight" for p in "qkv"]
+    fused = attn + "qkv_proj.weight" in t  # Phi-3: q, k and v stacked in one matrix, gate and up in another
+    qkv = [attn + "qkv_proj.weight"] if fused else [f"{attn}{p}_proj.weight" for p in "qkv"]
+    gate_up = [mlp + "gate_up_proj.weight"] if mlp + "gate_up_proj.weight" in t else [
+        mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    rows, head = rotary_rows(ckpt)
     bias = None
     if attn + "q_proj.bias" in t:
         bias = torch.cat([t[name.removesuffix("weight") + "bias"] for name in qkv])
+        bias = bias if rows is None else bias[rows]
     sandwich = at + "pre_feedforward_layernorm.weight" in t  # Gemma: a norm before and after each part
     norm = lambda name: _norm(ckpt, at + name + ".weight") if at + name + ".weight" in t else None
+    by_head = lambda w: w if w is None or head is None else w[head]
     return Layer(
         spec=ckpt.spec,
         ln_attn=norm("input_layernorm"),
-        qkv_proj=_linear(ckpt, qkv, mode, lib),
+        qkv_proj=_linear(ckpt, qkv, mode, lib, rows),
         qkv_bias=bias,
-        q_norm=norm("self_attn.q_norm"),
-        k_norm=norm("self_attn.k_norm"),
+        q_norm=by_head(norm("self_attn.q_norm")),
+        k_norm=by_head(norm("self_attn.k_norm")),
         o=_linear(ckpt, [attn + "o_proj.weight"], mode, lib),
         ln_mlp=norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"),
-        gate_up=_linear(ckpt, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], mode, lib),
+        gate_up=_linear(ckpt, gate_up, mode, lib),
         down=_linear(ckpt, [mlp + "down_proj.weight"], mode, lib),
         act=act,
         cos=rotary[0],
@@ -283,21 +290,50 @@ def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None, w
     )
 
 
+def rotary_rows(ckpt: Checkpoint) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Where a rotary turns only the first r of a head's D dimensions (pairs i, i + r/2), the order of
+    the stacked q, k and v rows, and of one head's dimensions, that makes it a whole-head rotary (pairs
+    j, j + D/2) whose other pairs turn by angle 0 (``Checkpoint.cos_sin``): q and k rows move alike,
+    so every score is the same. (None, None) for a whole-head rotary."""
+    s, r = ckpt.spec, ckpt.rotary_dim
+    if r >= s.head_dim:
+        return None, None
+    d, rest = s.head_dim, (s.head_dim - r) // 2
+    head = torch.cat([torch.arange(r // 2), torch.arange(r, r + rest), torch.arange(r // 2, r),
+                      torch.arange(r + rest, d)])
+    turned = s.num_heads + s.num_kv_heads
+    qk = (torch.arange(turned)[:, None] * d + head).reshape(-1)
+    return torch.cat([qk, torch.arange(turned * d, (turned + s.num_kv_heads) * d)]), head
+
+
 def _norm(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A norm's weight as the runner multiplies by it (Gemma's 1 + weight, where the checkpoint has the weight)."""
     return ckpt.tensors[name] + ckpt.norm_shift if ckpt.norm_shift else ckpt.tensors[name]
 
 
-def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None) -> Linear:
-    """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one). With the
-    kernels: each a GGUF's own blocks where the kernels read them (mode ``gguf``), else int8 blocks
-    made from its floats; their float weights are then never read."""
+def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None,
+            rows: torch.Tensor | None = None) -> Linear:
+    """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one), the
+    stacked rows in the order ``rows`` where given. With the kernels: each a GGUF's own blocks where
+    the kernels read them (mode ``gguf``), else int8 blocks made from its floats; their float weights
+    are then never read."""
     if mode in ("gguf", "q8") and lib is not None and ckpt.tensors.shape(names[0])[1] % 32 == 0:
-        return Linear("blocks", lib=lib, parts=[_blocks(ckpt, name, mode, lib) for name in names])
+        parts = [_blocks(ckpt, name, mode, lib) for name in names]
+        return Linear("blocks", lib=lib, parts=parts if rows is None else _reorder(parts, rows))
     if mode in ("gguf", "q8"):
         mode = "packed" if fbgemm_available() else "plain"
     tensors = [ckpt.tensors[name] for name in names]
-    return Linear(mode, tensors[0] if len(tensors) == 1 else torch.cat(tensors), lib)
+    weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    return Linear(mode, weight if rows is None else weight[rows], lib)
+
+
+def _reorder(parts: list[quant.Blocks], rows: torch.Tensor) -> list[quant.Blocks]:
+    """Blocks stacked by rows, the stacked rows taken in the order ``rows`` (each within its own part)."""
+    out, start = [], 0
+    for part in parts:
+        out.append(part.select(rows[start : start + part.rows] - start))
+        start += part.rows
+    return out
 
 
 def _blocks(ckpt: Checkpoint, name: str, mode: str, lib: ctypes.CDLL) -> quant.Blocks:
