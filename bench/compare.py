@@ -1,7 +1,7 @@
 """mashbox against the peers it finds, side by side in one run, on the same GGUF and load.
 
     .venv/bin/python bench/compare.py [--model ID-or-.gguf] [--llama-server PATH] [--llama-cpp-python PYTHON]
-                                      [--transformers]
+                                      [--transformers] [--speculation]
 
 Starts each server in turn on 127.0.0.1 (never two at once: they share the machine), waits for
 its health, then drives it with bench/loadgen.py at each stream count (~107-token prompts, 128 new
@@ -17,6 +17,10 @@ python that has it, else where bench/build_llama_cpp_python.sh puts it) on the s
 answers one request at a time; ``transformers serve`` with ``--transformers`` (its
 dependencies: ``pip install -e '.[bench]'``). Prints one table with each figure and mashbox's
 ratio to the best peer, and writes it as JSON with --json.
+
+mashbox runs with ``--no-speculation`` unless ``--speculation`` is given, as the peers run without
+theirs: the load generator's answers repeat themselves enough that proposals from the prompt would
+measure speculation, not the kernels (bench/speculation.py measures it, beside llama-server's).
 """
 
 from __future__ import annotations
@@ -303,10 +307,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--ready-timeout", type=float, default=180)
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--speculation", action="store_true", help="run mashbox with speculation (its default)")
     args = parser.parse_args()
 
     pages = tempfile.TemporaryDirectory(prefix="mashbox-compare-")  # removed at exit
     servers = [mashbox_server(args.model, free_port(), args.threads, pages.name)]
+    servers[0].command += [] if args.speculation else ["--no-speculation"]
     binary = args.llama_server or shutil.which("llama-server") or (str(DEFAULT_LLAMA) if DEFAULT_LLAMA.exists() else None)
     if binary:
         servers.append(llama_server(args.model, binary, free_port(), args.threads))

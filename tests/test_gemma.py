@@ -61,8 +61,9 @@ def test_a_saved_gemma3_answers_as_transformers_does(tmp_path, smol_tokenizer):
 @pytest.mark.parametrize("formats", [["Q4_K", "Q6_K", "Q5_0", "Q8_0"], ["Q4_0", "Q5_K", "Q4_1"]])
 def test_a_gemma3_gguf_runs_from_its_blocks(tmp_path, lib, formats):
     """The GGUF llama.cpp's converter would write (norms as 1 + weight, head size and window in the
-    metadata): dequantized it answers token for token as transformers does; as blocks every answer is
-    the same alone and batched (prompts cut into chunks beside decoding rows) and mostly the exact one."""
+    metadata): dequantized it answers token for token as transformers does; as blocks, in the fused
+    layers, every answer is the same alone and batched (prompts cut anywhere beside decoding rows),
+    the same through the general path, and mostly the exact one."""
     model = tiny_gemma(query_pre_attn_scalar=64)  # llama.cpp scales by the head size
     path = tiny_gguf(tmp_path / "gemma.gguf", model, "gemma3", formats)
     cpu = torch.device("cpu")
@@ -73,9 +74,11 @@ def test_a_gemma3_gguf_runs_from_its_blocks(tmp_path, lib, formats):
     expected = [generate(model, p) for p in prompts]
     assert greedy(exact, prompts) == expected
     runner = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="gguf")
-    assert runner._fused is None and runner._native_chunks  # the window runs in the attention kernels
+    assert runner._fused is not None and runner.cut_anywhere  # the window runs in the attention kernels
     batched = greedy(runner, prompts)
     assert [greedy(runner, [p])[0] for p in prompts] == batched
+    runner._fused = None
+    assert greedy(runner, prompts) == batched
     assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
 
 

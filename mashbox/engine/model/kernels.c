@@ -1861,13 +1861,36 @@ void mb_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
     }
 }
 
+/* out[m, i] = gelu(gu[m, i]) * gu[m, I + i], GELU's tanh form (Gemma's gelu_pytorch_tanh), taken as
+ * g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)), the sigmoid as in mb_silu_mul. */
+void mb_gelu_mul(const float *gu, float *out, int64_t M, int64_t I) {
+    const float c = 2.0f * 0.7978845608028654f, k = 0.044715f;
+    for (int64_t m = 0; m < M; m++) {
+        const float *gate = gu + m * 2 * I, *up = gate + I;
+        int64_t i = 0;
+#ifdef VW
+        for (; i + VW <= I; i += VW) {
+            vecf g = vload(gate + i), t = vmul(vset(c), vadd(g, vmul(vset(k), vmul(g, vmul(g, g)))));
+            vecf sig = vdiv(vexp(vmin(t, vzero())), vadd(vset(1.0f), vexp(vmin(t, vsub(vzero(), t)))));
+            vstore(out + m * I + i, vmul(vmul(g, sig), vload(up + i)));
+        }
+#endif
+        for (; i < I; i++) {
+            float g = gate[i], t = c * (g + k * (g * (g * g)));
+            out[m * I + i] = g * (expf(fminf(t, 0.0f)) / (1.0f + expf(-fabsf(t)))) * up[i];
+        }
+    }
+}
+
 static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
 /* One decoder layer for M rows, x [M, D] updated in place: the same kernels, in the same order,
  * as the runner's general path, so a row's result is the same either way (weights as mb_matmul takes them). Keys and values of each row are stored
- * at its slot and position; it attends over positions 0..pos (the last `window` of them where window > 0). Rows of one slot at consecutive
+ * at its slot and position; it attends over positions 0..pos (the last `window` of them where window > 0).
+ * Optional (NULL: none): per-head norms of queries and keys before the rotary, norms of the attention's
+ * and the MLP's outputs (Gemma); gelu: GELU (tanh form) in the MLP, else SiLU. Rows of one slot at consecutive
  * positions attend as one prompt chunk (mb_chunk_attention, which gives a row the same result in
  * any chunk; one-token rows are chunks of one, as in mb_decode_attention); where HD % 16 != 0
  * each row attends alone (mb_decode_attention's fp32 heads). */
@@ -1875,7 +1898,8 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
               float eps, float scale, const float *ln_attn, const struct weight *qkv_w,
               const float *qkv_bias, const struct weight *o_w, const float *ln_mlp,
               const struct weight *gu_w, const struct weight *down_w, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
-              uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq, int64_t window) {
+              uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq, int64_t window,
+              const float *q_norm, const float *k_norm, const float *post_attn, const float *post_mlp, int64_t gelu) {
     int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -1884,6 +1908,8 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
     mb_matmul(h, qkv_w, qkv, M, D);
     if (qkv_bias)
         for (int64_t m = 0; m < M; m++) add_rows(qkv + m * ld + 0, qkv_bias, ld);
+    for (int64_t m = 0; q_norm && m < M; m++) mb_rms_norm(qkv + m * ld, q_norm, qkv + m * ld, H, HD, eps);
+    for (int64_t m = 0; k_norm && m < M; m++) mb_rms_norm(qkv + m * ld + H * HD, k_norm, qkv + m * ld + H * HD, KVH, HD, eps);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
     mb_kv_store(qkv + H * HD, ld, kcache, slots, positions, M, KVH, HD, ctx, kvq);
     mb_kv_store(qkv + (H + KVH) * HD, ld, vcache, slots, positions, M, KVH, HD, ctx, kvq);
@@ -1909,11 +1935,13 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
                             window);
     }
     mb_matmul(attn, o_w, h, M, H * HD);
+    if (post_attn) mb_rms_norm(h, post_attn, h, M, D, eps);
     add_rows(x, h, M * D);
     mb_rms_norm(x, ln_mlp, h, M, D, eps);
     mb_matmul(h, gu_w, gu, M, D);
-    mb_silu_mul(gu, h, M, I);
+    (gelu ? mb_gelu_mul : mb_silu_mul)(gu, h, M, I);
     mb_matmul(h, down_w, gu, M, I);
+    if (post_mlp) mb_rms_norm(gu, post_mlp, gu, M, D, eps);
     add_rows(x, gu, M * D);
     free(h);
     free(qkv);

@@ -37,10 +37,11 @@ _SIGNATURES = {
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, _I),
     "mb_chunk_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, _I),
     "mb_kv_store": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
-    "mb_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 13, _I, _I, _I, _I),
+    "mb_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 13, _I, _I, _I, _I, _P, _P, _P, _P, _I),
     "mb_rms_norm": (_P, _P, _P, _I, _I, _F),
     "mb_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
     "mb_silu_mul": (_P, _P, _I, _I),
+    "mb_gelu_mul": (_P, _P, _I, _I),
 }
 
 

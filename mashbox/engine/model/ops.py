@@ -33,6 +33,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GELU's tanh form (``gelu_pytorch_tanh``) of the gate times the up half."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class NativeOps(TorchOps):
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -51,9 +56,16 @@ class NativeOps(TorchOps):
         return x
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gated(self.lib.mb_silu_mul, gate_up)
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gated(self.lib.mb_gelu_mul, gate_up)
+
+    @staticmethod
+    def _gated(fn, gate_up: torch.Tensor) -> torch.Tensor:
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self.lib.mb_silu_mul(ptr(gate_up), ptr(out), rows, width // 2)
+        fn(ptr(gate_up.contiguous()), ptr(out), rows, width // 2)
         return out
 
 

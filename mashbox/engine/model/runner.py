@@ -28,7 +28,7 @@ from mashbox.engine.model import ops, sampler
 from mashbox.engine.model.form import Form
 from mashbox.engine.model.graphs import DecodeGraphs
 from mashbox.engine.model.kv_cache import KVCache
-from mashbox.engine.model.weights import Weights
+from mashbox.engine.model.weights import GATED, Weights
 from mashbox.engine.sched.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
 from mashbox.engine.sched.scheduler import Plan, Work
 from mashbox.engine.sched.sequence import Sequence
@@ -289,7 +289,6 @@ class FusedLayers:
         s = weights.spec
         self.fn = lib.mb_layer
         self.kv = kv
-        self.cos, self.sin = weights.cos, weights.sin
         self.layers = [self._args(layer, i) for i, layer in enumerate(weights.layers)]
         self.shape = (s.num_heads, s.num_kv_heads, s.head_dim, s.eps, s.scale)
         self.bf16 = bf16
@@ -297,21 +296,21 @@ class FusedLayers:
     @staticmethod
     def fits(weights: Weights) -> bool:
         return all({layer.qkv_proj.mode, layer.o.mode, layer.gate_up.mode, layer.down.mode} == {"blocks"}
-                   and layer.q_norm is None and layer.act is None and layer.post_attn is None
-                   and layer.post_mlp is None and layer.cos is weights.cos for layer in weights.layers)
+                   and layer.act in GATED for layer in weights.layers)
 
     def _args(self, layer, i: int) -> tuple:
         p = lambda t: None if t is None else t.data_ptr()
         return (*layer.down.shape, p(layer.ln_attn), layer.qkv_proj.address, p(layer.qkv_bias), layer.o.address,
-                p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(self.kv.keys[i]), p(self.kv.values[i]),
-                layer.window)
+                p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(layer.cos), p(layer.sin),
+                p(self.kv.keys[i]), p(self.kv.values[i]), layer.window, p(layer.q_norm), p(layer.k_norm),
+                p(layer.post_attn), p(layer.post_mlp), int(layer.act != "silu"))
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale = self.shape
         rows, ctx = x.shape[0], self.kv.keys.shape[3]
         slots, positions = batch.slots.data_ptr(), batch.positions.data_ptr()
-        cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
-        for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, k, v, window in self.layers:
+        for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, cos, sin, k, v, window, *rest in self.layers:
             self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv, bias, o,
-                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq, window)
+                    ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq, window,
+                    *rest)  # Gemma's norms, and the activation
         return x

@@ -8,7 +8,6 @@ import ctypes
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -19,6 +18,7 @@ from mashbox.engine.model.ops import TorchOps
 from mashbox.errors import ModelLoadError
 
 TILE = 16
+GATED = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_mul"}  # activations with an op of their own (ops.py)
 log = logging.getLogger("mashbox.engine")
 
 
@@ -156,7 +156,7 @@ class Layer:
     ln_mlp: torch.Tensor
     gate_up: Linear
     down: Linear
-    act: Callable[[torch.Tensor], torch.Tensor] | None  # None: SiLU, through ops.silu_mul
+    act: str  # the MLP's activation by transformers' name (silu and gelu_pytorch_tanh: one op each, GATED)
     cos: torch.Tensor  # the layer's rotary tables [ctx, head_dim]
     sin: torch.Tensor
     post_attn: torch.Tensor | None = None  # norms of the attention's and the MLP's outputs (Gemma)
@@ -182,10 +182,13 @@ class Layer:
                 v.view(-1, s.num_kv_heads, s.head_dim))
 
     def mlp(self, h: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        if self.act is None:
-            return self.down(ops.silu_mul(self.gate_up(h)))
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+        gate_up = self.gate_up(h)
+        if self.act in GATED:
+            return self.down(getattr(ops, GATED[self.act])(gate_up))
+        from transformers.activations import ACT2FN
+
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down(ACT2FN[self.act](gate) * up)
 
 
 @dataclass(slots=True)
@@ -219,7 +222,7 @@ class Weights:
                 f"model type {ckpt.model_type!r} is not supported; mashbox runs {', '.join(SUPPORTED)} models"
             )
         t = ckpt.tensors
-        act = _activation(ckpt.hidden_act)
+        act = ckpt.hidden_act
         dtype = t.dtype or t["model.norm.weight"].dtype
         tables = [ckpt.cos_sin(ctx, dtype), ckpt.cos_sin(ctx, dtype, local=True) if ckpt.windows else None]
         windows = ckpt.windows or (0,) * ckpt.spec.num_layers
@@ -243,15 +246,6 @@ class Weights:
 
 
 EMBED = "model.embed_tokens.weight"
-
-
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """None for SiLU (the gated MLP's fused kernel); else transformers' function of that name."""
-    if name == "silu":
-        return None
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
 
 
 def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None, window: int,

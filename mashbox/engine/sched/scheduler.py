@@ -42,7 +42,7 @@ PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, wher
 RATIO = 1.5  # how long a step with prompt tokens may take beside decoding requests, in decode steps
 SHORT = 4  # chunks: a prompt with no more to compute beside decoding requests goes in whole chunks,
 SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
-SPEC_ROWS = 8  # requests decoding, at most, for proposals to be checked
+SPEC_ROWS = 8  # requests decoding, at most, for proposals to be checked (and no prompt waiting to be computed)
 PROBE = 16  # steps with proposals none of which seemed to pay, before the likeliest is checked anyway
 
 
@@ -131,7 +131,8 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         decoding = [s for s in self.running if not s.in_prefill]
-        drafts = self._afford(decoding) if len(decoding) <= SPEC_ROWS else [()] * len(decoding)
+        prompts = self.waiting or len(decoding) < len(self.running)  # their first tokens come before proposals
+        drafts = [()] * len(decoding) if prompts or len(decoding) > SPEC_ROWS else self._afford(decoding)
         plan = Plan([Work(s, (s.output_ids[-1], *d), s.num_tokens - 1, sample=True, draft=len(d))
                      for s, d in zip(decoding, drafts)])
         short = self._short_first()
