@@ -224,7 +224,9 @@ class Weights:
         t = ckpt.tensors
         act = ckpt.hidden_act
         dtype = t.dtype or t["model.norm.weight"].dtype
-        tables = [ckpt.cos_sin(ctx, dtype), ckpt.cos_sin(ctx, dtype, local=True) if ckpt.windows else None]
+        tables = [ckpt.cos_sin(ctx, dtype)] * 2  # all layers', then the sliding-window layers' where theirs differs
+        if ckpt.local_inv_freq is not None:
+            tables[1] = ckpt.cos_sin(ctx, dtype, local=True)
         windows = ckpt.windows or (0,) * ckpt.spec.num_layers
         weights = cls(
             spec=ckpt.spec,
