@@ -1,5 +1,6 @@
-"""GGUF blocks for tests: random blocks of each format the kernels read, and tiny models written as
-GGUF files (gguf-py's writer) whose matrices are such blocks, with the SmolLM2 tokenizer."""
+"""GGUF blocks for tests: random blocks of each format the kernels read, tiny models written as GGUF
+files (gguf-py's writer) whose matrices are such blocks, with the SmolLM2 tokenizer, and the checks
+that such a file runs as its model."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tiny import greedy
 
 from mashbox.engine.load.catalog import resolve
 from mashbox.engine.load.checkpoint import rotary
+from mashbox.engine.load.gguf_file import checkpoint, open_model
 from mashbox.engine.model import quant
+from mashbox.engine.model.runner import ModelRunner
 
 FORMATS = {name: fmt for fmt, (name, _, _) in quant.FORMATS.items() if fmt != quant.MB_Q8}
 SCALE = {"Q4_0": 2e-3, "Q4_1": 2e-3, "Q5_0": 1e-3, "Q5_1": 1e-3, "Q8_0": 2e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 5e-5}
@@ -144,6 +148,30 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
             plain = rotary(config.rope_parameters["rope_theta"], config.hidden_size // config.num_attention_heads)
             floats["rope_freqs.weight"] = plain / scaled.inv_freq
     return write_gguf(path, arch, config, matrices, floats, numbers)
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 3) -> list[list[int]]:
+    """Prompts of these lengths, random ids of the SmolLM2 vocabulary (past its first specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+def gguf_runner(path: Path, lib, form: str) -> ModelRunner:
+    """The model of a GGUF file in 4 slots of 512, as ``form`` runs it: ``plain`` (dequantized, the
+    exact float form) or ``gguf`` (its blocks, the kernels' form)."""
+    return ModelRunner(checkpoint(open_model(path), torch.device("cpu"), torch.float32, lib), num_slots=4, ctx=512,
+                       form=form)
+
+
+def blocks_agree(runner: ModelRunner, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """A runner of the kernels' form: every answer the same alone and batched (prompts cut beside
+    decoding rows), the same through the general path as through the fused layers, and mostly the
+    exact form's (``expected``: the first 4 tokens of 4 answers of 6)."""
+    batched = greedy(runner, prompts)
+    assert [greedy(runner, [p])[0] for p in prompts] == batched
+    runner._fused = None
+    assert greedy(runner, prompts) == batched
+    assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
 
 
 def _phi3_fields(model, floats: dict[str, torch.Tensor]) -> dict[str, int | float]:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quants import tiny_gguf
+from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
 from tiny import generate, greedy
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from mashbox import Engine
-from mashbox.engine.load.gguf_file import checkpoint, open_model
-from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.request import Message
 from mashbox.engine.text.template import ChatTemplate
 
@@ -66,20 +64,14 @@ def test_a_gemma3_gguf_runs_from_its_blocks(tmp_path, lib, formats):
     the same through the general path, and mostly the exact one."""
     model = tiny_gemma(query_pre_attn_scalar=64)  # llama.cpp scales by the head size
     path = tiny_gguf(tmp_path / "gemma.gguf", model, "gemma3", formats)
-    cpu = torch.device("cpu")
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 40, 130, 300, 17)]
-    exact = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
+    prompts = random_prompts((1, 5, 40, 130, 300, 17))
+    exact = gguf_runner(path, lib, "plain")
     assert [layer.window for layer in exact.weights.layers] == [16] * 5 + [0]
     expected = [generate(model, p) for p in prompts]
     assert greedy(exact, prompts) == expected
-    runner = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="gguf")
+    runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere  # the window runs in the attention kernels
-    batched = greedy(runner, prompts)
-    assert [greedy(runner, [p])[0] for p in prompts] == batched
-    runner._fused = None
-    assert greedy(runner, prompts) == batched
-    assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
+    blocks_agree(runner, prompts, expected)
 
 
 def test_a_cached_prefix_longer_than_the_window_gives_the_same_answer(tmp_path, smol_tokenizer):

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quants import tiny_gguf
+from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
 from tiny import generate, greedy
 from transformers import Phi3Config, Phi3ForCausalLM
 
 from mashbox import Engine
-from mashbox.engine.load.gguf_file import checkpoint, open_model
-from mashbox.engine.model.runner import ModelRunner
 
 SHAPE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, partial_rotary_factor=0.75, sliding_window=None,
@@ -53,18 +51,13 @@ def test_a_phi3_gguf_runs_from_its_blocks(tmp_path, lib, config, formats):
     """The GGUF llama.cpp's converter writes (attn_qkv, ffn_up holding gate and up, the rotated
     dimensions, LongRoPE's factors and attention factor): dequantized it answers token for token as
     transformers does; as blocks it runs in the fused layers, every answer the same alone and
-    batched, and mostly the exact one."""
+    batched, through the general path too, and mostly the exact one."""
     model = tiny_phi(**config)
     path = tiny_gguf(tmp_path / "phi3.gguf", model, "phi3", formats)
-    cpu = torch.device("cpu")
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 130, 300, 90, 65, 200)]
-    exact = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="plain")
+    prompts = random_prompts((70, 130, 300, 90, 65, 200))  # each past LongRoPE's original 64
     expected = [generate(model, p) for p in prompts]
     assert len({tuple(e) for e in expected}) == len(prompts)
-    assert greedy(exact, prompts) == expected
-    runner = ModelRunner(checkpoint(open_model(path), cpu, torch.float32, lib), num_slots=4, ctx=512, form="gguf")
+    assert greedy(gguf_runner(path, lib, "plain"), prompts) == expected
+    runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere
-    batched = greedy(runner, prompts)
-    assert [greedy(runner, [p])[0] for p in prompts] == batched
-    assert sum(a[:4] == b[:4] for a, b in zip(batched, expected)) >= 4
+    blocks_agree(runner, prompts, expected)
