@@ -67,13 +67,13 @@ class Checkpoint:
         rotary = model.model.rotary_emb
         eos = getattr(model.generation_config, "eos_token_id", None)
         tensors = Tensors({name: t.detach() for name, t in model.state_dict().items()})
+        config = model.config.to_dict()
         if hasattr(rotary, "inv_freq"):
-            config = model.config.to_dict()
             return _build(config, tensors, rotary.inv_freq.float(), float(rotary.attention_scaling), _ids(eos),
                           long=_long(model.config, config, rotary.inv_freq.device))
         # one rotary per layer type (Gemma 3: full and sliding attention; a model of two layers has only the latter)
         kind = "full_attention" if hasattr(rotary, "full_attention_inv_freq") else "sliding_attention"
-        return _build(model.config.to_dict(), tensors, getattr(rotary, f"{kind}_inv_freq").float(),
+        return _build(config, tensors, getattr(rotary, f"{kind}_inv_freq").float(),
                       float(getattr(rotary, f"{kind}_attention_scaling")), _ids(eos),
                       rotary.sliding_attention_inv_freq.float())
 
@@ -119,11 +119,10 @@ def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | N
         return None
     config = json.loads((path / "config.json").read_text())
     layered = "full_attention" in (config.get("rope_parameters") or {})  # a rotary per layer type
-    inv_freq, scale = _rope(path, config, device, "full_attention" if layered else None)
+    inv_freq, scale, long = _rope(path, config, device, "full_attention" if layered else None)
     local = _rope(path, config, device, "sliding_attention")[0] if layered else None
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    long = _long(_hf_config(path), config, device) if _kind(config) == "longrope" else None
     return _build(config, tensors, inv_freq, scale, _ids(eos), local, long)
 
 
@@ -139,7 +138,8 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
            eos_ids: tuple[int, ...], local_inv_freq: torch.Tensor | None = None,
            long: tuple[torch.Tensor, int] | None = None) -> Checkpoint:
     heads = config["num_attention_heads"]
-    model_type = TYPES.get(config.get("model_type", "llama"), config.get("model_type", "llama"))
+    kind = config.get("model_type", "llama")
+    model_type = TYPES.get(kind, kind)
     gemma = model_type == "gemma3"
     spec = Spec(
         num_layers=config["num_hidden_layers"],
@@ -160,10 +160,11 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
 
 
 def _rope(path: Path, config: dict[str, Any], device: torch.device,
-          layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, scale) of the model's rotary embedding (of the layers of ``layer_type``,
-    where the config has one for each). The plain kind is computed here; scaled kinds (llama3, yarn,
-    linear, ...) go through transformers' own functions."""
+          layer_type: str | None = None) -> tuple[torch.Tensor, float, tuple[torch.Tensor, int] | None]:
+    """(inverse frequencies, scale, LongRoPE's long ones and original context or None) of the model's
+    rotary embedding (of the layers of ``layer_type``, where the config has one for each). The plain
+    kind is computed here; scaled kinds (llama3, yarn, linear, longrope, ...) go through transformers'
+    own functions, on its config read once."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     params = params[layer_type] if layer_type else params
     kind = _kind(params)
@@ -171,12 +172,12 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device,
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        return rotary(theta, int(dim * partial)).to(device), 1.0
+        return rotary(theta, int(dim * partial)).to(device), 1.0, None
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    by_type = {"layer_type": layer_type} if layer_type else {}
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](_hf_config(path), device, **by_type)
-    return inv_freq.float(), float(scale)
+    hf, by_type = _hf_config(path), {"layer_type": layer_type} if layer_type else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, device, **by_type)
+    return inv_freq.float(), float(scale), _long(hf, config, device)
 
 
 def _kind(params: dict[str, Any]) -> str:
