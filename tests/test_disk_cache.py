@@ -113,3 +113,81 @@ def test_pages_computed_by_other_kernels_are_not_used(tiny_model_dir, tmp_path, 
     monkeypatch.setattr(native, "SOURCE", edited)
     with Engine(str(tiny_model_dir), **options) as engine:
         assert _run(engine, "alice")[0] == 0
+
+
+def _share(folder: str, cap: int, seed: int, results) -> None:
+    """One of two processes on one folder: reads each page it finds (it must be whole and the
+    prompt's), writes each it does not; puts (pages read, pages written, warnings) or the error."""
+    import random
+    import time
+
+    try:
+        warnings = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warnings.append(record.getMessage())
+        logging.getLogger("mashbox.engine").addHandler(handler)
+        store, rng = PageStore(Path(folder), cap, "ns", page=4), random.Random(seed)
+        read = written = 0
+        for _ in range(300):
+            n = rng.randrange(12)
+            prompt = [n] * 4
+            keys = store.keys(prompt, "")
+            if store.stored(keys):
+                got = store.read(keys, prompt)
+                if got is not None:
+                    assert torch.equal(got[0], torch.full((2, 4, 3, 8), float(n))), "a page of other values"
+                    read += 1
+            else:
+                store.save(keys[0], prompt, torch.full((2, 4, 3, 8), float(n)), torch.full((2, 4, 3, 8), -float(n)))
+                written += 1
+            time.sleep(0.002)  # the writer thread writes meanwhile
+        store.close()
+        results.put((read, written, warnings))
+    except BaseException as err:
+        results.put(repr(err))
+
+
+def test_two_processes_share_one_folder_no_torn_pages_and_one_cap(tmp_path: Path):
+    import multiprocessing
+
+    probe = PageStore(tmp_path / "probe", 2**30, "ns", page=4)
+    probe.save("probe", [0, 1, 2, 3], *page())
+    probe.close()
+    size = (tmp_path / "probe" / "probe.safetensors").stat().st_size
+    cap = size * 8  # 8 of the 12 pages the two write: both trim, while the other reads
+    folder = tmp_path / "shared"
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_share, args=(str(folder), cap, seed, results)) for seed in (1, 2)]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=30)
+    assert all(isinstance(outcome, tuple) for outcome in outcomes), outcomes
+    assert all(warnings == [] for _, _, warnings in outcomes), outcomes  # no page failed to read
+    assert all(read > 20 for read, _, _ in outcomes), outcomes  # each read pages, its own and the other's
+    assert sum(written for _, written, _ in outcomes) > 12, outcomes  # pages were trimmed and written again
+    files = list(folder.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in files) <= cap and not list(folder.glob(".*.tmp"))
+    store = PageStore(folder, cap, "ns", page=4)
+    for n in range(12):
+        keys = store.keys([n] * 4, "")
+        if store.stored(keys):
+            assert torch.equal(store.read(keys, [n] * 4)[1], torch.full((2, 4, 3, 8), -float(n)))
+    store.close()
+
+
+def test_a_page_another_process_wrote_is_found_and_one_it_removed_is_a_quiet_miss(tmp_path: Path, caplog):
+    ours, theirs = PageStore(tmp_path, 2**20, "ns", page=4), PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(4))
+    keys = ours.keys(prompt, "")
+    assert ours.stored(keys) == 0
+    theirs.save(keys[0], prompt, *page())
+    theirs.close()
+    assert ours.stored(keys) == 1 and ours.read(keys, prompt) is not None
+    (tmp_path / f"{keys[0]}.safetensors").unlink()  # the other one trimmed it
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        assert ours.read(keys, prompt) is None
+    assert caplog.text == "" and ours.stored(keys) == 0
+    ours.close()

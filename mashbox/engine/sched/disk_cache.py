@@ -4,9 +4,15 @@ A page holds the KV of ``page`` prompt tokens, [i * page, (i + 1) * page), and i
 of the namespace (model, weights, numerics), the tenant salt and every token up to the page's
 end: a page is only ever used after exactly the tokens it was computed after. Pages are written
 as they are computed (by a background thread: the engine only copies the slice), as safetensors
-files, never pickles; a file is written whole (a temp file, then a rename) and read back only if
-its header names the same key and its tokens are the prompt's. The folder is bounded in bytes,
-least recently used out first. A file that does not read is skipped with a log line and removed.
+files, never pickles; a file is written whole (a temp file of the writer's own, then a rename) and
+read back only if its header names the same key and its tokens are the prompt's. A file that does
+not read is skipped with a log line and removed.
+
+Several processes may share the folder (the replicas of a host): each sees the pages the others
+wrote (a page missing from its index is looked for on disk), a page one of them removed is a miss,
+and the cap holds for the folder: a writer counts the folder again before it trims, and at least
+each ``cap / RESCAN`` bytes it wrote. Least recently used out first, by the files' times (a read
+touches its file).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import logging
 import os
 import queue
 import threading
+import time
+import uuid
 from array import array
 from collections import OrderedDict
 from pathlib import Path
@@ -25,6 +33,8 @@ import torch
 log = logging.getLogger("mashbox.engine")
 
 FORMAT = "mashbox-kv-page/1"
+RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes, whatever its index says
+STALE_S = 600.0  # a temp file this old was left by a writer that died
 
 
 class PageStore:
@@ -33,10 +43,10 @@ class PageStore:
     def __init__(self, folder: Path, cap_bytes: int, namespace: str, page: int) -> None:
         self.folder, self.cap, self.namespace, self.page = folder, cap_bytes, namespace, page
         folder.mkdir(parents=True, exist_ok=True)
-        self._files: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
-        for path in sorted(folder.glob("*.safetensors"), key=_mtime):
-            self._files[path.stem] = path.stat().st_size
         self._lock = threading.Lock()
+        self._files: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        self._written = 0  # bytes written since the folder was last counted
+        self._scan()
         self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_all, name="mashbox-disk-cache", daemon=True)
         self._writer.start()
@@ -56,8 +66,21 @@ class PageStore:
 
     def stored(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first, have a page on disk."""
+        return next((i for i, key in enumerate(keys) if not self._has(key)), len(keys))
+
+    def _has(self, key: str) -> bool:
         with self._lock:  # a page claimed but not yet written (0 bytes) is not there yet
-            return next((i for i, key in enumerate(keys) if not self._files.get(key)), len(keys))
+            if self._files.get(key):
+                return True
+            if key in self._files:
+                return False
+        try:  # written by another process sharing the folder
+            size = self._path(key).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            self._files.setdefault(key, size)
+        return True
 
     def read(self, keys: list[str], prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values [layers, tokens, kv_heads, head_dim] of the pages ``keys``, from the
@@ -76,9 +99,12 @@ class PageStore:
                         raise ValueError("its tokens are not the prompt's")
                     parts.append((file.get_tensor("keys"), file.get_tensor("values")))
                 os.utime(path)
-            except Exception as err:  # a file cut short, overwritten, foreign
-                log.warning("skipped the cached prompt page %s (%s: %s); removed it", path, type(err).__name__, err)
-                self._remove(key)
+            except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
+                if path.exists():
+                    log.warning("skipped the cached prompt page %s (%s: %s); removed it", path, type(err).__name__, err)
+                    self._remove(key)
+                else:  # by another process's trim: a miss
+                    self._forget(key)
                 break
             with self._lock:
                 self._files.move_to_end(key)
@@ -88,6 +114,8 @@ class PageStore:
 
     def save(self, key: str, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a page in the background (``keys``/``values`` are the engine's own copy)."""
+        if self._has(key):  # here, or written by another process
+            return
         with self._lock:
             if key in self._files:
                 return
@@ -104,7 +132,7 @@ class PageStore:
 
         while (item := self._writes.get()) is not None:
             key, tokens, keys, values = item
-            path, tmp = self._path(key), self.folder / f".{key}.tmp"
+            path, tmp = self._path(key), self.folder / f".{key}.{uuid.uuid4().hex[:12]}.tmp"
             try:
                 save_file({"tokens": tokens, "keys": keys, "values": values}, str(tmp),
                           metadata={"key": key, "format": FORMAT})
@@ -114,18 +142,36 @@ class PageStore:
                 tmp.unlink(missing_ok=True)
                 self._forget(key)
                 continue
+            size = path.stat().st_size
             with self._lock:
-                self._files[key] = path.stat().st_size
+                self._files[key] = size
+                self._written += size
             self._trim()
 
     def _trim(self) -> None:
-        """Remove the least recently used pages until the folder fits its cap."""
+        """Remove the least recently used pages until the folder fits its cap (counted again first)."""
+        if self.bytes <= self.cap and self._written * RESCAN <= self.cap:
+            return
+        self._scan()
         while True:
             with self._lock:
                 if self.bytes <= self.cap or len(self._files) <= 1:
                     return
                 key = next(iter(self._files))
             self._remove(key)
+
+    def _scan(self) -> None:
+        """The index read again from the folder, least recently used first; stale temp files removed."""
+        files = OrderedDict()
+        for path, stat in sorted(_stats(self.folder, "*.safetensors"), key=lambda item: item[1].st_mtime):
+            files[path.stem] = stat.st_size
+        for path, stat in _stats(self.folder, ".*.tmp"):
+            if time.time() - stat.st_mtime > STALE_S:
+                path.unlink(missing_ok=True)
+        with self._lock:  # pages claimed here and not yet written stay claimed
+            claimed = {key: 0 for key, size in self._files.items() if size == 0 and key not in files}
+            self._files = OrderedDict({**claimed, **files})
+            self._written = 0
 
     def _remove(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -139,8 +185,12 @@ class PageStore:
         return self.folder / f"{key}.safetensors"
 
 
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
+def _stats(folder: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
+    """Each file of ``folder`` matching ``pattern`` with its stat (files removed meanwhile left out)."""
+    out = []
+    for path in folder.glob(pattern):
+        try:
+            out.append((path, path.stat()))
+        except OSError:
+            continue
+    return out
