@@ -6,7 +6,8 @@
 # torch==2.13.0 from the public index (the CUDA build). Override either: TORCH=torch==2.13.0 (a
 # CUDA build on a machine whose driver is not seen), TORCH_INDEX=https://download.pytorch.org/whl/cu128.
 # `make test` also installs Debian's chromium for the chat page's browser tests (as root;
-# Playwright drives it and downloads no browser of its own).
+# Playwright drives it and downloads no browser of its own) and Debian's haproxy for the
+# cluster tests (`mashbox cluster`: replicas behind HAProxy; `make cluster N=3 MODEL=...`).
 PYTHON ?= python3
 GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /proc/driver/nvidia && echo yes)
 ifeq ($(GPU),)
@@ -21,7 +22,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mashbox-installed
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: venv browser test run agents
+HAPROXY := /usr/sbin/haproxy
+
+.PHONY: venv browser haproxy test run cluster agents
 
 venv: $(STAMP)
 
@@ -39,11 +42,24 @@ browser:
 	  echo "make: tests/test_ui.py needs Debian's chromium at $(CHROMIUM): run 'sudo apt-get install chromium'" \
 	       "(without it those tests skip, and fail when CI=true)"
 
-test: venv browser
+haproxy:
+	@test -x $(HAPROXY) || command -v haproxy >/dev/null || { test "$$(id -u)" = 0 && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q haproxy; } || \
+	  echo "make: tests/test_cluster.py and 'make cluster' need Debian's haproxy: run 'sudo apt-get install haproxy'" \
+	       "(without it those tests skip, and fail when CI=true)"
+
+test: venv browser haproxy
 	$(PY) -m pytest -q tests
 
 run: venv
 	$(VENV)/bin/mashbox run --ui
+
+# N replicas of MODEL behind HAProxy on port 8000 (docs/scale-out.md); RUN_FLAGS go to each `mashbox run`.
+N ?= 2
+MODEL ?= smollm2-135m
+RUN_FLAGS ?=
+cluster: venv haproxy
+	$(VENV)/bin/mashbox cluster --replicas $(N) -- $(MODEL) $(RUN_FLAGS)
 
 # The real coding agents against `mashbox run qwen2.5-coder-0.5b` and llama.cpp's llama-server on the same
 # GGUF (not part of `make test`: it takes many minutes on a CPU). Installs the pinned agents with npm into

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     commands.add_parser("models", help="list the models in the catalog")
     _add_run(commands)
+    _add_cluster(commands)
     return parser
 
 
@@ -98,6 +99,12 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="a web page origin (e.g. http://localhost:3000; '*' for any) whose scripts may call the "
                           "API, with CORS; repeatable; MASHBOX_ALLOW_ORIGINS adds a comma-separated list "
                           "(default: none: pages of other origins are refused)")
+    run.add_argument("--max-waiting", type=_count, default=256, metavar="N",
+                     help="requests that may wait for a slot in all; one more is answered 429 (Anthropic: 529) "
+                          "with Retry-After (default: %(default)s)")
+    run.add_argument("--max-waiting-per-tenant", type=_count, default=32, metavar="N",
+                     help="requests of one tenant (an API key's, see --api-key-file; without keys, everyone) that "
+                          "may wait for a slot; one more is answered 429 with Retry-After (default: %(default)s)")
     run.add_argument("--ui", action="store_true",
                      help="serve the MASHBOX Chat page at / (default: off: / answers like /health)")
     run.add_argument("--tasks-db", default=None, metavar="PATH",
@@ -112,6 +119,28 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                           "started again if it dies (default: off)")
 
 
+def _add_cluster(commands: argparse._SubParsersAction) -> None:
+    cluster = commands.add_parser(
+        "cluster", help="serve several replicas of a model behind HAProxy",
+        description=textwrap.fill(
+            "Start REPLICAS `mashbox run` processes on 127.0.0.1 (ports FIRST_PORT, FIRST_PORT+1, ...) and "
+            "Debian's haproxy in front of them on HOST:PORT: a request that names its session (x-session-id, "
+            "Claude Code's, Codex's or Pi's session header, or prompt_cache_key) goes to the replica that "
+            "holds its cached prefix, others to the least busy; a replica that dies is started again and "
+            "takes requests once its /health is 200. Everything after -- goes to each `mashbox run`, e.g. "
+            "`mashbox cluster --replicas 2 -- qwen2.5-coder-0.5b --slots 8`. See docs/scale-out.md.", 78))
+    cluster.add_argument("--replicas", type=int, default=2, help="replicas to start (default: %(default)s)")
+    cluster.add_argument("--host", default="127.0.0.1",
+                         help="address HAProxy listens on; a loopback address (default: %(default)s)")
+    cluster.add_argument("--port", type=int, default=8000, help="port HAProxy listens on (default: %(default)s)")
+    cluster.add_argument("--first-port", type=int, default=None,
+                         help="port of the first replica, the next ones after it (default: PORT + 1)")
+    cluster.add_argument("--haproxy", default=None, metavar="PATH",
+                         help="the haproxy executable (default: the one on PATH)")
+    cluster.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- RUN_ARGS",
+                         help="the model and flags of each `mashbox run` (default: the embedded model)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -119,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return list_models()
         if args.command == "run":
             return run(args)
+        if args.command == "cluster":
+            return cluster(args)
         if args.command is None:
             args = build_parser().parse_args(["chat"])
         return chat(args)
@@ -167,6 +198,12 @@ def _sampling(text: str) -> dict[str, float]:
     return values
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more (got {text!r})")
+    return int(text)
+
+
 def _mib(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number of MiB, 0 or more (got {text!r})")
@@ -194,6 +231,36 @@ def run(args: argparse.Namespace) -> int:
     return serve(launch)
 
 
+def cluster(args: argparse.Namespace) -> int:
+    from mashbox.cluster import Cluster, find_haproxy, replicas
+    from mashbox.server.settings import is_loopback
+
+    run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
+    first = args.port + 1 if args.first_port is None else args.first_port
+    try:
+        if not is_loopback(args.host):
+            raise ValueError(f"host: {args.host} is not a loopback address; the replicas check the Host of "
+                             "each request against their own address, so a cluster listens on loopback only "
+                             "(put your own HAProxy in front, docs/scale-out.md)")
+        if not 1 <= args.replicas <= 64:
+            raise ValueError(f"replicas: must be between 1 and 64 (got {args.replicas})")
+        if not (0 < args.port < 65536 and 0 < first and first + args.replicas <= 65536):
+            raise ValueError(f"port: {args.port} and replica ports from {first} must lie in 1..65535")
+        if args.port in range(first, first + args.replicas):
+            raise ValueError(f"first_port: the replicas' ports {first}..{first + args.replicas - 1} "
+                             f"include HAProxy's {args.port}")
+        taken = {"--port", "--host", "--in-process", "--tasks-db"} & {a.partition("=")[0] for a in run_args}
+        if taken:
+            raise ValueError(f"run_args: {', '.join(sorted(taken))} is set by the cluster, not per replica")
+        haproxy = find_haproxy(args.haproxy)
+        # a bad flag or value stops here (exit 2), not in each replica
+        _engine_options(build_parser().parse_args(["run", *run_args]))
+    except ValueError as err:
+        print(f"mashbox: {err}", file=sys.stderr)
+        return 2
+    return Cluster(replicas(args.replicas, first), args.host, args.port, run_args, haproxy).run()
+
+
 def _settings(args: argparse.Namespace):
     from mashbox.server.security import load_keys
     from mashbox.server.settings import Settings
@@ -202,7 +269,8 @@ def _settings(args: argparse.Namespace):
     origins = [*args.allow_origin, *os.environ.get("MASHBOX_ALLOW_ORIGINS", "").split(",")]
     return Settings(host=args.host, port=args.port, api_keys=keys, key_file=args.api_key_file, ui=args.ui,
                     allow_origins=tuple(o.strip().rstrip("/") for o in origins if o.strip()),
-                    cache_ram_mib=args.cache_ram, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600,
+                    cache_ram_mib=args.cache_ram, max_waiting=args.max_waiting,
+                    max_waiting_per_tenant=args.max_waiting_per_tenant, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600,
                     sampling=args.sampling)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
          "--allow-origin", "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process", "--kv-dtype",
-         "--verbatim-template", "--free-calls", "--sampling")
+         "--verbatim-template", "--free-calls", "--sampling", "--max-waiting", "--max-waiting-per-tenant")
 
 
 def free_port():

@@ -53,8 +53,11 @@ def test_own_registry_not_the_global_one():
 
 
 def test_engine_gauges_and_layout():
-    backend = FakeBackend(snapshot=engine_stats(running=3, waiting=2, kv_tokens_used=1024))
+    backend = FakeBackend(snapshot=engine_stats(running=3, waiting=2, kv_tokens_used=1024, prefix_cached_tokens=768,
+                                                host_cache_bytes=4096))
     text = Metrics("tiny").render(backend, waiting=5)
+    assert value(text, "mashbox:prefix_cache_tokens", model_name="tiny") == 768
+    assert value(text, "mashbox:host_cache_bytes") == 4096
     assert value(text, "mashbox:num_requests_running", model_name="tiny") == 3
     assert value(text, "mashbox:num_requests_waiting") == 5  # admitted waiting includes the engine's 2
     assert value(text, "mashbox:kv_cache_usage_perc") == 0.5

@@ -3,7 +3,8 @@
 Two sources:
 
 - The engine's snapshot (``backend.stats()``), read at each scrape by a
-  collector: requests running and waiting, KV cache use, the cache layout,
+  collector: requests running and waiting, KV cache use, cached prefix tokens
+  and host cache bytes (what an endpoint picker weighs), the cache layout,
   and the engine's token counters (prompt, generated, prefix lookups and hits,
   preemptions). Counting tokens in the engine counts requests that never
   finish too. A worker that starts again starts its counters at 0; the totals
@@ -97,6 +98,10 @@ class _EngineCollector(Collector):
         yield _gauge("mashbox:num_requests_running", "Requests being answered.", model, stats.running if stats else 0)
         yield _gauge("mashbox:num_requests_waiting", "Requests waiting for a slot.", model, scrape.waiting)
         yield _gauge("mashbox:kv_cache_usage_perc", "KV cache use, 0..1.", model, stats.kv_usage if stats else 0.0)
+        yield _gauge("mashbox:prefix_cache_tokens", "Prompt prefix tokens cached in the slots, ready to be reused.",
+                     model, stats.prefix_cached_tokens if stats else 0)
+        yield _gauge("mashbox:host_cache_bytes", "Bytes of prompt prefixes kept in host memory.", model,
+                     stats.host_cache_bytes if stats else 0)
         if stats is not None:
             yield _layout(scrape.model_name, stats)
         for field, (name, doc) in ENGINE_COUNTERS.items():

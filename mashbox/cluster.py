@@ -1,0 +1,198 @@
+"""``mashbox cluster``: several ``mashbox run`` replicas on one machine behind HAProxy.
+
+mashbox balances nothing itself. ``haproxy_config`` writes the configuration (``deploy/haproxy.cfg``
+is its output for three replicas), and ``Cluster`` starts the replicas and Debian's ``haproxy`` with
+it, starts a replica again when it dies, and stops them all on Ctrl-C or SIGTERM.
+
+What the configuration does:
+
+- A request that names its session goes to the replica that holds its prompt prefix: consistent
+  hashing on the first of ``SESSION_HEADERS`` it carries (mashbox's, Claude Code's, Codex's, Pi's),
+  else on the body's ``prompt_cache_key`` (OpenAI's; read where the body fits in HAProxy's 256 KiB
+  buffer). Consistent, so that a replica leaving or coming back moves only its own sessions.
+- A request without one goes to the replica with the fewest open connections.
+- Health checks on ``/health`` every second: a replica is out once a check or a connection fails
+  and until its ``/health`` answers 200 (it answers 503 while it loads); a request whose
+  connection is refused is sent to another replica.
+- The agent tasks API (``/v1/tasks``) goes to the first replica that is up: a task lives in the
+  replica that runs it, each replica with a tasks file of its own (``tasks-r1.sqlite3``, ...).
+- Answers pass as they are: a 429 or 529 with its Retry-After, a stream as it is written. Each
+  answer says which replica wrote it in ``x-mashbox-replica``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mashbox.engine.load.catalog import cache_dir
+
+# in the order a request's session is taken from; the body's prompt_cache_key after them
+SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id", "session_id")
+BUFFER = 256 * 1024  # HAProxy's buffer, so that prompt_cache_key is found in bodies up to its size
+RESTART_S = 2.0  # a replica that dies is started again, at most once in this many seconds
+REFUSED = (1, 2)  # `mashbox run` exits with these when its model or its flags are refused: no restart
+
+
+@dataclass(slots=True, frozen=True)
+class Replica:
+    name: str
+    port: int
+
+
+def replicas(count: int, first_port: int) -> list[Replica]:
+    return [Replica(f"r{i + 1}", first_port + i) for i in range(count)]
+
+
+def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
+    """HAProxy's configuration for ``members`` on 127.0.0.1, listening on ``host:port``."""
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    sessions = [f"    http-request set-var(txn.session) req.hdr({name}) if !{{ var(txn.session) -m found }} "
+                f"{{ req.hdr({name}) -m found }}" for name in SESSION_HEADERS]
+    checked = [f"    server {r.name} 127.0.0.1:{r.port} check" for r in members]
+    tracked = [f"    server {r.name} 127.0.0.1:{r.port} track sessions/{r.name}" for r in members]
+    return "\n".join([
+        "# HAProxy in front of mashbox replicas: written by mashbox.cluster.haproxy_config",
+        "# (`mashbox cluster` writes and runs it; `haproxy -f haproxy.cfg` runs this one).",
+        "global",
+        "    maxconn 1024",
+        f"    tune.bufsize {BUFFER}",
+        "",
+        "defaults",
+        "    mode http",
+        "    timeout connect 5s",
+        "    timeout client 1h",  # an agent's answer may take many minutes on a CPU
+        "    timeout server 1h",
+        "    timeout http-request 60s",
+        "    timeout check 10s",  # a replica busy on two cores still answers /health within this
+        "    retries 2",
+        "    retry-on conn-failure empty-response 503",  # 503: a replica loading, which did nothing
+        "    option redispatch 1",  # and the retry goes to another replica
+        "    option abortonclose",
+        "    default-server inter 1s fall 1 rise 1 observe layer4 error-limit 1 on-error mark-down",
+        "",
+        "frontend mashbox",
+        f"    bind {bind}",
+        "    option http-buffer-request",
+        *sessions,
+        "    http-request set-var(txn.session) req.body,json_query('$.prompt_cache_key') "
+        "if !{ var(txn.session) -m found } { method POST }",
+        "    use_backend tasks if { path_beg /v1/tasks }",
+        "    use_backend sessions if { var(txn.session) -m found }",
+        "    default_backend replicas",
+        "",
+        "backend sessions",
+        "    balance hash var(txn.session)",
+        "    hash-type consistent",
+        "    option httpchk GET /health",
+        "    http-check expect status 200",
+        "    http-response set-header x-mashbox-replica %[srv_name]",
+        *checked,
+        "",
+        "backend replicas",
+        "    balance leastconn",
+        "    http-response set-header x-mashbox-replica %[srv_name]",
+        *tracked,
+        "",
+        "backend tasks",  # a task lives in the replica that runs it: all on the first one up
+        "    balance first",
+        "    http-response set-header x-mashbox-replica %[srv_name]",
+        *tracked,
+        "",
+    ])
+
+
+@dataclass
+class Cluster:
+    """The replicas (``mashbox run RUN_ARGS --port P``) and HAProxy in front of them."""
+
+    members: list[Replica]
+    host: str
+    port: int
+    run_args: list[str]
+    haproxy: str = "haproxy"
+    _replicas: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _started: dict[str, float] = field(default_factory=dict)
+
+    def run(self) -> int:
+        """Serve until Ctrl-C or SIGTERM (0); 1 when HAProxy stops or a replica's model is refused."""
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        with tempfile.TemporaryDirectory(prefix="mashbox-cluster-") as folder:
+            config = Path(folder) / "haproxy.cfg"
+            config.write_text(haproxy_config(self.host, self.port, self.members))
+            balancer = None
+            try:
+                for member in self.members:
+                    self._start(member)
+                balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)])
+                _say(f"on http://{self.host}:{self.port}: HAProxy (pid {balancer.pid}) in front of "
+                     + ", ".join(f"{r.name} on 127.0.0.1:{r.port}" for r in self.members))
+                return self._watch(balancer)
+            except KeyboardInterrupt:
+                return 0
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+                self._stop(balancer)
+
+    def _start(self, member: Replica) -> None:
+        tasks = cache_dir() / f"tasks-{member.name}.sqlite3"
+        argv = [sys.executable, "-m", "mashbox", "run", *self.run_args, "--port", str(member.port),
+                "--tasks-db", str(tasks)]
+        process = subprocess.Popen(argv, start_new_session=True)  # Ctrl-C reaches the cluster, which stops them
+        self._replicas[member.name], self._started[member.name] = process, time.monotonic()
+        _say(f"replica {member.name} (pid {process.pid}) on 127.0.0.1:{member.port}")
+
+    def _watch(self, balancer: subprocess.Popen) -> int:
+        while True:
+            if balancer.poll() is not None:
+                _say(f"HAProxy stopped (exit status {balancer.returncode}); stopping the replicas")
+                return 1
+            for member in self.members:
+                code = self._replicas[member.name].poll()
+                if code in REFUSED:
+                    _say(f"replica {member.name} exited with status {code}; stopping the cluster")
+                    return 1
+                if code is not None and time.monotonic() - self._started[member.name] >= RESTART_S:
+                    _say(f"replica {member.name} stopped ({_status(code)}); starting it again")
+                    self._start(member)
+            time.sleep(0.5)
+
+    def _stop(self, balancer: subprocess.Popen | None) -> None:
+        processes = [p for p in [balancer, *self._replicas.values()] if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def find_haproxy(path: str | None) -> str:
+    """The haproxy executable: ``path``, else the one on PATH; ValueError naming how to get it."""
+    found = shutil.which(path or "haproxy")
+    if found is None:
+        raise ValueError(f"haproxy: {path or 'haproxy'} is not an executable; install Debian's haproxy "
+                         "(`sudo apt-get install haproxy`) or pass --haproxy PATH")
+    return found
+
+
+def _status(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(text: str) -> None:
+    print(f"mashbox cluster: {text}", file=sys.stderr, flush=True)
+

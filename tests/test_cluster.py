@@ -1,0 +1,309 @@
+"""``mashbox cluster``: two real replicas of the embedded model behind Debian's HAProxy, on loopback.
+
+Sessions stay on the replica that holds their prefix (the cache hits of one server), requests
+without one spread, a full queue's 429/529 reaches the client with its Retry-After, and a replica
+killed under load ends its streams, its requests go to the other one, and it takes requests again
+only once its /health is 200. HAProxy comes from Debian (`make test` installs it as root)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from mashbox.cluster import haproxy_config, replicas
+from tests.test_cli_run import free_port, gone
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+STORY = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and her cat."}]
+
+
+def haproxy() -> str:
+    found = shutil.which("haproxy") or shutil.which("/usr/sbin/haproxy")
+    if found:
+        return found
+    reason = "the cluster tests need Debian's haproxy: `make test` installs it as root"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+class Running:
+    """A `mashbox cluster` process, its log, and clients of it and of each replica."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port, first = free_port(), free_port()
+        while first + 1 == self.port or not _free(first + 1):
+            first = free_port()
+        self.replica_ports = {"r1": first, "r2": first + 1}
+        self.log = tmp / "cluster.log"
+        argv = [sys.executable, "-m", "mashbox", "cluster", "--replicas", "2", "--port", str(self.port),
+                "--first-port", str(first), "--haproxy", haproxy(), "--", "smollm2-135m", "--ctx", "2048",
+                "--slots", "2", "--cache-disk", "0", "--max-waiting", "2"]
+        env = {**os.environ, "MASHBOX_CACHE": str(tmp / "cache")}
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def pid(self, name: str) -> int:
+        return int(re.findall(rf"replica {name} \(pid (\d+)\)", self.text())[-1])
+
+    def healthy(self, name: str) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.replica_ports[name]}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def replica_of(self, session: str) -> str:
+        return self.chat(session, "Say hi.", 2).headers["x-mashbox-replica"]
+
+    def chat(self, session: str | None, text: str, max_tokens: int = 8) -> httpx.Response:
+        headers = {"x-session-id": session} if session else {}
+        answer = httpx.post(f"{self.url}/v1/chat/completions", headers=headers, timeout=120, json={
+            "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
+        assert answer.status_code == 200, answer.text
+        return answer
+
+    def session_on(self, name: str) -> str:
+        return next(s for s in (f"session-{i}" for i in range(64)) if self.replica_of(s) == name)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_until(condition, timeout: float = 120, every: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(every)
+
+
+def both_in_rotation(cluster: Running) -> bool:
+    """Whether HAProxy sends sessions to both replicas (its checks see them up)."""
+    seen = set()
+    for i in range(16):
+        answer = httpx.get(f"{cluster.url}/v1/models", headers={"x-session-id": f"probe-{i}"}, timeout=30)
+        seen.add(answer.headers.get("x-mashbox-replica") if answer.status_code == 200 else None)
+    return seen == {"r1", "r2"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    running = Running(tmp_path_factory.mktemp("cluster"))
+    try:
+        wait_until(lambda: running.process.poll() is None and running.healthy("r1") and running.healthy("r2"))
+        wait_until(lambda: both_in_rotation(running), timeout=30, every=0.5)
+        yield running
+    finally:
+        running.stop()
+    assert running.process.returncode == 0, running.text()
+    assert "Traceback" not in running.text()
+
+
+def test_deploy_config_is_the_generators_and_haproxy_accepts_it():
+    written = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    assert written == haproxy_config("127.0.0.1", 8000, replicas(3, 8001))
+    check = subprocess.run([haproxy(), "-c", "-f", str(ROOT / "deploy" / "haproxy.cfg")], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _turns(client_call, session_kwargs: dict, nonce: str) -> list[tuple[str, int]]:
+    """Three turns of one conversation: (replica, cached prompt tokens) of each."""
+    history = [{"role": "user", "content": f"[{nonce}] " + "Tell me about the sea. " * 60}]
+    out = []
+    for turn in range(3):
+        replica, cached, text = client_call(history, session_kwargs)
+        out.append((replica, cached))
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And turn {turn + 2}?"}]
+    return out
+
+
+def _openai_chat(url: str):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def call(history, kwargs):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=history, max_tokens=8, **kwargs)
+        answer = raw.parse()
+        return (raw.headers.get("x-mashbox-replica", "direct"), answer.usage.prompt_tokens_details.cached_tokens,
+                answer.choices[0].message.content)
+    return call
+
+
+def _openai_responses(url: str):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def call(history, kwargs):
+        raw = client.responses.with_raw_response.create(model=MODEL, input=history, max_output_tokens=16, **kwargs)
+        answer = raw.parse()
+        return (raw.headers.get("x-mashbox-replica", "direct"), answer.usage.input_tokens_details.cached_tokens,
+                answer.output_text)
+    return call
+
+
+def _anthropic(url: str):
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+    def call(history, kwargs):
+        raw = client.messages.with_raw_response.create(model=MODEL, messages=history, max_tokens=8, **kwargs)
+        answer = raw.parse()
+        text = "".join(block.text for block in answer.content if block.type == "text") or "ok"
+        return raw.headers.get("x-mashbox-replica", "direct"), answer.usage.cache_read_input_tokens, text
+    return call
+
+
+CARRIERS = {  # how each client names its session: mashbox's header, Claude Code's, Codex's, Pi's, OpenAI's body
+    "x-session-id": (_openai_chat, lambda s: {"extra_headers": {"X-Session-Id": s}}),
+    "claude-code": (_anthropic, lambda s: {"extra_headers": {"X-Claude-Code-Session-Id": s}}),
+    "codex": (_openai_responses, lambda s: {"extra_headers": {"session-id": s}}),
+    "pi": (_openai_responses, lambda s: {"extra_headers": {"session_id": s}}),
+    "prompt_cache_key": (_openai_responses, lambda s: {"prompt_cache_key": s}),
+}
+
+
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_a_session_stays_on_one_replica_with_the_cache_hits_of_one_server(cluster, carrier):
+    """Each conversation again, straight to the other replica (which never saw it, if the session
+    stayed put): the same cache hits turn by turn."""
+    client, kwargs = CARRIERS[carrier]
+    for i in range(3):
+        nonce = uuid.uuid4().hex  # a conversation no server has seen
+        through = _turns(client(cluster.url), kwargs(f"{carrier}-{i}"), nonce)
+        replica = through[0][0]
+        assert replica in ("r1", "r2") and {r for r, _ in through} == {replica}, through  # every turn on one
+        other = cluster.replica_ports["r2" if replica == "r1" else "r1"]
+        direct = _turns(client(f"http://127.0.0.1:{other}"), {}, nonce)
+        assert [cached for _, cached in through] == [cached for _, cached in direct], (through, direct)
+        assert direct[0][1] == 0 < direct[1][1] <= direct[2][1]  # cold, then the later turns hit the cache
+
+
+def test_sessions_and_requests_without_one_spread_over_the_replicas(cluster):
+    assert {cluster.replica_of(f"user-{i}") for i in range(16)} == {"r1", "r2"}
+    with ThreadPoolExecutor(4) as pool:  # least connections: concurrent requests go to both
+        answers = list(pool.map(lambda _: cluster.chat(None, "Count to fifty.", 64), range(4)))
+    assert {a.headers["x-mashbox-replica"] for a in answers} == {"r1", "r2"}
+
+
+def _stream(cluster: Running, session: str, started: threading.Event | None = None) -> str:
+    """Stream a long story with ``session``; how it ended: finished, error event, or cut."""
+    try:
+        stream = cluster.openai.chat.completions.create(model=MODEL, messages=STORY, max_tokens=1800, stream=True,
+                                                        extra_headers={"X-Session-Id": session})
+        for _ in stream:
+            if started is not None:
+                started.set()
+        return "finished"
+    except openai.APIError as err:
+        return f"error event: {err}" if not isinstance(err, openai.APIConnectionError) else "cut"
+    except httpx.HTTPError:
+        return "cut"
+
+
+def _health(cluster: Running, name: str) -> dict:
+    health = httpx.get(f"http://127.0.0.1:{cluster.replica_ports[name]}/health", timeout=5).json()
+    return health
+
+
+def test_a_full_queue_answers_429_and_529_through_the_balancer_with_retry_after(cluster):
+    session, other = cluster.session_on("r1"), cluster.session_on("r2")
+    with ThreadPoolExecutor(4) as pool:
+        running = [threading.Event(), threading.Event()]
+        streams = [pool.submit(_stream, cluster, session, event) for event in running]
+        wait_until(lambda: all(event.is_set() for event in running), timeout=60, every=0.05)
+        # two wait for a slot: r1's queue (--max-waiting 2) is full
+        streams += [pool.submit(_stream, cluster, session) for _ in range(2)]
+        wait_until(lambda: _health(cluster, "r1")["waiting"] == 2, timeout=30, every=0.05)
+        chat = httpx.post(f"{cluster.url}/v1/chat/completions", headers={"x-session-id": session}, timeout=30,
+                          json={"messages": STORY, "max_tokens": 4})
+        messages = httpx.post(f"{cluster.url}/v1/messages", headers={"x-session-id": session}, timeout=30,
+                              json={"model": MODEL, "messages": STORY, "max_tokens": 4})
+        elsewhere = cluster.chat(other, "Say hi.")  # the limits are each replica's own
+        for stream in streams:
+            assert stream.result(timeout=120) == "finished"
+    assert chat.status_code == 429 and int(chat.headers["retry-after"]) >= 1, chat.text
+    assert chat.headers["x-mashbox-replica"] == "r1" and chat.json()["error"]["type"]
+    assert messages.status_code == 529 and int(messages.headers["retry-after"]) >= 1, messages.text
+    assert messages.json()["error"]["type"] == "overloaded_error"
+    assert elsewhere.headers["x-mashbox-replica"] == "r2"
+
+
+def test_a_killed_worker_ends_its_streams_with_the_error_event_through_the_balancer(cluster):
+    session = cluster.session_on("r2")
+    worker = _health(cluster, "r2")["worker_pid"]
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream, cluster, session, started)
+        wait_until(started.is_set, timeout=60, every=0.05)
+        os.kill(worker, signal.SIGKILL)
+        ended = stream.result(timeout=60)
+    assert ended.startswith("error event:") and "worker" in ended, ended
+    wait_until(lambda: cluster.healthy("r2"))  # the replica started its worker again
+    wait_until(lambda: both_in_rotation(cluster), timeout=30, every=0.5)
+
+
+def test_a_killed_replica_ends_its_streams_and_is_back_only_once_healthy(cluster):
+    session = cluster.session_on("r1")
+    killed = cluster.pid("r1")
+    events = [threading.Event() for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(_stream, cluster, session, event) for event in events]
+        wait_until(lambda: all(event.is_set() for event in events), timeout=60, every=0.05)
+        os.kill(killed, signal.SIGKILL)
+        start = time.monotonic()
+        ended = [stream.result(timeout=30) for stream in streams]
+    assert ended == ["cut", "cut"] and time.monotonic() - start < 10  # nothing hangs
+    assert gone(killed)
+    answered = []  # the session's requests while r1 is away: all answered, by r2
+    while not cluster.healthy("r1"):
+        answered.append(cluster.chat(session, "Say hi.").headers["x-mashbox-replica"])
+        time.sleep(0.1)
+    assert answered and set(answered) == {"r2"}, answered
+    assert cluster.pid("r1") != killed and "replica r1 stopped (killed by SIGKILL); starting it again" in cluster.text()
+    wait_until(lambda: cluster.replica_of(session) == "r1", timeout=30)  # back where its sessions hash to
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--host", "0.0.0.0"], "host: 0.0.0.0 is not a loopback address"),
+    (["--replicas", "0"], "replicas: must be between 1 and 64"),
+    (["--", "--port", "9000"], "run_args: --port is set by the cluster"),
+    (["--haproxy", "/no/such/haproxy"], "haproxy: /no/such/haproxy is not an executable"),
+    (["--", "--slots", "0"], "slots"),
+])
+def test_bad_cluster_flags_are_one_line_and_exit_2(flags, words):
+    process = subprocess.run([sys.executable, "-m", "mashbox", "cluster", "--port", str(free_port()), *flags],
+                             capture_output=True, text=True, timeout=60)
+    assert process.returncode == 2, process.stderr
+    assert words in process.stderr and "Traceback" not in process.stderr
