@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from mashbox.cluster import haproxy_config, replicas
+from mashbox.cluster import haproxy_config, replicas, share
 from tests.test_cli_run import free_port, gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,6 +139,13 @@ def test_deploy_config_is_the_generators_and_haproxy_accepts_it():
     check = subprocess.run([haproxy(), "-c", "-f", str(ROOT / "deploy" / "haproxy.cfg")], capture_output=True,
                            text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_each_replica_runs_on_cores_of_its_own(cluster):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the replicas share it")
+    cores = [os.sched_getaffinity(cluster.pid(name)) for name in ("r1", "r2")]
+    assert cores == [set(share(0, 2)), set(share(1, 2))] and not cores[0] & cores[1]
 
 
 def _turns(client_call, session_kwargs: dict, nonce: str) -> list[tuple[str, int]]:
