@@ -232,26 +232,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cluster(args: argparse.Namespace) -> int:
-    from mashbox.cluster import Cluster, find_haproxy, replicas
-    from mashbox.server.settings import is_loopback
+    from mashbox.cluster import Cluster, check, find_haproxy, replicas
 
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
     first = args.port + 1 if args.first_port is None else args.first_port
     try:
-        if not is_loopback(args.host):
-            raise ValueError(f"host: {args.host} is not a loopback address; the replicas check the Host of "
-                             "each request against their own address, so a cluster listens on loopback only "
-                             "(put your own HAProxy in front, docs/scale-out.md)")
-        if not 1 <= args.replicas <= 64:
-            raise ValueError(f"replicas: must be between 1 and 64 (got {args.replicas})")
-        if not (0 < args.port < 65536 and 0 < first and first + args.replicas <= 65536):
-            raise ValueError(f"port: {args.port} and replica ports from {first} must lie in 1..65535")
-        if args.port in range(first, first + args.replicas):
-            raise ValueError(f"first_port: the replicas' ports {first}..{first + args.replicas - 1} "
-                             f"include HAProxy's {args.port}")
-        taken = {"--port", "--host", "--in-process", "--tasks-db"} & {a.partition("=")[0] for a in run_args}
-        if taken:
-            raise ValueError(f"run_args: {', '.join(sorted(taken))} is set by the cluster, not per replica")
+        check(args.host, args.port, first, args.replicas, run_args)
         haproxy = find_haproxy(args.haproxy)
         # a bad flag or value stops here (exit 2), not in each replica
         _engine_options(build_parser().parse_args(["run", *run_args]))

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mashbox.engine.load.catalog import cache_dir
+from mashbox.server.generation import SESSION_HEADERS  # as the server reads them; prompt_cache_key after them
+from mashbox.server.settings import is_loopback
 
-# in the order a request's session is taken from; the body's prompt_cache_key after them
-SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id", "session_id")
 BUFFER = 256 * 1024  # HAProxy's buffer, so that prompt_cache_key is found in bodies up to its size
 RESTART_S = 2.0  # a replica that dies is started again, at most once in this many seconds
 REFUSED = (1, 2)  # `mashbox run` exits with these when its model or its flags are refused: no restart
@@ -199,6 +199,23 @@ def share(index: int, count: int) -> list[int]:
 def _ranges(cores: list[int]) -> str:
     return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 and cores[-1] - cores[0] == len(cores) - 1 else \
         ",".join(map(str, cores))
+
+
+def check(host: str, port: int, first: int, count: int, run_args: Sequence[str]) -> None:
+    """ValueError naming the setting of a cluster that cannot run."""
+    if not is_loopback(host):
+        raise ValueError(f"host: {host} is not a loopback address; the replicas check the Host of each request "
+                         "against their own address, so a cluster listens on loopback only "
+                         "(docs/scale-out.md: serving other machines)")
+    if not 1 <= count <= 64:
+        raise ValueError(f"replicas: must be between 1 and 64 (got {count})")
+    if not (0 < port < 65536 and 0 < first and first + count <= 65536):
+        raise ValueError(f"port: {port} and replica ports from {first} must lie in 1..65535")
+    if port in range(first, first + count):
+        raise ValueError(f"first_port: the replicas' ports {first}..{first + count - 1} include HAProxy's {port}")
+    taken = {"--port", "--host", "--tasks-db"} & {arg.partition("=")[0] for arg in run_args}
+    if taken:
+        raise ValueError(f"run_args: {', '.join(sorted(taken))} is set by the cluster, not per replica")
 
 
 def find_haproxy(path: str | None) -> str:
