@@ -175,11 +175,16 @@ class Cluster:
             time.sleep(0.5)
 
     def _stop(self, balancer: subprocess.Popen | None) -> None:
-        processes = [p for p in [balancer, *self._replicas.values()] if p is not None]
-        for process in processes:
+        """The replicas end their answers (SIGTERM: in flight ones end within seconds, with their
+        error event at worst) while HAProxy stops listening and passes them on (SIGUSR1: soft stop)."""
+        for process in self._replicas.values():
             if process.poll() is None:
                 process.terminate()
-        for process in processes:
+        if balancer is not None and balancer.poll() is None:
+            balancer.send_signal(signal.SIGUSR1)
+        for process in [*self._replicas.values(), balancer]:
+            if process is None:
+                continue
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -33,3 +33,6 @@ class FakeBackend:
 
     def stats(self) -> EngineStats | None:
         return self.snapshot
+
+    def busy(self) -> int:
+        return 0

@@ -92,6 +92,34 @@ def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
     assert any(request_id in line and "session=sess-9" in line for line in err.splitlines()), err
 
 
+def test_sigterm_lets_answers_end_then_ends_the_rest_with_the_error_event():
+    """A stream still running when the server is told to stop gets its protocol's error event and
+    [DONE] within the grace period, not a cut connection nor a traceback; a short one finishes."""
+    import openai
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = mashbox("--port", str(port), "--ctx", "8192", "--slots", "2", "--cache-disk", "0")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        poll_health(url, process)
+        long = client.chat.completions.create(stream=True, max_tokens=6000, model="smollm2-135m", messages=[
+            {"role": "user", "content": "Write a very long story about a lighthouse."}])
+        short = client.chat.completions.create(stream=True, max_tokens=40, model="smollm2-135m", messages=[
+            {"role": "user", "content": "Say hi."}])
+        next(iter(long)), next(iter(short))
+        process.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert list(short)[-1].choices[0].finish_reason in ("stop", "length")  # it ended on its own
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            list(long)
+        assert time.monotonic() - start < 6
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0 and "Traceback" not in err and "Exception in ASGI" not in err, err
+
+
 def test_ctrl_c_stops_the_server_and_its_worker(tiny_model_dir):
     port = free_port()
     process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")

@@ -314,3 +314,16 @@ def test_bad_cluster_flags_are_one_line_and_exit_2(flags, words):
                              capture_output=True, text=True, timeout=60)
     assert process.returncode == 2, process.stderr
     assert words in process.stderr and "Traceback" not in process.stderr
+
+
+def test_stopping_the_cluster_ends_its_streams_with_the_error_event(cluster):
+    """Last: SIGTERM to the cluster. The replicas end what runs with the protocol's error event and
+    HAProxy passes it on before it goes (a soft stop), then all exit 0."""
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream, cluster, "stopping", started)
+        wait_until(started.is_set, timeout=60, every=0.05)
+        cluster.process.send_signal(signal.SIGTERM)
+        ended = stream.result(timeout=30)
+    assert ended.startswith("error event:") and "shutting down" in ended, ended
+    assert cluster.process.wait(timeout=60) == 0

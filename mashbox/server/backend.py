@@ -65,6 +65,10 @@ class Backend(Protocol):
         ...
 
     def stats(self) -> EngineStats | None: ...
+    def busy(self) -> int:
+        """Requests in flight now (submitted, not yet finished)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -139,6 +143,10 @@ class InProcessBackend:
 
     def stats(self) -> EngineStats | None:
         return self._engine.stats() if self._engine else None
+
+    def busy(self) -> int:
+        stats = self.stats()
+        return stats.running + stats.waiting if stats else 0
 
     def close(self) -> None:
         if self._engine is not None:

@@ -24,6 +24,7 @@ from mashbox.server.worker import WorkerBackend
 if TYPE_CHECKING:
     import uvicorn
 
+GRACE_S = 5  # on Ctrl-C or SIGTERM, answers have this long to end; the ones still running end in an error
 SEND_BUFFER = 64 * 1024  # bytes asked for; Linux doubles it (a 128 KiB window is ~128 MB/s at 1 ms)
 
 
@@ -94,7 +95,7 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
     from mashbox.server.app import create_app
 
     config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
-                            log_level="warning", timeout_graceful_shutdown=5)
+                            log_level="warning", timeout_graceful_shutdown=GRACE_S)
     server = uvicorn.Server(config)
     watch = Watch(backend, server, _url(settings))
     threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
@@ -103,7 +104,7 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
 
 
 class Watch:
-    """Says in the terminal where the server listens and what its model does."""
+    """Says in the terminal where the server listens and what its model does; drains it on the way out."""
 
     def __init__(self, backend: Backend, server: uvicorn.Server, url: str, every: float = 0.1) -> None:
         self.backend, self.server, self.url, self.every = backend, server, url, every
@@ -122,6 +123,15 @@ class Watch:
             if change.state == "failed":
                 self.status = 2 if change.refused else 1
                 self.server.should_exit = True
+        self._drain()
+
+    def _drain(self) -> None:
+        """The server is stopping: let running answers end, then, a second before uvicorn would cut
+        them, stop the backend, which ends the rest with their protocol's error event."""
+        deadline = time.monotonic() + GRACE_S - 1
+        while time.monotonic() < deadline and self.backend.busy():
+            time.sleep(self.every)
+        self.backend.close()
 
     def _report(self, change: Change) -> None:
         if change.state == "ready" and change.info is not None:

@@ -169,6 +169,10 @@ class WorkerBackend:
         """The latest stats the worker sent (it sends them when they change; never waits)."""
         return self._stats
 
+    def busy(self) -> int:
+        """Requests sent to the worker and not yet finished (the stats may not show them yet)."""
+        return len(self._pending)
+
     def wait(self, timeout: float | None = None) -> State:
         """Block until the worker is ready or failed (or ``timeout``); the state then."""
         with self._changed:
