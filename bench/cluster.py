@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from compare import free_port  # noqa: E402
 
 
 @dataclass
@@ -41,12 +41,6 @@ class Result:
     output: int = 0
     replicas: Counter = field(default_factory=Counter)
     seconds: float = 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(kind: str, model: str, slots: int, port: int) -> subprocess.Popen:

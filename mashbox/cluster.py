@@ -90,6 +90,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         *sessions,
         "    http-request set-var(txn.session) req.body,json_query('$.prompt_cache_key') "
         "if !{ var(txn.session) -m found } { method POST }",
+        "    http-response set-header x-mashbox-replica %[srv_name]",
         "    use_backend tasks if { path_beg /v1/tasks }",
         "    use_backend sessions if { var(txn.session) -m found }",
         "    default_backend replicas",
@@ -99,17 +100,14 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    hash-type consistent sdbm avalanche",  # similar session ids spread (no avalanche: they bunch)
         "    option httpchk GET /health",
         "    http-check expect status 200",
-        "    http-response set-header x-mashbox-replica %[srv_name]",
         *checked,
         "",
         "backend replicas",
         "    balance leastconn",
-        "    http-response set-header x-mashbox-replica %[srv_name]",
         *tracked,
         "",
         "backend tasks",  # a task lives in the replica that runs it: all on the first one up
         "    balance first",
-        "    http-response set-header x-mashbox-replica %[srv_name]",
         *tracked,
         "",
     ])
@@ -129,7 +127,7 @@ class Cluster:
 
     def run(self) -> int:
         """Serve until Ctrl-C or SIGTERM (0); 1 when HAProxy stops or a replica's model is refused."""
-        previous = signal.signal(signal.SIGTERM, _interrupt)
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
         with tempfile.TemporaryDirectory(prefix="mashbox-cluster-") as folder:
             config = Path(folder) / "haproxy.cfg"
             config.write_text(haproxy_config(self.host, self.port, self.members))
@@ -234,10 +232,6 @@ def find_haproxy(path: str | None) -> str:
 
 def _status(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _say(text: str) -> None:

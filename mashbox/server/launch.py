@@ -46,7 +46,7 @@ def serve(launch: Launch) -> int:
         return 2
     _log_requests()
     backend = _backend(launch)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     if launch.settings.key_file:
         signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))
     try:
@@ -178,10 +178,6 @@ def _log_requests() -> None:
     log = logging.getLogger("mashbox")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _say(text: str) -> None:
