@@ -18,9 +18,10 @@ from mashbox.engine.model.weights import Linear
 from mashbox.errors import ModelLoadError
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: each block of 32 as int8 times max |x| / 127."""
-    xb = x.view(x.shape[0], -1, 32)
+def int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the kernels see it: each block of 32 (of 256 against the K-quants, as llama.cpp's Q8_K) as
+    int8 times max |x| / 127."""
+    xb = x.view(x.shape[0], -1, block)
     xs = xb.abs().amax(-1) / 127
     return (torch.round(xb / torch.where(xs > 0, xs, 1)[..., None]) * xs[..., None]).view_as(x)
 
@@ -46,7 +47,7 @@ def test_matmul_over_blocks_is_exact_and_each_row_stands_alone(lib, name, n, k):
     assert linear.shape == (n, k) and linear.formats == [name]
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
     out = linear(x)
-    expected = (int8_rows(x).double() @ weight.double().T).float()
+    expected = (int8_rows(x, quant.FORMATS[FORMATS[name]][1]).double() @ weight.double().T).float()
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
     for rows in range(1, 9):
         assert torch.equal(linear(x[:rows])[rows - 1], out[rows - 1]), f"row {rows - 1} changed with {rows} rows"

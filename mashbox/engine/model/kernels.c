@@ -13,8 +13,8 @@
  * Weights are a GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), or mashbox's
  * int8 blocks for weights that come as floats, as the file has them or packed at load (the same
  * bytes rearranged a group of rows at a time, "Packed weights" below). A matmul quantizes each
- * activation row to int8 blocks of 32, sums the products exactly in int32 per block and scales
- * them in fp32 ("Matmuls over a GGUF's own blocks" below).
+ * activation row to int8 blocks of 32 (of 256 against the K-quants, as llama.cpp's Q8_K), sums the
+ * products exactly in int32 per block and scales them in fp32 ("Matmuls over a GGUF's own blocks" below).
  */
 #include <linux/futex.h>
 #include <math.h>
@@ -192,36 +192,47 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* One row as int8 blocks of 32: q[K], s[K / 32] (max |x| / 127 per block, rounded to nearest even). */
-static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        const float *src = x + b * QK;
+/* max |x| over 32 values. */
+static inline float amax32(const float *x) {
 #ifdef MB_AVX2
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(src + 8 * i);
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        float amax = _mm_cvtss_f32(h);
-        float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
-        s[b] = scale;
-        __m256 vi = _mm256_set1_ps(inv);
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vi));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vi));
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
 #else
+    float amax = 0.0f;
+    for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(x[l]));
+    return amax;
+#endif
+}
+
+/* 32 values times inv, rounded to nearest even, as int8. */
+static inline void round32(const float *x, float inv, int8_t *q) {
+#ifdef MB_AVX2
+    __m256 vi = _mm256_set1_ps(inv);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), vi));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+#else
+    for (int l = 0; l < QK; l++) q[l] = (int8_t)lrintf(x[l] * inv);
+#endif
+}
+
+/* One row as int8 blocks of `block` values (32; 256 as llama.cpp's Q8_K for the K-quants): q[K],
+ * s[K / block] (max |x| / 127 per block), each value rounded to nearest even. */
+static void quantize_row(const float *x, int8_t *q, float *s, int64_t K, int block) {
+    for (int64_t b = 0; b < K / block; b++) {
+        const float *src = x + b * block;
         float amax = 0.0f;
-        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(src[l]));
+        for (int c = 0; c < block; c += QK) amax = fmaxf(amax, amax32(src + c));
         float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
         s[b] = scale;
-        for (int l = 0; l < QK; l++) q[b * QK + l] = (int8_t)lrintf(src[l] * inv);
-#endif
+        for (int c = 0; c < block; c += QK) round32(src + c, inv, q + b * block + c);
     }
 }
 
@@ -235,7 +246,12 @@ static void quantize_row(const float *x, int8_t *q, float *s, int64_t K) {
  * or 32 weights and a min for each 32 where the format has one, then multiplies the buffer by every
  * activation row. A block's dot product is exact in int32 (sum(u x) + offset sum(x)),
  * and each output adds dot * (scale * xs), then min * (xs * sum(x)), block by block in order: one
- * output in each lane, so its value is the same in any tile, beside any rows, on any thread. */
+ * output in each lane, so its value is the same in any tile, beside any rows, on any thread.
+ * The K-quants (Q4_K, Q5_K, Q6_K: blocks of 256 with an integer scale for each 16 or 32 weights
+ * under one fp16 step) take activations quantized per 256, as llama.cpp's dot products do: a block's
+ * units' dot products times their integer scales sum exactly in int32, and the mins against the
+ * activations' sums too, so an output adds two fp32 terms a block of 256 instead of two a block of
+ * 32: the scaling, not the integer products, was most of a K-quant matmul's time. */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MB_Q8 = 100 };
 
 struct format {
@@ -277,6 +293,29 @@ static inline float half_at(const uint8_t *p) {
 #endif
 #define SIGNED(f) (SIGNED8 && (f)->offset == -128)
 
+/* A K-quant block's integer scales sc (one for each unit: 8 six-bit ones, or Q6_K's 16 signed bytes),
+ * its six-bit mins mn (one for each 32; Q4_K and Q5_K), and the fp16 steps they multiply: dd, and
+ * dmin for the mins. */
+static inline void block_kscales(int64_t fmt, const uint8_t *b, int *sc, int *mn, float *dd, float *dmin) {
+    if (fmt == Q6_K) {
+        *dd = half_at(b + 208), *dmin = 0.0f;
+        for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
+        return;
+    }
+    uint32_t u[3], s[2], m[2]; /* 8 six-bit scales and mins in 12 bytes, unpacked 4 at a time */
+    memcpy(u, b + 4, 12);
+    s[0] = u[0] & 0x3f3f3f3f;
+    s[1] = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
+    m[0] = u[1] & 0x3f3f3f3f;
+    m[1] = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
+    for (int j = 0; j < 8; j++) {
+        sc[j] = s[j >> 2] >> 8 * (j & 3) & 0xFF;
+        mn[j] = m[j >> 2] >> 8 * (j & 3) & 0xFF;
+    }
+    *dd = half_at(b);
+    *dmin = half_at(b + 2);
+}
+
 /* The scales of one block of `fmt` at b, one for each unit, and its mins, one for each 32 (where the
  * format has them), as the file defines them: each exact in fp32 (an fp16 times a small integer). */
 static inline void block_scales(int64_t fmt, const uint8_t *b, float *d, float *m) {
@@ -291,23 +330,13 @@ static inline void block_scales(int64_t fmt, const uint8_t *b, float *d, float *
         return;
     case MB_Q8: memcpy(d, b, 4); return;
     case Q4_K:
-    case Q5_K: { /* 8 six-bit scales and mins in 12 bytes, unpacked 4 at a time */
-        uint32_t u[3], sc[2], mn[2];
-        memcpy(u, b + 4, 12);
-        sc[0] = u[0] & 0x3f3f3f3f;
-        sc[1] = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
-        mn[0] = u[1] & 0x3f3f3f3f;
-        mn[1] = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
-        float dd = half_at(b), dmin = half_at(b + 2);
-        for (int j = 0; j < 8; j++) {
-            d[j] = dd * (float)(sc[j >> 2] >> 8 * (j & 3) & 0xFF);
-            m[j] = -dmin * (float)(mn[j >> 2] >> 8 * (j & 3) & 0xFF);
-        }
-        return;
-    }
+    case Q5_K:
     case Q6_K: {
-        float dd = half_at(b + 208);
-        for (int j = 0; j < 16; j++) d[j] = dd * (float)(int8_t)b[192 + j];
+        int sc[16], mn[8];
+        float dd, dmin = 0.0f;
+        block_kscales(fmt, b, sc, mn, &dd, &dmin);
+        for (int j = 0; j < (fmt == Q6_K ? 16 : 8); j++) d[j] = dd * (float)sc[j];
+        for (int j = 0; fmt != Q6_K && j < 8; j++) m[j] = -dmin * (float)mn[j];
         return;
     }
     }
@@ -394,6 +423,7 @@ typedef __m512 gvf;
 #define gv_gather(base, at) _mm512_i32gather_epi32(at, (const void *)(base), 1)
 #define gv_lanes() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define gv_mullo(a, b) _mm512_mullo_epi32(a, b)
+#define gv_madd(a, b) _mm512_madd_epi16(a, b)
 #define gv_dotu(s, u, x) _mm512_dpbusd_epi32(s, u, x)
 #define gv_dots(s, w, x) _mm512_dpbusd_epi32(s, w, x)
 #define gf_load(p) _mm512_loadu_ps(p)
@@ -425,6 +455,7 @@ typedef __m256 gvf;
 #define gv_gather(base, at) _mm256_i32gather_epi32((const int *)(base), at, 1)
 #define gv_lanes() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 #define gv_mullo(a, b) _mm256_mullo_epi32(a, b)
+#define gv_madd(a, b) _mm256_madd_epi16(a, b)
 #define gv_dotu(s, u, x) dot4u(s, u, x)
 #define gv_dots(s, w, x) dot4s(s, w, x)
 #define gf_load(p) _mm256_loadu_ps(p)
@@ -441,6 +472,15 @@ static inline __m256 gf_halves(__m256i v) {
 #else
 #define GR 8
 #endif
+
+/* A K-quant block (Q4_K, Q5_K, Q6_K) of GR rows as the tiles take it: each unit's integer scale, the
+ * six-bit mins as int16 pairs (mins 0 and 2, 1 and 3, 4 and 6, 5 and 7 of each row: one vpmaddwd each
+ * against the activations' sums paired alike), and the fp32 steps: dd, and -dmin for the mins. */
+struct kscales {
+    int32_t sc[16][GR];
+    int32_t mp[4][GR];
+    float dd[GR], dmin[GR];
+};
 
 /* ---- Packed weights ----
  * At load a weight's blocks are rearranged for the kernels (mb_pack): the same bytes, GR rows at a
@@ -623,14 +663,20 @@ static inline __m256i chunk_values(int64_t fmt, const uint8_t *b, int k, int sig
 }
 #endif
 
-#ifdef MB_AVX2
-/* Byte j of each lane, unsigned (or signed), as fp32 times s. */
-static inline gvf byte_times(gvi v, int j, int is_signed, gvf s) {
-    gvi x = gv_sll(v, 24 - 8 * j);
-    x = is_signed ? gv_srai(x, 24) : gv_srli(x, 24);
-    return gf_mul(gf_cvt(x), s);
+static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, int64_t base,
+                         int half, float *d, float *m);
+static void kgroup_scales(int64_t fmt, const uint8_t *blk, int64_t stride, int64_t base, int half,
+                          struct kscales *ks);
+
+/* Block b's scales where the tiles read them (blk, stride, base and half as group_scales takes them):
+ * a K-quant's as kscales b of d, another format's at d + b GR and m + b GR. */
+static inline void scales_at(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, int64_t base,
+                             int half, float *d, float *m, int64_t b) {
+    if (f->values == 256) kgroup_scales(fmt, blk, stride, base, half, (struct kscales *)d + b);
+    else group_scales(fmt, f, blk, stride, base, half, d + b * GR, m + b * GR);
 }
 
+#ifdef MB_AVX2
 /* Dword o (a multiple of 4) of GR rows' blocks: stride bytes apart from blk, or with stride 0 packed
  * (mb_pack: the rows' dwords side by side at blk + o GR). */
 static inline gvi dwords(const uint8_t *blk, int64_t o, int64_t stride) {
@@ -638,46 +684,50 @@ static inline gvi dwords(const uint8_t *blk, int64_t o, int64_t stride) {
 }
 
 /* The scales (and mins) of a block of GR rows into d [units][GR] and m [mins][GR]: the same values as
- * block_scales, computed for the GR rows at once. The block's byte o lies at blk's byte base + o,
- * stride bytes apart from row to row (stride 0: packed, base where the block lies in its unit); a
- * paired format's lone fp16 in half `half` of the unit's dword 0 where packed. */
+ * block_scales, computed for the GR rows at once (formats of 32 weights a block). The block's byte o
+ * lies at blk's byte base + o, stride bytes apart from row to row (stride 0: packed, base where the
+ * block lies in its unit); a paired format's lone fp16 in half `half` of the unit's dword 0 where packed. */
 static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk, int64_t stride, int64_t base,
                          int half, float *d, float *m) {
     gvi low = gv_set1(0xFFFF);
-    if (paired(fmt)) { /* the lone scale, then (Q6_K) the 16 signed scales */
+    if (paired(fmt)) { /* the lone scale */
         gvi dd = stride ? dwords(blk, lone_at(fmt), stride) : gv_srli(dwords(blk, 0, 0), 16 * half);
-        gvf scale = gf_halves(gv_and(dd, low));
-        if (fmt != Q6_K) {
-            gf_store(d, scale);
-            return;
-        }
+        gf_store(d, gf_halves(gv_and(dd, low)));
+        return;
+    }
+    if (fmt == MB_Q8) {
+        gv_store(d, dwords(blk, base, stride));
+        return;
+    }
+    gvi dm = dwords(blk, base, stride); /* Q4_1, Q5_1: the scale and the min */
+    gf_store(d, gf_halves(gv_and(dm, low)));
+    if (f->min) gf_store(m, gf_halves(gv_srli(dm, 16)));
+}
+
+/* kscales of a K-quant block of GR rows, laid out as group_scales takes them (blk, stride, base, half). */
+static void kgroup_scales(int64_t fmt, const uint8_t *blk, int64_t stride, int64_t base, int half,
+                          struct kscales *ks) {
+    gvi low = gv_set1(0xFFFF);
+    if (fmt == Q6_K) { /* the lone scale, then 16 signed bytes */
+        gvi dd = stride ? dwords(blk, lone_at(fmt), stride) : gv_srli(dwords(blk, 0, 0), 16 * half);
+        gf_store(ks->dd, gf_halves(gv_and(dd, low)));
         for (int i = 0; i < 4; i++) {
             gvi sc = dwords(blk, base + 192 + 4 * i, stride);
-            for (int j = 0; j < 4; j++) gf_store(d + GR * (4 * i + j), byte_times(sc, j, 1, scale));
+            for (int j = 0; j < 4; j++) gv_store(ks->sc[4 * i + j], gv_srai(gv_slli(sc, 24 - 8 * j), 24));
         }
         return;
     }
-    switch (fmt) {
-    case Q4_K:
-    case Q5_K: {
-        gvi dd = dwords(blk, base, stride), u0 = dwords(blk, base + 4, stride), u1 = dwords(blk, base + 8, stride),
-            u2 = dwords(blk, base + 12, stride);
-        gvi lo6 = gv_set1(0x3f3f3f3f), lo4 = gv_set1(0x0f0f0f0f), lo2 = gv_set1(0x03030303);
-        gvi sc[2] = {gv_and(u0, lo6), gv_or(gv_and(u2, lo4), gv_slli(gv_and(gv_srli(u0, 6), lo2), 4))};
-        gvi mn[2] = {gv_and(u1, lo6), gv_or(gv_and(gv_srli(u2, 4), lo4), gv_slli(gv_and(gv_srli(u1, 6), lo2), 4))};
-        gvf scale = gf_halves(gv_and(dd, low)), least = gf_sub(gf_zero(), gf_halves(gv_srli(dd, 16)));
-        for (int j = 0; j < 8; j++) {
-            gf_store(d + GR * j, byte_times(sc[j >> 2], j & 3, 0, scale));
-            gf_store(m + GR * j, byte_times(mn[j >> 2], j & 3, 0, least));
-        }
-        return;
-    }
-    case MB_Q8: gv_store(d, dwords(blk, base, stride)); return;
-    default: { /* Q4_1, Q5_1: the scale and the min */
-        gvi dm = dwords(blk, base, stride);
-        gf_store(d, gf_halves(gv_and(dm, low)));
-        if (f->min) gf_store(m, gf_halves(gv_srli(dm, 16)));
-    }
+    gvi dd = dwords(blk, base, stride), u0 = dwords(blk, base + 4, stride), u1 = dwords(blk, base + 8, stride),
+        u2 = dwords(blk, base + 12, stride);
+    gvi lo6 = gv_set1(0x3f3f3f3f), lo4 = gv_set1(0x0f0f0f0f), lo2 = gv_set1(0x03030303), pairs = gv_set1(0x00FF00FF);
+    gvi sc[2] = {gv_and(u0, lo6), gv_or(gv_and(u2, lo4), gv_slli(gv_and(gv_srli(u0, 6), lo2), 4))};
+    gvi mn[2] = {gv_and(u1, lo6), gv_or(gv_and(gv_srli(u2, 4), lo4), gv_slli(gv_and(gv_srli(u1, 6), lo2), 4))};
+    gf_store(ks->dd, gf_halves(gv_and(dd, low)));
+    gf_store(ks->dmin, gf_sub(gf_zero(), gf_halves(gv_srli(dd, 16))));
+    for (int j = 0; j < 8; j++) gv_store(ks->sc[j], gv_and(gv_srli(sc[j >> 2], 8 * (j & 3)), gv_set1(0xFF)));
+    for (int i = 0; i < 2; i++) {
+        gv_store(ks->mp[2 * i], gv_and(mn[i], pairs));
+        gv_store(ks->mp[2 * i + 1], gv_and(gv_srli(mn[i], 8), pairs));
     }
 }
 
@@ -744,11 +794,11 @@ static inline const uint8_t *packed_block(int64_t fmt, const struct format *f, c
  * has them. */
 static void decode_packed(int64_t fmt, const struct format *f, const uint8_t *group, int64_t K, uint8_t *q,
                           float *d, float *m, const uint8_t *next, int64_t ahead) {
-    int V = f->values, units = V / f->unit, mins = V / 32, sign = SIGNED(f), half;
+    int V = f->values, sign = SIGNED(f), half;
     for (int64_t b = 0, base; b < K / V; b++) {
         fetch_share(next, ahead, b, K / V);
         const uint8_t *unit = packed_block(fmt, f, group, b, &base, &half);
-        group_scales(fmt, f, unit, 0, base, half, d + b * units * GR, m + b * mins * GR);
+        scales_at(fmt, f, unit, 0, base, half, d, m, b);
         for (int k = 0; k < V / 32; k++) {
             uint8_t *out = q + (b * V / 32 + k) * 32 * GR;
             for (int j = 0; j < 8; j++) gv_store(out + 4 * GR * j, packed_values(fmt, unit, base, k, j, sign));
@@ -764,6 +814,20 @@ static void group_scales(int64_t fmt, const struct format *f, const uint8_t *blk
         block_scales(fmt, blk + c * stride, ds, ms);
         for (int i = 0; i < f->values / f->unit; i++) d[i * GR + c] = ds[i];
         for (int i = 0; f->min && i < f->values / 32; i++) m[i * GR + c] = ms[i];
+    }
+}
+
+static void kgroup_scales(int64_t fmt, const uint8_t *blk, int64_t stride, int64_t base, int half, struct kscales *ks) {
+    (void)base, (void)half;
+    for (int c = 0; c < GR; c++) {
+        int sc[16], mn[8];
+        block_kscales(fmt, blk + c * stride, sc, mn, &ks->dd[c], &ks->dmin[c]);
+        ks->dmin[c] = -ks->dmin[c];
+        for (int j = 0; j < (fmt == Q6_K ? 16 : 8); j++) ks->sc[j][c] = sc[j];
+        for (int i = 0; fmt != Q6_K && i < 2; i++) {
+            ks->mp[2 * i][c] = mn[4 * i] | mn[4 * i + 2] << 16;
+            ks->mp[2 * i + 1][c] = mn[4 * i + 1] | mn[4 * i + 3] << 16;
+        }
     }
 }
 #endif
@@ -821,11 +885,11 @@ static inline void chunk_targets(uint8_t *first, int k_quant, uint8_t *at[16]) {
  * fetched meanwhile, a share with each block. */
 static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row0, int64_t stride, int64_t K,
                          uint8_t *q, float *d, float *m, const uint8_t *next, int64_t ahead) {
-    int V = f->values, units = V / f->unit, mins = V / 32, sign = SIGNED(f);
+    int V = f->values, sign = SIGNED(f);
     int64_t chunks = K / 32, share = (ahead + chunks - 1) / chunks;
     for (int64_t b = 0; b < K / V; b++) {
         const uint8_t *blk = row0 + b * f->bytes;
-        group_scales(fmt, f, blk, stride, 0, 0, d + b * units * GR, m + b * mins * GR);
+        scales_at(fmt, f, blk, stride, 0, 0, d, m, b);
 #ifdef MB_AVX2
         if ((fmt == Q4_0 || fmt == Q4_1) && b + 1 < K / V) { /* blocks b and b + 1: their packed bytes at once */
             for (int64_t at = b * share; next && at < (b + 2) * share && at < ahead; at += 64)
@@ -881,13 +945,24 @@ typedef int32_t int32_u __attribute__((may_alias, aligned(1))); /* 4 bytes read 
 /* Outputs are computed in tiles of up to TR activation rows x one group of GR weight rows. */
 #define TR 4
 
-/* A quantized activation row: int8 q[K], per 32 the scale s and s * (the sum of its q) sm, per 16 the
- * sum of its q t (rows of a matmul lie K, K / 32 and K / 16 apart). */
+/* A quantized activation row, in blocks of 32: int8 q[K], per 32 the scale s and s * (the sum of its q)
+ * sm, per 16 the sum of its q t (rows of a matmul lie K, K / 32 and K / 16 apart); and in blocks of 256
+ * for the K-quants (llama.cpp's Q8_K): int8 kq[K], per 256 the scale ks, per 16 the sum kt, per 256 the
+ * sums of each 32 as int16 pairs kp[4] (sums 0 and 2, 1 and 3, 4 and 6, 5 and 7, as kscales pairs the
+ * mins). A matmul fills the forms its weight's formats take; the other's pointers are NULL. */
 struct acts {
-    int8_t *q;
-    float *s, *sm;
-    int32_t *t;
+    int8_t *q, *kq;
+    float *s, *sm, *ks;
+    int32_t *t, *kt, *kp;
 };
+
+/* Row r of a matmul's activations, K wide. */
+static inline struct acts acts_row(struct acts a, int64_t r, int64_t K) {
+    struct acts x = a;
+    if (a.q) x.q += r * K, x.s += r * (K / 32), x.sm += r * (K / 32), x.t += r * (K / 16);
+    if (a.kq) x.kq += r * K, x.ks += r * (K / 256), x.kt += r * (K / 16), x.kp += r * (K / 64);
+    return x;
+}
 
 #ifdef MB_AVX2
 
@@ -964,7 +1039,126 @@ static inline __attribute__((always_inline)) void tile_packed(
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
+
+/* Chunk k (weights 32k ..) of K-quant block c (weights 256c ..) of a tile: w[j] holds weights 4j ..
+ * 4j + 3 of the GR rows. Each row's products are summed exactly in int32 (less 32 times the
+ * activations' sum where the format's offset is -32: Q6_K) and added to A times its unit's scale. */
+static inline __attribute__((always_inline)) void kchunk(struct acts x, const gvi w[8], const struct kscales *s,
+                                                         int64_t K, int64_t c, int k, const int unit, const int rows,
+                                                         gvi A[TR]) {
+    gvi sum[TR][2];
+    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
+    for (int j = 0; j < 8; j++) {
+        int chain = unit == 16 ? j >> 2 : j & 1;
+        for (int r = 0; r < rows; r++) {
+            int32_t x4 = *(const int32_u *)(x.kq + r * K + c * 256 + 32 * k + 4 * j);
+            sum[r][chain] = gv_dotu(sum[r][chain], w[j], gv_set1(x4));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        if (unit == 16) {
+            const int32_t *t = x.kt + r * (K / 16) + c * 16 + 2 * k;
+            for (int h = 0; h < 2; h++)
+                A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][h], gv_set1(-32 * t[h])), gv_load(s->sc[2 * k + h])));
+        } else {
+            A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][0], sum[r][1]), gv_load(s->sc[k])));
+        }
+    }
+}
+
+/* The end of K-quant block c: each row adds A times dd and its activations' scale, then the mins'
+ * sum against the activations' (exact in int32) times -dmin and that scale. */
+static inline __attribute__((always_inline)) void kblock_end(struct acts x, const struct kscales *s, int64_t K,
+                                                             int64_t c, const int has_min, const int rows,
+                                                             const gvi A[TR], gvf acc[TR]) {
+    for (int r = 0; r < rows; r++) {
+        gvf xs = gf_set1(x.ks[r * (K / 256) + c]);
+        acc[r] = gf_fma(gf_cvt(A[r]), gf_mul(gf_load(s->dd), xs), acc[r]);
+        if (!has_min) continue;
+        const int32_t *p = x.kp + r * (K / 64) + 4 * c;
+        gvi B = gv_madd(gv_load(s->mp[0]), gv_set1(p[0]));
+        for (int i = 1; i < 4; i++) B = gv_add(B, gv_madd(gv_load(s->mp[i]), gv_set1(p[i])));
+        acc[r] = gf_fma(gf_cvt(B), gf_mul(gf_load(s->dmin), xs), acc[r]);
+    }
+}
+
+/* tile for a K-quant: its scales are kscales, one for each block of 256. */
+static inline __attribute__((always_inline)) void ktile(struct acts x, const uint8_t *q, const struct kscales *ks,
+                                                        int64_t K, const int unit, const int has_min, const int rows,
+                                                        float *y, int64_t ldy) {
+    gvf acc[TR];
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
+    for (int64_t c = 0; c < K / 256; c++) {
+        gvi A[TR];
+        for (int r = 0; r < rows; r++) A[r] = gv_zero();
+        for (int k = 0; k < 8; k++) {
+            gvi w[8];
+            for (int j = 0; j < 8; j++) w[j] = gv_load(q + (8 * c + k) * 32 * GR + 4 * GR * j);
+            kchunk(x, w, ks + c, K, c, k, unit, rows, A);
+        }
+        kblock_end(x, ks + c, K, c, has_min, rows, A, acc);
+    }
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
+
+/* tile_packed for a K-quant: the same sums and steps as decode_packed and then ktile. */
+static inline __attribute__((always_inline)) void ktile_packed(
+        const int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K, const int unit,
+        const int has_min, const int rows, float *y, int64_t ldy, const uint8_t *next, int64_t ahead) {
+    int half;
+    struct kscales s;
+    gvf acc[TR];
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
+    for (int64_t c = 0, base; c < K / 256; c++) {
+        fetch_share(next, ahead, c, K / 256);
+        const uint8_t *at = packed_block(fmt, f, group, c, &base, &half);
+        kgroup_scales(fmt, at, 0, base, half, &s);
+        gvi A[TR];
+        for (int r = 0; r < rows; r++) A[r] = gv_zero();
+        for (int k = 0; k < 8; k++) {
+            gvi w[8];
+            for (int j = 0; j < 8; j++) w[j] = packed_values(fmt, at, base, k, j, 0);
+            kchunk(x, w, &s, K, c, k, unit, rows, A);
+        }
+        kblock_end(x, &s, K, c, has_min, rows, A, acc);
+    }
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
 #else
+static void ktile(struct acts x, const uint8_t *q, const struct kscales *ks, int64_t K, int unit, int has_min,
+                  int rows, float *y, int64_t ldy) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < GR; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < K / 256; b++) {
+                const struct kscales *s = ks + b;
+                int32_t A = 0, B = 0;
+                for (int k = 0; k < 8; k++) {
+                    const uint8_t *blk = q + (8 * b + k) * 32 * GR;
+                    const int8_t *xq = x.kq + r * K + b * 256 + 32 * k;
+                    int32_t sum[2] = {0, 0};
+                    for (int j = 0; j < 8; j++)
+                        for (int i = 0; i < 4; i++) sum[unit == 16 ? j >> 2 : 0] += blk[4 * GR * j + 4 * c + i] * xq[4 * j + i];
+                    if (unit == 16) {
+                        for (int h = 0; h < 2; h++)
+                            A += (sum[h] - 32 * x.kt[r * (K / 16) + b * 16 + 2 * k + h]) * s->sc[2 * k + h][c];
+                    } else {
+                        A += sum[0] * s->sc[k][c];
+                    }
+                }
+                float xs = x.ks[r * (K / 256) + b];
+                acc = fmaf((float)A, s->dd[c] * xs, acc);
+                if (!has_min) continue;
+                for (int i = 0; i < 4; i++) {
+                    int32_t mp = s->mp[i][c], p = x.kp[r * (K / 64) + 4 * b + i];
+                    B += (int16_t)mp * (int16_t)p + (mp >> 16) * (p >> 16);
+                }
+                acc = fmaf((float)B, s->dmin[c] * xs, acc);
+            }
+            y[r * ldy + c] = acc;
+        }
+}
+
 static void tile(struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, int unit, int offset,
                  int has_min, int sign, int rows, float *y, int64_t ldy) {
     int64_t nb = K / 32;
@@ -1003,9 +1197,22 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
     default: tile(x, q, d, m, K, u, o, mn, s, TR, y, ldy); break;                \
     }
 
+#define KTILE_ROWS(u, mn)                                                        \
+    switch (rows) {                                                              \
+    case 1: ktile(x, q, ks, K, u, mn, 1, y, ldy); break;                         \
+    case 2: ktile(x, q, ks, K, u, mn, 2, y, ldy); break;                         \
+    case 3: ktile(x, q, ks, K, u, mn, 3, y, ldy); break;                         \
+    default: ktile(x, q, ks, K, u, mn, TR, y, ldy); break;                       \
+    }
+
 static void tile_any(const struct format *f, struct acts x, const uint8_t *q, const float *d, const float *m,
                      int64_t K, int rows, float *y, int64_t ldy) {
-    if (SIGNED(f)) {
+    const struct kscales *ks = (const struct kscales *)d;
+    if (f->values == 256 && f->unit == 16) {
+        KTILE_ROWS(16, 0)
+    } else if (f->values == 256) {
+        KTILE_ROWS(32, 1)
+    } else if (SIGNED(f)) {
         TILE_ROWS(32, 0, 0, 1)
     } else if (f->unit == 16) {
         TILE_ROWS(16, -32, 0, 0)
@@ -1030,6 +1237,14 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
     default: tile_packed(F, f, x, group, K, u, o, mn, sg, TR, y, ldy, next, ahead); return;           \
     }
 
+#define KPACKED_ROWS(F, u, mn)                                                                         \
+    switch (rows) {                                                                                    \
+    case 1: ktile_packed(F, f, x, group, K, u, mn, 1, y, ldy, next, ahead); return;                   \
+    case 2: ktile_packed(F, f, x, group, K, u, mn, 2, y, ldy, next, ahead); return;                   \
+    case 3: ktile_packed(F, f, x, group, K, u, mn, 3, y, ldy, next, ahead); return;                   \
+    default: ktile_packed(F, f, x, group, K, u, mn, TR, y, ldy, next, ahead); return;                 \
+    }
+
 static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
                             int rows, float *y, int64_t ldy, const uint8_t *next, int64_t ahead) {
     switch (fmt) {
@@ -1037,9 +1252,9 @@ static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, 
     case Q5_0: PACKED_ROWS(Q5_0, 32, -16, 0, 0)
     case Q4_1: PACKED_ROWS(Q4_1, 32, 0, 1, 0)
     case Q5_1: PACKED_ROWS(Q5_1, 32, 0, 1, 0)
-    case Q4_K: PACKED_ROWS(Q4_K, 32, 0, 1, 0)
-    case Q5_K: PACKED_ROWS(Q5_K, 32, 0, 1, 0)
-    case Q6_K: PACKED_ROWS(Q6_K, 16, -32, 0, 0)
+    case Q4_K: KPACKED_ROWS(Q4_K, 32, 1)
+    case Q5_K: KPACKED_ROWS(Q5_K, 32, 1)
+    case Q6_K: KPACKED_ROWS(Q6_K, 16, 0)
     case Q8_0: PACKED_ROWS(Q8_0, 32, SIGNED8 ? 0 : -128, 0, SIGNED8)
     case MB_Q8: PACKED_ROWS(MB_Q8, 32, SIGNED8 ? 0 : -128, 0, SIGNED8)
     }
@@ -1062,20 +1277,34 @@ struct matmul {
     int64_t first[4]; /* each part's first group; first[parts] = groups */
 };
 
+/* The sums of each 16 of q's n values into t. */
+static void sums16(const int8_t *q, int64_t n, int32_t *t) {
+    for (int64_t i = 0; i < n / 16; i++) {
+        int32_t sum = 0;
+        for (int l = 0; l < 16; l++) sum += q[16 * i + l];
+        t[i] = sum;
+    }
+}
+
 static void quantize_task(void *arg, int64_t task, int who) {
     (void)who;
     struct matmul *mm = arg;
-    int64_t K = mm->K, nb = K / QK, end = (task + 1) * mm->rows_per_task;
+    int64_t K = mm->K, end = (task + 1) * mm->rows_per_task;
     for (int64_t r = task * mm->rows_per_task; r < end && r < mm->M; r++) {
-        int8_t *q = mm->a.q + r * K;
-        int32_t *t = mm->a.t + r * 2 * nb;
-        quantize_row(mm->x + r * K, q, mm->a.s + r * nb, K);
-        for (int64_t i = 0; i < 2 * nb; i++) {
-            int32_t sum = 0;
-            for (int l = 0; l < 16; l++) sum += q[16 * i + l];
-            t[i] = sum;
+        struct acts x = acts_row(mm->a, r, K);
+        if (x.q) {
+            quantize_row(mm->x + r * K, x.q, x.s, K, QK);
+            sums16(x.q, K, x.t);
+            for (int64_t b = 0; b < K / QK; b++) x.sm[b] = x.s[b] * (float)(x.t[2 * b] + x.t[2 * b + 1]);
         }
-        for (int64_t b = 0; b < nb; b++) mm->a.sm[r * nb + b] = mm->a.s[r * nb + b] * (float)(t[2 * b] + t[2 * b + 1]);
+        if (x.kq) {
+            quantize_row(mm->x + r * K, x.kq, x.ks, K, 256);
+            sums16(x.kq, K, x.kt);
+            for (int64_t i = 0; i < K / 64; i++) { /* per 256: sums of 32 paired (0, 2), (1, 3), (4, 6), (5, 7) */
+                const int32_t *t = x.kt + 16 * (i / 4) + 8 * (i % 4 / 2) + 2 * (i % 2);
+                x.kp[i] = (int32_t)((uint32_t)(uint16_t)(t[0] + t[1]) | (uint32_t)(t[4] + t[5]) << 16);
+            }
+        }
     }
 }
 
@@ -1097,6 +1326,8 @@ static void tile_task(void *arg, int64_t task, int who) {
     struct matmul *mm = arg;
     const struct weight *w = mm->w;
     int64_t K = mm->K, end = (task + 1) * mm->groups_per_task;
+    /* decoded values, then scales [K / 16][GR] and mins [K / 32][GR] (a K-quant's kscales, 22 GR floats a
+     * block of 256, take both) */
     uint8_t *q = thread_buffer(0, GR * K + sizeof(float) * GR * (K / 16 + K / 32));
     float *d = (float *)(q + GR * K), *m = d + GR * (K / 16);
     for (int64_t g = task * mm->groups_per_task; g < end && g < mm->groups; g++) {
@@ -1132,9 +1363,8 @@ static void tile_task(void *arg, int64_t task, int who) {
             decode_group(w->fmt[p], &f, full, bytes, K, q, d, m, NULL, 0);
         }
         for (int64_t r = 0; r < mm->M; r += TR) {
-            int64_t nb = K / QK;
             int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
-            struct acts x = {mm->a.q + r * K, mm->a.s + r * nb, mm->a.sm + r * nb, mm->a.t + r * 2 * nb};
+            struct acts x = acts_row(mm->a, r, K);
             if (n == GR) {
                 tile_any(&f, x, q, d, m, K, rows_here, y + r * mm->N, mm->N);
                 continue;
@@ -1155,11 +1385,24 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     }
     mm.first[w->parts] = mm.groups;
     if (M == 0 || mm.N == 0) return;
-    int64_t nb = K / QK, parts = 4 * omp_get_max_threads();
-    mm.a.q = malloc(M * K);
-    mm.a.s = malloc(sizeof(float) * M * nb * 2);
-    mm.a.sm = mm.a.s + M * nb;
-    mm.a.t = malloc(sizeof(int32_t) * M * nb * 2);
+    int blocks32 = 0, blocks256 = 0, parts = 4 * omp_get_max_threads();
+    for (int p = 0; p < w->parts; p++) {
+        struct format f;
+        if (format_of(w->fmt[p] % PACKED, &f) && f.values == 256) blocks256 = 1;
+        else blocks32 = 1;
+    }
+    if (blocks32) {
+        mm.a.q = malloc(M * K);
+        mm.a.s = malloc(sizeof(float) * M * (K / 32) * 2);
+        mm.a.sm = mm.a.s + M * (K / 32);
+        mm.a.t = malloc(sizeof(int32_t) * M * (K / 16));
+    }
+    if (blocks256) {
+        mm.a.kq = malloc(M * K);
+        mm.a.ks = malloc(sizeof(float) * M * (K / 256));
+        mm.a.kt = malloc(sizeof(int32_t) * M * (K / 16 + K / 64));
+        mm.a.kp = mm.a.kt + M * (K / 16);
+    }
     mm.rows_per_task = (M + parts - 1) / parts;
     mm.groups_per_task = (mm.groups + parts - 1) / parts;
     /* quantizing an element costs about what 8 multiply-adds do */
@@ -1168,6 +1411,9 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     free(mm.a.q);
     free(mm.a.s);
     free(mm.a.t);
+    free(mm.a.kq);
+    free(mm.a.ks);
+    free(mm.a.kt);
 }
 
 /* Rows ids[i] (ids NULL: rows 0..n-1) of a weight of format fmt, K wide, as fp32: out [n, K]. */
@@ -1198,7 +1444,7 @@ void mb_q8_quantize(const float *w, uint8_t *out, int64_t N, int64_t K) {
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = out + (n * nb + b) * 36;
             float scale;
-            quantize_row(w + n * K + b * QK, q, &scale, QK);
+            quantize_row(w + n * K + b * QK, q, &scale, QK, QK);
             memcpy(blk, &scale, 4);
             memcpy(blk + 4, q, QK);
         }
@@ -1298,7 +1544,7 @@ static inline void half_to(uint8_t *p, float x) {
 static void kv_store_row(const float *x, uint8_t *row, int64_t D, int64_t kvq) {
     if (kvq) {
         float scales[D / QK];
-        quantize_row(x, (int8_t *)row, scales, D);
+        quantize_row(x, (int8_t *)row, scales, D, QK);
         for (int64_t b = 0; b < D / QK; b++) half_to(row + D + 2 * b, scales[b]);
         return;
     }

@@ -44,6 +44,7 @@ _SIGNATURES = {
     "mb_gelu_mul": (_P, _P, _I, _I),
 }
 
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-pthread", "-ffp-contract=off")
 
 @cache
 def load() -> ctypes.CDLL | None:
@@ -55,10 +56,14 @@ def load() -> ctypes.CDLL | None:
         log.info("no C compiler found: mashbox's CPU kernels are off, torch's are used")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return bind(ctypes.CDLL(str(_build(compiler))))
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", err)
         return None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A build of the kernels, its functions given their signatures."""
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
@@ -82,9 +87,8 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
-    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-pthread", "-ffp-contract=off"]
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
