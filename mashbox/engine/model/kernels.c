@@ -967,17 +967,16 @@ static inline struct acts acts_row(struct acts a, int64_t r, int64_t K) {
 #ifdef MB_AVX2
 
 /* Block b (weights 32b ..) of a tile: w[j] holds weights 4j .. 4j + 3 of the GR rows, d and m the block's
- * scales and mins (d [2][GR] with unit 16). unit, offset, has_min and sign are the format's (constants
- * where this is inlined); a block's weights sum in two chains (even and odd j, or with unit 16 the two
- * halves) so that a tile's multiply-adds do not wait on each other. */
+ * scale and min. offset, has_min and sign are the format's (constants where this is inlined); a block's
+ * weights sum in two chains (even and odd j) so that a tile's multiply-adds do not wait on each other. */
 static inline __attribute__((always_inline)) void tile_block(
-        struct acts x, const gvi w[8], const float *d, const float *m, int64_t K, int64_t b, const int unit,
-        const int offset, const int has_min, const int sign, const int rows, gvf acc[TR]) {
+        struct acts x, const gvi w[8], const float *d, const float *m, int64_t K, int64_t b, const int offset,
+        const int has_min, const int sign, const int rows, gvf acc[TR]) {
     int64_t nb = K / 32;
     gvi sum[TR][2];
     for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
     for (int j = 0; j < 8; j++) {
-        int chain = unit == 16 ? j >> 2 : j & 1;
+        int chain = j & 1;
         for (int r = 0; r < rows; r++) { /* 4 activations broadcast from memory, into the multiply where it can */
             int32_t x4 = *(const int32_u *)(x.q + r * K + b * 32 + 4 * j);
             if (sign) sum[r][chain] = gv_dots(sum[r][chain], w[j], gv_set1(x4));
@@ -986,31 +985,23 @@ static inline __attribute__((always_inline)) void tile_block(
     }
     for (int r = 0; r < rows; r++) {
         const int32_t *t = x.t + r * 2 * nb + 2 * b;
-        gvf xs = gf_set1(x.s[r * nb + b]);
-        if (unit == 16) {
-            for (int h = 0; h < 2; h++) {
-                gvi dot = gv_add(sum[r][h], gv_set1(offset * t[h]));
-                acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d + h * GR), xs), acc[r]);
-            }
-        } else {
-            gvi dot = gv_add(sum[r][0], sum[r][1]);
-            if (offset) dot = gv_add(dot, gv_set1(offset * (t[0] + t[1])));
-            acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d), xs), acc[r]);
-        }
+        gvi dot = gv_add(sum[r][0], sum[r][1]);
+        if (offset) dot = gv_add(dot, gv_set1(offset * (t[0] + t[1])));
+        acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d), gf_set1(x.s[r * nb + b])), acc[r]);
         if (has_min) acc[r] = gf_fma(gf_load(m), gf_set1(x.sm[r * nb + b]), acc[r]);
     }
 }
 
 /* y[r, 0..GR) for the rows r < rows of x against one decoded group. */
 static inline __attribute__((always_inline)) void tile(
-        struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, const int unit,
-        const int offset, const int has_min, const int sign, const int rows, float *y, int64_t ldy) {
+        struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, const int offset,
+        const int has_min, const int sign, const int rows, float *y, int64_t ldy) {
     gvf acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = gf_zero();
     for (int64_t b = 0; b < K / 32; b++) {
         gvi w[8];
         for (int j = 0; j < 8; j++) w[j] = gv_load(q + b * 32 * GR + 4 * GR * j);
-        tile_block(x, w, d + (unit == 16 ? 2 * b : b) * GR, m + b * GR, K, b, unit, offset, has_min, sign, rows, acc);
+        tile_block(x, w, d + b * GR, m + b * GR, K, b, offset, has_min, sign, rows, acc);
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
@@ -1020,22 +1011,19 @@ static inline __attribute__((always_inline)) void tile(
  * rows are constants where inlined. */
 static inline __attribute__((always_inline)) void tile_packed(
         const int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
-        const int unit, const int offset, const int has_min, const int sign, const int rows, float *y,
-        int64_t ldy, const uint8_t *next, int64_t ahead) {
-    int V = f->values, half;
-    float d[16 * GR], m[8 * GR];
+        const int offset, const int has_min, const int sign, const int rows, float *y, int64_t ldy,
+        const uint8_t *next, int64_t ahead) {
+    int half;
+    float d[GR], m[GR] = {0}; /* m: where the format has mins */
     gvf acc[TR];
     for (int r = 0; r < rows; r++) acc[r] = gf_zero();
-    for (int64_t c = 0, base; c < K / V; c++) {
-        fetch_share(next, ahead, c, K / V);
-        const uint8_t *at = packed_block(fmt, f, group, c, &base, &half);
+    for (int64_t b = 0, base; b < K / 32; b++) {
+        fetch_share(next, ahead, b, K / 32);
+        const uint8_t *at = packed_block(fmt, f, group, b, &base, &half);
         group_scales(fmt, f, at, 0, base, half, d, m);
-        for (int k = 0; k < V / 32; k++) {
-            gvi w[8];
-            for (int j = 0; j < 8; j++) w[j] = packed_values(fmt, at, base, k, j, sign);
-            tile_block(x, w, d + (unit == 16 ? 2 * k : k) * GR, m + k * GR, K, c * V / 32 + k, unit, offset, has_min,
-                       sign, rows, acc);
-        }
+        gvi w[8];
+        for (int j = 0; j < 8; j++) w[j] = packed_values(fmt, at, base, 0, j, sign);
+        tile_block(x, w, d, m, K, b, offset, has_min, sign, rows, acc);
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
@@ -1159,8 +1147,8 @@ static void ktile(struct acts x, const uint8_t *q, const struct kscales *ks, int
         }
 }
 
-static void tile(struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, int unit, int offset,
-                 int has_min, int sign, int rows, float *y, int64_t ldy) {
+static void tile(struct acts x, const uint8_t *q, const float *d, const float *m, int64_t K, int offset, int has_min,
+                 int sign, int rows, float *y, int64_t ldy) {
     int64_t nb = K / 32;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < GR; c++) {
@@ -1169,18 +1157,13 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
                 const uint8_t *blk = q + b * 32 * GR;
                 const int8_t *xq = x.q + r * K + b * 32;
                 const int32_t *t = x.t + r * 2 * nb + 2 * b;
-                int32_t sum[2] = {0, 0};
+                int32_t sum = 0;
                 for (int j = 0; j < 8; j++)
                     for (int i = 0; i < 4; i++) {
                         uint8_t u = blk[4 * GR * j + 4 * c + i];
-                        sum[unit == 16 ? j >> 2 : 0] += (sign ? (int8_t)u : u) * xq[4 * j + i];
+                        sum += (sign ? (int8_t)u : u) * xq[4 * j + i];
                     }
-                float xs = x.s[r * nb + b];
-                if (unit == 16) {
-                    for (int h = 0; h < 2; h++) acc = fmaf((float)(sum[h] + offset * t[h]), d[(2 * b + h) * GR + c] * xs, acc);
-                } else {
-                    acc = fmaf((float)(sum[0] + offset * (t[0] + t[1])), d[b * GR + c] * xs, acc);
-                }
+                acc = fmaf((float)(sum + offset * (t[0] + t[1])), d[b * GR + c] * x.s[r * nb + b], acc);
                 if (has_min) acc = fmaf(m[b * GR + c], x.sm[r * nb + b], acc);
             }
             y[r * ldy + c] = acc;
@@ -1189,12 +1172,12 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
 #endif
 
 /* The tile's forms: one specialised copy of `tile` each (rows 1..TR inlined below). */
-#define TILE_ROWS(u, o, mn, s)                                                   \
+#define TILE_ROWS(o, mn, s)                                                      \
     switch (rows) {                                                              \
-    case 1: tile(x, q, d, m, K, u, o, mn, s, 1, y, ldy); break;                  \
-    case 2: tile(x, q, d, m, K, u, o, mn, s, 2, y, ldy); break;                  \
-    case 3: tile(x, q, d, m, K, u, o, mn, s, 3, y, ldy); break;                  \
-    default: tile(x, q, d, m, K, u, o, mn, s, TR, y, ldy); break;                \
+    case 1: tile(x, q, d, m, K, o, mn, s, 1, y, ldy); break;                     \
+    case 2: tile(x, q, d, m, K, o, mn, s, 2, y, ldy); break;                     \
+    case 3: tile(x, q, d, m, K, o, mn, s, 3, y, ldy); break;                     \
+    default: tile(x, q, d, m, K, o, mn, s, TR, y, ldy); break;                   \
     }
 
 #define KTILE_ROWS(u, mn)                                                        \
@@ -1213,28 +1196,26 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
     } else if (f->values == 256) {
         KTILE_ROWS(32, 1)
     } else if (SIGNED(f)) {
-        TILE_ROWS(32, 0, 0, 1)
-    } else if (f->unit == 16) {
-        TILE_ROWS(16, -32, 0, 0)
+        TILE_ROWS(0, 0, 1)
     } else if (f->min) {
-        TILE_ROWS(32, 0, 1, 0)
+        TILE_ROWS(0, 1, 0)
     } else if (f->offset == -8) {
-        TILE_ROWS(32, -8, 0, 0)
+        TILE_ROWS(-8, 0, 0)
     } else if (f->offset == -16) {
-        TILE_ROWS(32, -16, 0, 0)
+        TILE_ROWS(-16, 0, 0)
     } else {
-        TILE_ROWS(32, -128, 0, 0)
+        TILE_ROWS(-128, 0, 0)
     }
 }
 
 #ifdef MB_AVX2
 /* tile_packed in its format's form and for its count of rows (the tile's constants, as tile_any picks them). */
-#define PACKED_ROWS(F, u, o, mn, sg)                                                                   \
+#define PACKED_ROWS(F, o, mn, sg)                                                                      \
     switch (rows) {                                                                                    \
-    case 1: tile_packed(F, f, x, group, K, u, o, mn, sg, 1, y, ldy, next, ahead); return;             \
-    case 2: tile_packed(F, f, x, group, K, u, o, mn, sg, 2, y, ldy, next, ahead); return;             \
-    case 3: tile_packed(F, f, x, group, K, u, o, mn, sg, 3, y, ldy, next, ahead); return;             \
-    default: tile_packed(F, f, x, group, K, u, o, mn, sg, TR, y, ldy, next, ahead); return;           \
+    case 1: tile_packed(F, f, x, group, K, o, mn, sg, 1, y, ldy, next, ahead); return;                \
+    case 2: tile_packed(F, f, x, group, K, o, mn, sg, 2, y, ldy, next, ahead); return;                \
+    case 3: tile_packed(F, f, x, group, K, o, mn, sg, 3, y, ldy, next, ahead); return;                \
+    default: tile_packed(F, f, x, group, K, o, mn, sg, TR, y, ldy, next, ahead); return;              \
     }
 
 #define KPACKED_ROWS(F, u, mn)                                                                         \
@@ -1248,15 +1229,15 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
 static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
                             int rows, float *y, int64_t ldy, const uint8_t *next, int64_t ahead) {
     switch (fmt) {
-    case Q4_0: PACKED_ROWS(Q4_0, 32, -8, 0, 0)
-    case Q5_0: PACKED_ROWS(Q5_0, 32, -16, 0, 0)
-    case Q4_1: PACKED_ROWS(Q4_1, 32, 0, 1, 0)
-    case Q5_1: PACKED_ROWS(Q5_1, 32, 0, 1, 0)
+    case Q4_0: PACKED_ROWS(Q4_0, -8, 0, 0)
+    case Q5_0: PACKED_ROWS(Q5_0, -16, 0, 0)
+    case Q4_1: PACKED_ROWS(Q4_1, 0, 1, 0)
+    case Q5_1: PACKED_ROWS(Q5_1, 0, 1, 0)
     case Q4_K: KPACKED_ROWS(Q4_K, 32, 1)
     case Q5_K: KPACKED_ROWS(Q5_K, 32, 1)
     case Q6_K: KPACKED_ROWS(Q6_K, 16, 0)
-    case Q8_0: PACKED_ROWS(Q8_0, 32, SIGNED8 ? 0 : -128, 0, SIGNED8)
-    case MB_Q8: PACKED_ROWS(MB_Q8, 32, SIGNED8 ? 0 : -128, 0, SIGNED8)
+    case Q8_0: PACKED_ROWS(Q8_0, SIGNED8 ? 0 : -128, 0, SIGNED8)
+    case MB_Q8: PACKED_ROWS(MB_Q8, SIGNED8 ? 0 : -128, 0, SIGNED8)
     }
 }
 #endif
