@@ -174,6 +174,9 @@ def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
             continue
         blocks = random_blocks(name, n, k, seed=n)
         packed = quant.pack(blocks, lib)
+        if not lib.mb_packed_bytes(fmt, n, k):  # kernels built without AVX2 read the file's layout only
+            assert packed is blocks
+            continue
         assert packed.packed and packed.rows == n and packed.name == name
         assert packed.data.nbytes <= blocks.data.nbytes * 1.2 + 16 * quant.FORMATS[fmt][2] * k
         x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
