@@ -5,7 +5,7 @@ arithmetic is what differs (bench/kernel_speed.py measures them reading from mem
     OMP_NUM_THREADS=1 .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q4_K Q6_K ...]
 
 ``--base`` is a git revision: its kernels.c, against the working tree's. Both are built with the
-flags mashbox builds with; each shape's rounds alternate between them and the best of each counts.
+compiler and flags mashbox builds with; each shape's rounds alternate between them and the best of each counts.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SHAPES = [(512, 1536), (256, 8960)]  # (N, K): rows 1536 wide (attention, gate, 
 def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
     src, lib = folder / f"{name}.c", folder / f"{name}.so"
     src.write_text(source)
-    subprocess.run(["cc", *native.FLAGS, str(src), "-o", str(lib), "-lm"], check=True)
+    subprocess.run([native.find_compiler() or "cc", *native.FLAGS, str(src), "-o", str(lib), "-lm"], check=True)
     return native.bind(ctypes.CDLL(str(lib)))
 
 

@@ -51,7 +51,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them if needed; None where they cannot be built."""
     if os.environ.get("MASHBOX_NATIVE", "1") == "0" or platform.system() != "Linux":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         log.info("no C compiler found: mashbox's CPU kernels are off, torch's are used")
         return None
@@ -60,6 +60,11 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", err)
         return None
+
+
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
