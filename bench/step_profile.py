@@ -45,7 +45,7 @@ def profile(engine: Engine, rows: int, steps: int) -> dict[str, float]:
             t4 = time.perf_counter()
             seqs = [item.seq for item in plan.work]
             tokens = sampler.sample(logits, [s.sampling for s in seqs], [(s.prompt_ids, s.output_ids) for s in seqs],
-                                    [None] * len(seqs))
+                                    [None] * len(seqs), runner.ops.argmax)
             t5 = time.perf_counter()
             scheduler.update(plan, tokens)
             t6 = time.perf_counter()

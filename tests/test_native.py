@@ -43,6 +43,20 @@ def test_elementwise_ops_match_torch(lib):
     assert torch.allclose(native_ops.rope(qkv.clone(), 4, 16, positions, cos, sin), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 1000), (16, 49152 + 37)])
+def test_argmax_is_torchs_first_largest_index(lib, rows, vocab):
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=g) * 10
+    top = logits.max()
+    logits[0, vocab // 3] = logits[0, vocab - 1] = top + 1  # a tie: the first index wins
+    logits[-1, : vocab // 2] = -float("inf")  # a constraint's mask
+    logits[-1, vocab - 1] = top + 2  # the largest in the tail past the last whole block
+    if rows > 1:
+        logits[1] = -float("inf")  # everything masked: index 0, as torch's
+    assert NativeOps(lib).argmax(logits) == TorchOps().argmax(logits)
+    assert NativeOps(lib).argmax(logits.to(torch.bfloat16)) == TorchOps().argmax(logits.to(torch.bfloat16).float())
+
+
 def _as_read(lib, bf16, q, keys, values, scale):
     """What the attention kernel multiplies, and how close it must come to fp32 math on those: in
     bf16 pairs (asked for, and built with AVX512-BF16) the scaled queries, keys and values rounded to

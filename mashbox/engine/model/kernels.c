@@ -2054,6 +2054,51 @@ void mb_rms_norm(const float *x, const float *w, float *out, int64_t M, int64_t 
     }
 }
 
+/* The first index of a row's largest value (NaN never is; a row of -inf or NaN gives 0): the largest
+ * of each block of 256 in vectors, then the block that first holds the row's largest read for it. */
+#define ARGMAX_BLOCK 256
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    float best = -INFINITY;
+    int64_t from = 0, i = 0;
+#ifdef VW
+    for (; i + ARGMAX_BLOCK <= n; i += ARGMAX_BLOCK) {
+        vecf top = vset(-INFINITY);
+        for (int64_t j = i; j < i + ARGMAX_BLOCK; j += VW) top = vmax(vload(x + j), top); /* NaN: keeps top */
+        float t = vhmax(top);
+        if (t > best) {
+            best = t;
+            from = i;
+        }
+    }
+#endif
+    for (int64_t j = i; j < n; j++)
+        if (x[j] > best) {
+            best = x[j];
+            from = j;
+        }
+    for (int64_t j = from; j < n; j++)
+        if (x[j] == best) return j;
+    return 0;
+}
+
+struct argmax {
+    const float *x;
+    int64_t N, *out;
+};
+
+static void argmax_task(void *arg, int64_t m, int who) {
+    (void)who;
+    struct argmax *a = arg;
+    a->out[m] = argmax_row(a->x + m * a->N, a->N);
+}
+
+/* out[m] = the first index of row m's largest value, x [M, N]. */
+void mb_argmax(const float *x, int64_t M, int64_t N, int64_t *out) {
+    struct argmax a = {x, N, out};
+    pool_run(argmax_task, &a, M, M * N);
+}
+
 /* Rotary embedding in place over the first `heads` heads of each row of x (row stride ld):
  * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [ctx, D] at each row's position. */
 void mb_rope(float *x, int64_t ld, const int64_t *positions, const float *cos, const float *sin,

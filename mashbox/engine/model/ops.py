@@ -29,6 +29,10 @@ class TorchOps:
         rotated = _rotate(x[:, : heads * head_dim].view(-1, heads, head_dim), cos[positions], sin[positions])
         return torch.cat([rotated.flatten(1), x[:, heads * head_dim :]], dim=1)
 
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's first index of its largest value."""
+        return torch.argmax(logits, -1).tolist()
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -54,6 +58,13 @@ class NativeOps(TorchOps):
         """Rotates in place: ``x`` must be contiguous rows."""
         self.lib.mb_rope(ptr(x), x.shape[1], ptr(positions), ptr(cos), ptr(sin), x.shape[0], heads, head_dim)
         return x
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """As torch's, in one pass over the rows on the kernels' threads (a NaN is never the largest)."""
+        logits = logits.float().contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        self.lib.mb_argmax(ptr(logits), logits.shape[0], logits.shape[1], ptr(out))
+        return out.tolist()
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._gated(self.lib.mb_silu_mul, gate_up)

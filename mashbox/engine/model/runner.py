@@ -102,6 +102,7 @@ class ModelRunner:
             [(w.seq.prompt_ids, _output(w, j)) for w, j in rows],
             [None if w.seq.sampling.greedy else sampler.uniform(_seed(w.seq), len(w.seq.output_ids) + j)
              for w, j in rows],
+            self.ops.argmax,
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
 

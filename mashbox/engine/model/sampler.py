@@ -10,6 +10,8 @@ drawn again draws the same. Greedy rows take the argmax and draw nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mashbox.engine.request import SamplingParams
@@ -97,10 +99,12 @@ def sample(
     params: list[SamplingParams],
     histories: list[tuple[list[int], list[int]]],
     uniforms: list[float | None],
+    argmax: Callable[[torch.Tensor], list[int]] = lambda logits: torch.argmax(logits, -1).tolist(),
 ) -> list[int]:
-    """One token per row of ``logits`` [rows, vocab]; a sampled row draws with its number of ``uniforms``."""
+    """One token per row of ``logits`` [rows, vocab]; a sampled row draws with its number of ``uniforms``.
+    ``argmax`` gives every row's greedy token at once (the runner's ops: the kernels' on CPU)."""
     logits = logits.float()
-    tokens = torch.argmax(logits, -1).tolist()
+    tokens = argmax(logits)
     for i, p in enumerate(params):
         needs_penalty = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         if not needs_penalty and p.greedy:
