@@ -164,10 +164,24 @@ def test_a_gguf_of_another_architecture_is_refused_before_its_tokenizer_is_read(
     assert not (tmp_path / "cache" / "converted").exists()
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
+def test_an_output_too_large_for_the_caches_has_the_bits_of_a_small_one(lib, name):
+    """An lm_head's logits for 16 rows (8 MB and more) are stored past the caches: the same bits as each
+    row alone, whose output is stored as usual; the last group partial."""
+    blocks = random_blocks(name, 2 ** 17 + 5, 256, seed=3)
+    linear = Linear("blocks", lib=lib, parts=[blocks])
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1))
+    out = linear(x)
+    assert out.nbytes >= 8 << 20
+    for r in (0, 7, 15):
+        assert torch.equal(out[r], linear(x[r : r + 1])[0]), f"row {r} differs from the row alone"
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
     """The kernels read a packed copy (the same bytes rearranged, ``quant.pack``): every output bit is
-    what the blocks as the file has them give, at 1 to 4 and 17 rows, on partial groups and odd block counts."""
+    what the blocks as the file has them give, at 1 to 4, 16 and 17 rows (a tile at a time as loaded, or a
+    decoded group), on partial groups and odd block counts."""
     fmt = FORMATS[name]
     for n, k in [(37, 256), (9, 768), (24, 96)]:
         if k % quant.FORMATS[fmt][1]:
@@ -180,7 +194,7 @@ def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
         assert packed.packed and packed.rows == n and packed.name == name
         assert packed.data.nbytes <= blocks.data.nbytes * 1.2 + 16 * quant.FORMATS[fmt][2] * k
         x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
-        for rows in (1, 2, 3, 4, 17):
+        for rows in (1, 2, 3, 4, 16, 17):
             out = [torch.empty(rows, n) for _ in range(2)]
             for b, y in zip((blocks, packed), out):
                 parts = quant.Parts.of([b])
