@@ -1351,21 +1351,15 @@ static void tile_task(void *arg, int64_t task, int who) {
         int64_t ahead = more ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
         float *y = mm->y + col + row0, part[TR * GR];
         int to_part = n < GR || mm->stream; /* the tiles write to part, put_rows to y */
+        int as_loaded = 0; /* a packed group (at first) multiplied as loaded, with no decoded copy */
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
             int64_t size = GR * packed_row_bytes(fmt, &f, K);
-            const uint8_t *group = w->data[p] + row0 / GR * size;
+            first = w->data[p] + row0 / GR * size;
+            next = first + size;
             ahead = more ? size : 0;
-            if (direct(fmt, mm->M)) { /* multiplied as loaded, a tile of rows at a time */
-                for (int64_t r = 0; r < mm->M; r += TR) {
-                    int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
-                    tile_packed_any(fmt, &f, acts_row(mm->a, r, K), group, K, rows_here, to_part ? part : y + r * mm->N,
-                                    to_part ? GR : mm->N, group + size, r == 0 ? ahead : 0);
-                    if (to_part) put_rows(y + r * mm->N, mm->N, part, rows_here, n, mm->stream);
-                }
-                continue;
-            }
-            decode_packed(fmt, &f, group, K, q, d, m, group + size, ahead);
+            as_loaded = direct(fmt, mm->M);
+            if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
         } else if (n == GR) {
             decode_group(w->fmt[p], &f, first, bytes, K, q, d, m, next, ahead);
@@ -1376,8 +1370,16 @@ static void tile_task(void *arg, int64_t task, int who) {
         }
         for (int64_t r = 0; r < mm->M; r += TR) {
             int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
-            tile_any(&f, acts_row(mm->a, r, K), q, d, m, K, rows_here, to_part ? part : y + r * mm->N,
-                     to_part ? GR : mm->N);
+            struct acts x = acts_row(mm->a, r, K);
+            float *out = to_part ? part : y + r * mm->N;
+            int64_t ld = to_part ? GR : mm->N;
+            if (as_loaded) { /* only where packed, with AVX2 */
+#ifdef MB_AVX2
+                tile_packed_any(fmt, &f, x, first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
+#endif
+            } else {
+                tile_any(&f, x, q, d, m, K, rows_here, out, ld);
+            }
             if (to_part) put_rows(y + r * mm->N, mm->N, part, rows_here, n, mm->stream);
         }
     }

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from mashbox.engine.model.ops import TorchOps
 from mashbox.engine.request import SamplingParams
 
 
@@ -99,7 +100,7 @@ def sample(
     params: list[SamplingParams],
     histories: list[tuple[list[int], list[int]]],
     uniforms: list[float | None],
-    argmax: Callable[[torch.Tensor], list[int]] = lambda logits: torch.argmax(logits, -1).tolist(),
+    argmax: Callable[[torch.Tensor], list[int]] = TorchOps().argmax,
 ) -> list[int]:
     """One token per row of ``logits`` [rows, vocab]; a sampled row draws with its number of ``uniforms``.
     ``argmax`` gives every row's greedy token at once (the runner's ops: the kernels' on CPU)."""
