@@ -39,7 +39,7 @@ def profile(engine: Engine, rows: int, steps: int) -> dict[str, float]:
             t1 = time.perf_counter()
             batch = runner._batch(plan)
             t2 = time.perf_counter()
-            hidden = runner.forward(batch)[batch.sample_rows]
+            hidden = runner.forward(batch).index_select(0, batch.sample_rows)
             t3 = time.perf_counter()
             logits = w.lm_head(runner.ops.rms_norm(hidden, w.norm, w.spec.eps))
             t4 = time.perf_counter()

@@ -227,3 +227,24 @@ def test_gguf_blocks_are_the_cpu_default_and_the_fallback_works_without_kernels(
     finally:
         monkeypatch.delenv("MASHBOX_NATIVE")
         native.load.cache_clear()
+
+
+def test_a_decode_step_starts_no_torch_parallel_region(lib):
+    """A step's own torch ops stay on the calling thread: advanced indexing (``aten::index``) starts
+    torch's OpenMP team at any size, which costs a decode step 0.5-8 ms on two busy cores and, when
+    torch was imported before mashbox (its threads then spin), slows the kernels' pool beside it."""
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(tiny_config(1000, head_dim=32)).eval()
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=128, form=Form(torch.device("cpu"), torch.float32, "q8"))
+    scheduler = Scheduler(num_slots=4, ctx=128, chunk_tokens=64)
+    for i in range(3):
+        scheduler.add(Sequence(str(i), list(range(5 + i, 20 + 2 * i)), SamplingParams(), 8))
+    while any(s.in_prefill or not s.output_ids for s in [*scheduler.running, *scheduler.waiting]):
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.run(plan))
+    plan = scheduler.schedule()
+    assert plan.decode_rows == 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        scheduler.update(plan, runner.run(plan))
+    names = {event.name for event in prof.events()}
+    assert "aten::index_select" in names and "aten::index" not in names

@@ -90,7 +90,7 @@ class ModelRunner:
         logits = self._replayed(plan) if self._graphs is not None and self._graphs.takes(plan) else None
         if logits is None:
             batch = self._batch(plan)
-            logits = self._logits(self.forward(batch)[batch.sample_rows])
+            logits = self._logits(self.forward(batch).index_select(0, batch.sample_rows))
         rows = [(w, j) for w in plan.work if w.sample for j in range(1 + w.draft)]
         sampling = [w.seq for w, _ in rows]
         for row, seq in zip(logits, sampling):

@@ -99,7 +99,7 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
-            return self.table[ids]
+            return self.table.index_select(0, ids)
         return quant.dequantize(self.blocks, self._lib, ids)
 
     @property
