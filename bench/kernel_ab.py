@@ -2,7 +2,11 @@
 rows for each block format, on one thread and a weight that stays in cache, so the kernels' own
 arithmetic is what differs (bench/kernel_speed.py measures them reading from memory).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q4_K Q6_K ...]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q4_K Q6_K ...] [--cold]
+
+``--cold`` empties the caches before each call (a numpy pass over 64 MB, not timed: a torch op would
+leave OpenMP's threads spinning beside the kernels), so the weight and the output come from and go
+to memory as in a decode step, where the layers before have evicted them.
 
 ``--base`` is a git revision: its kernels.c, against the working tree's. Both are built with the
 compiler and flags mashbox builds with; each shape's rounds alternate between them and the best of each counts.
@@ -18,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +42,21 @@ def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
     return native.bind(ctypes.CDLL(str(lib)))
 
 
-def seconds_each(fn, x: torch.Tensor, reps: int) -> float:
+def seconds_each(fn, x: torch.Tensor, reps: int, flush: np.ndarray | None = None) -> float:
+    """The mean time of ``reps`` calls; with ``flush``, the median call, each after a pass over it (not timed)."""
     fn(x)
-    start = time.perf_counter()
+    if flush is None:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(x)
+        return (time.perf_counter() - start) / reps
+    times = []
     for _ in range(reps):
+        np.add(flush, 1, out=flush)
+        start = time.perf_counter()
         fn(x)
-    return (time.perf_counter() - start) / reps
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2]
 
 
 def main() -> None:
@@ -51,13 +65,16 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"],
                         choices=sorted(FORMATS))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cold", action="store_true", help="empty the caches before each call")
     args = parser.parse_args()
     old = subprocess.run(["git", "show", f"{args.base}:mashbox/engine/model/kernels.c"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as folder:
         libs = {args.base: build(old, Path(folder), "base"), "working tree": build(native.SOURCE.read_text(),
                                                                                    Path(folder), "tree")}
-        print(f"threads {torch.get_num_threads()}; microseconds a matmul, best of {args.rounds} rounds")
+        flush = np.zeros(64 << 18, dtype=np.float32) if args.cold else None
+        print(f"threads {torch.get_num_threads()}; microseconds a matmul, best of {args.rounds} rounds"
+              + (", caches emptied before each" if args.cold else ""))
         for name in args.formats:
             for n, k in SHAPES:
                 if k % quant.FORMATS[FORMATS[name]][1]:
@@ -69,7 +86,8 @@ def main() -> None:
                     best = dict.fromkeys(linears, float("inf"))
                     for _ in range(args.rounds):
                         for v, linear in linears.items():
-                            best[v] = min(best[v], seconds_each(linear, x, 200 // m + 10))
+                            reps = 10 if args.cold else 200 // m + 10
+                            best[v] = min(best[v], seconds_each(linear, x, reps, flush))
                     base, tree = best.values()
                     print(f"{name:5} {n}x{k} rows {m:3}: {args.base} {base * 1e6:8.1f}  working tree {tree * 1e6:8.1f}"
                           f"  {base / tree:5.2f}x", flush=True)
