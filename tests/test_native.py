@@ -235,7 +235,8 @@ def test_a_decode_step_starts_no_torch_parallel_region(lib):
     torch was imported before mashbox (its threads then spin), slows the kernels' pool beside it."""
     torch.manual_seed(7)
     model = LlamaForCausalLM(tiny_config(1000, head_dim=32)).eval()
-    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=128, form=Form(torch.device("cpu"), torch.float32, "q8"))
+    form = Form(torch.device("cpu"), torch.float32, "q8")
+    runner = ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=128, form=form)
     scheduler = Scheduler(num_slots=4, ctx=128, chunk_tokens=64)
     for i in range(3):
         scheduler.add(Sequence(str(i), list(range(5 + i, 20 + 2 * i)), SamplingParams(), 8))
