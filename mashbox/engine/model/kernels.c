@@ -742,7 +742,8 @@ static inline void fetch_share(const uint8_t *next, int64_t ahead, int64_t i, in
 
 /* Vector j (weights 4j .. 4j + 3 of each of the GR rows) of chunk k (weights 32k ..) of a packed block:
  * its stored values, as decode_block gives them. The block's byte o lies at unit's byte base + o. */
-static inline gvi packed_values(int64_t fmt, const uint8_t *unit, int64_t base, int k, int j, int sign) {
+static inline __attribute__((always_inline)) gvi packed_values(int64_t fmt, const uint8_t *unit, int64_t base, int k,
+                                                               int j, int sign) {
     const gvi low = gv_set1(0x0f0f0f0f);
     gvi v, h;
     switch (fmt) {
@@ -945,7 +946,7 @@ static void decode_group(int64_t fmt, const struct format *f, const uint8_t *row
 typedef int32_t int32_u __attribute__((may_alias, aligned(1))); /* 4 bytes read where they lie */
 
 /* Outputs are computed in tiles of up to TR activation rows x one group of GR weight rows. */
-#define TR 4
+#define TR (GR == 16 ? 8 : 4) /* 8 rows where 32 vector registers hold their sums (AVX-512), else 4 */
 
 /* A quantized activation row, in blocks of 32: int8 q[K], per 32 the scale s and s * (the sum of its q)
  * sm, per 16 the sum of its q t (rows of a matmul lie K, K / 32 and K / 16 apart); and in blocks of 256
@@ -969,8 +970,9 @@ static inline struct acts acts_row(struct acts a, int64_t r, int64_t K) {
 #ifdef MB_AVX2
 
 /* Block b (weights 32b ..) of a tile: w[j] holds weights 4j .. 4j + 3 of the GR rows, d and m the block's
- * scale and min. offset, has_min and sign are the format's (constants where this is inlined); a block's
- * weights sum in two chains (even and odd j) so that a tile's multiply-adds do not wait on each other. */
+ * scale and min. offset, has_min and sign are the format's (constants where this is inlined); up to 4 rows,
+ * a block's weights sum in two chains (even and odd j) so that a tile's multiply-adds do not wait on each
+ * other (8 rows are chains enough). */
 static inline __attribute__((always_inline)) void tile_block(
         struct acts x, const gvi w[8], const float *d, const float *m, int64_t K, int64_t b, const int offset,
         const int has_min, const int sign, const int rows, gvf acc[TR]) {
@@ -978,7 +980,7 @@ static inline __attribute__((always_inline)) void tile_block(
     gvi sum[TR][2];
     for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
     for (int j = 0; j < 8; j++) {
-        int chain = j & 1;
+        int chain = rows > 4 ? 0 : j & 1; /* 8 rows are chains enough */
         for (int r = 0; r < rows; r++) { /* 4 activations broadcast from memory, into the multiply where it can */
             int32_t x4 = *(const int32_u *)(x.q + r * K + b * 32 + 4 * j);
             if (sign) sum[r][chain] = gv_dots(sum[r][chain], w[j], gv_set1(x4));
@@ -1036,22 +1038,31 @@ static inline __attribute__((always_inline)) void tile_packed(
 static inline __attribute__((always_inline)) void kchunk(struct acts x, const gvi w[8], const struct kscales *s,
                                                          int64_t K, int64_t c, int k, const int unit, const int rows,
                                                          gvi A[TR]) {
-    gvi sum[TR][2];
-    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
-    for (int j = 0; j < 8; j++) {
-        int chain = unit == 16 ? j >> 2 : j & 1;
-        for (int r = 0; r < rows; r++) {
-            int32_t x4 = *(const int32_u *)(x.kq + r * K + c * 256 + 32 * k + 4 * j);
-            sum[r][chain] = gv_dotu(sum[r][chain], w[j], gv_set1(x4));
+    /* up to 4 rows, two chains a row (Q6_K: its two units); 8 rows are chains enough, and Q6_K's units are
+     * taken in turn so that the sums fit the registers */
+    const int turns = rows > 4 ? 32 / unit : 1, per = 8 / turns;
+#pragma GCC unroll 2
+    for (int h = 0; h < turns; h++) {
+        gvi sum[TR][2];
+        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
+#pragma GCC unroll 8
+        for (int j = h * per; j < (h + 1) * per; j++) {
+            int chain = rows > 4 ? 0 : unit == 16 ? j >> 2 : j & 1;
+            for (int r = 0; r < rows; r++) {
+                int32_t x4 = *(const int32_u *)(x.kq + r * K + c * 256 + 32 * k + 4 * j);
+                sum[r][chain] = gv_dotu(sum[r][chain], w[j], gv_set1(x4));
+            }
         }
-    }
-    for (int r = 0; r < rows; r++) {
-        if (unit == 16) {
+        for (int r = 0; r < rows; r++) {
             const int32_t *t = x.kt + r * (K / 16) + c * 16 + 2 * k;
-            for (int h = 0; h < 2; h++)
-                A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][h], gv_set1(-32 * t[h])), gv_load(s->sc[2 * k + h])));
-        } else {
-            A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][0], sum[r][1]), gv_load(s->sc[k])));
+            if (unit == 32) {
+                A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][0], sum[r][1]), gv_load(s->sc[k])));
+            } else if (turns == 2) {
+                A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][0], gv_set1(-32 * t[h])), gv_load(s->sc[2 * k + h])));
+            } else {
+                for (int u = 0; u < 2; u++)
+                    A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][u], gv_set1(-32 * t[u])), gv_load(s->sc[2 * k + u])));
+            }
         }
     }
 }
@@ -1179,6 +1190,7 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
     case 1: tile(x, q, d, m, K, o, mn, s, 1, y, ldy); break;                     \
     case 2: tile(x, q, d, m, K, o, mn, s, 2, y, ldy); break;                     \
     case 3: tile(x, q, d, m, K, o, mn, s, 3, y, ldy); break;                     \
+    case 4: tile(x, q, d, m, K, o, mn, s, 4, y, ldy); break;                     \
     default: tile(x, q, d, m, K, o, mn, s, TR, y, ldy); break;                   \
     }
 
@@ -1187,6 +1199,7 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
     case 1: ktile(x, q, ks, K, u, mn, 1, y, ldy); break;                         \
     case 2: ktile(x, q, ks, K, u, mn, 2, y, ldy); break;                         \
     case 3: ktile(x, q, ks, K, u, mn, 3, y, ldy); break;                         \
+    case 4: ktile(x, q, ks, K, u, mn, 4, y, ldy); break;                         \
     default: ktile(x, q, ks, K, u, mn, TR, y, ldy); break;                       \
     }
 
@@ -1217,6 +1230,7 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
     case 1: tile_packed(F, f, x, group, K, o, mn, sg, 1, y, ldy, next, ahead); return;                \
     case 2: tile_packed(F, f, x, group, K, o, mn, sg, 2, y, ldy, next, ahead); return;                \
     case 3: tile_packed(F, f, x, group, K, o, mn, sg, 3, y, ldy, next, ahead); return;                \
+    case 4: tile_packed(F, f, x, group, K, o, mn, sg, 4, y, ldy, next, ahead); return;                \
     default: tile_packed(F, f, x, group, K, o, mn, sg, TR, y, ldy, next, ahead); return;              \
     }
 
@@ -1225,6 +1239,7 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
     case 1: ktile_packed(F, f, x, group, K, u, mn, 1, y, ldy, next, ahead); return;                   \
     case 2: ktile_packed(F, f, x, group, K, u, mn, 2, y, ldy, next, ahead); return;                   \
     case 3: ktile_packed(F, f, x, group, K, u, mn, 3, y, ldy, next, ahead); return;                   \
+    case 4: ktile_packed(F, f, x, group, K, u, mn, 4, y, ldy, next, ahead); return;                   \
     default: ktile_packed(F, f, x, group, K, u, mn, TR, y, ldy, next, ahead); return;                 \
     }
 
@@ -1310,7 +1325,7 @@ static void *thread_buffer(int which, size_t bytes) {
  * 1.05-1.2x faster (bench/kernel_ab.py), at 64 rows 0.8-0.95x. */
 #define DIRECT_ROWS 16
 static inline int direct(int64_t fmt, int64_t M) {
-    return M <= TR || (M <= DIRECT_ROWS && fmt != Q5_K && fmt != Q6_K);
+    return M <= 4 || (M <= DIRECT_ROWS && fmt != Q5_K && fmt != Q6_K);
 }
 
 /* A tile's `rows` rows of GR outputs in `part`, n of each to y (rows ldy apart): streamed past the caches
@@ -1368,8 +1383,8 @@ static void tile_task(void *arg, int64_t task, int who) {
             for (int c = 0; c < GR; c++) memcpy(full + c * bytes, first + (c < n ? c : n - 1) * bytes, bytes);
             decode_group(w->fmt[p], &f, full, bytes, K, q, d, m, NULL, 0);
         }
-        for (int64_t r = 0; r < mm->M; r += TR) {
-            int rows_here = mm->M - r < TR ? (int)(mm->M - r) : TR;
+        for (int64_t r = 0, rows_here; r < mm->M; r += rows_here) {
+            rows_here = mm->M - r >= TR ? TR : mm->M - r < 4 ? mm->M - r : 4; /* 8, 4 or fewer */
             struct acts x = acts_row(mm->a, r, K);
             float *out = to_part ? part : y + r * mm->N;
             int64_t ld = to_part ? GR : mm->N;
