@@ -1320,13 +1320,10 @@ static void *thread_buffer(int which, size_t bytes) {
     return buf[which];
 }
 
-/* Up to this many rows, a packed group whose values cost little to take from its bytes (not Q5_K's or
- * Q6_K's high bits) is multiplied a tile of rows at a time as loaded, with no decoded copy: at 16 rows
- * 1.05-1.2x faster (bench/kernel_ab.py), at 64 rows 0.8-0.95x. */
+/* Up to this many rows a packed group is multiplied a tile of rows at a time as loaded, with no decoded
+ * copy: at 16 rows 1.05-1.2x faster (bench/kernel_ab.py; Q5_K and Q6_K, whose high bits cost more to take,
+ * as fast with the caches warm and 1.06-1.08x with them cold, as in a step), at 64 rows 0.8-0.95x. */
 #define DIRECT_ROWS 16
-static inline int direct(int64_t fmt, int64_t M) {
-    return M <= 4 || (M <= DIRECT_ROWS && fmt != Q5_K && fmt != Q6_K);
-}
 
 /* A tile's `rows` rows of GR outputs in `part`, n of each to y (rows ldy apart): streamed past the caches
  * (whole aligned vectors) where the matmul's output is too large to be read back from them. */
@@ -1373,7 +1370,7 @@ static void tile_task(void *arg, int64_t task, int who) {
             first = w->data[p] + row0 / GR * size;
             next = first + size;
             ahead = more ? size : 0;
-            as_loaded = direct(fmt, mm->M);
+            as_loaded = mm->M <= DIRECT_ROWS;
             if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
         } else if (n == GR) {
