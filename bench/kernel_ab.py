@@ -1,5 +1,5 @@
 """Two versions of the CPU kernels side by side in one process: the matmul's time at 1, 4, 16 and 64
-rows for each block format, on one thread and a weight that stays in cache, so the kernels' own
+rows (or --rows) for each block format, on one thread and a weight that stays in cache, so the kernels' own
 arithmetic is what differs (bench/kernel_speed.py measures them reading from memory).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/kernel_ab.py [--base HEAD] [--formats Q4_K Q6_K ...] [--cold]
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
     parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"],
                         choices=sorted(FORMATS))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows (default 1 4 16 64)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cold", action="store_true", help="empty the caches before each call")
     args = parser.parse_args()
@@ -81,7 +82,7 @@ def main() -> None:
                     continue
                 blocks = random_blocks(name, n, k, seed=1)
                 linears = {v: Linear("blocks", lib=lib, parts=[quant.pack(blocks, lib)]) for v, lib in libs.items()}
-                for m in (1, 4, 16, 64):
+                for m in args.rows:
                     x = torch.randn(m, k)
                     best = dict.fromkeys(linears, float("inf"))
                     for _ in range(args.rounds):
