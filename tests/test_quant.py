@@ -45,11 +45,11 @@ def test_matmul_over_blocks_is_exact_and_each_row_stands_alone(lib, name, n, k):
     weight = quant.dequantize(blocks, lib)
     linear = Linear("blocks", lib=lib, parts=[blocks])
     assert linear.shape == (n, k) and linear.formats == [name]
-    x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(k))
     out = linear(x)
     expected = (int8_rows(x, quant.FORMATS[FORMATS[name]][1]).double() @ weight.double().T).float()
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
-    for rows in (*range(1, 10), 12, 16):  # tiles of 8 rows, 4 and fewer; as loaded up to 16, decoded past
+    for rows in (*range(1, 10), 12, 16, 17, 32):  # tiles of 8 rows, 4 and fewer; as loaded up to 16 or 32
         assert torch.equal(linear(x[:rows]), out[:rows]), f"a row changed with {rows} rows"
     threads = torch.get_num_threads()
     try:
@@ -180,8 +180,8 @@ def test_an_output_too_large_for_the_caches_has_the_bits_of_a_small_one(lib, nam
 @pytest.mark.parametrize("name", FORMATS)
 def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
     """The kernels read a packed copy (the same bytes rearranged, ``quant.pack``): every output bit is
-    what the blocks as the file has them give, at 1 to 4, 16 and 17 rows (a tile at a time as loaded, or a
-    decoded group), on partial groups and odd block counts."""
+    what the blocks as the file has them give, at 1 to 4, 16, 17, 32 and 33 rows (a tile at a time as loaded,
+    or a decoded group), on partial groups and odd block counts."""
     fmt = FORMATS[name]
     for n, k in [(37, 256), (9, 768), (24, 96)]:
         if k % quant.FORMATS[fmt][1]:
@@ -193,8 +193,8 @@ def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
             continue
         assert packed.packed and packed.rows == n and packed.name == name
         assert packed.data.nbytes <= blocks.data.nbytes * 1.2 + 16 * quant.FORMATS[fmt][2] * k
-        x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
-        for rows in (1, 2, 3, 4, 16, 17):
+        x = torch.randn(33, k, generator=torch.Generator().manual_seed(k))
+        for rows in (1, 2, 3, 4, 16, 17, 32, 33):
             out = [torch.empty(rows, n) for _ in range(2)]
             for b, y in zip((blocks, packed), out):
                 parts = quant.Parts.of([b])

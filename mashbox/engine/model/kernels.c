@@ -1327,9 +1327,10 @@ static void *thread_buffer(int which, size_t bytes) {
 }
 
 /* Up to this many rows a packed group is multiplied a tile of rows at a time as loaded, with no decoded
- * copy: at 16 rows 1.05-1.2x faster (bench/kernel_ab.py; Q5_K and Q6_K, whose high bits cost more to take,
- * as fast with the caches warm and 1.06-1.08x with them cold, as in a step), at 64 rows 0.8-0.95x. */
-#define DIRECT_ROWS 16
+ * copy (bench/kernel_ab.py --cold, as in a step, against a decoded copy): at 16 rows 1.05-1.2x faster, and
+ * Q5_K and Q6_K, whose high bits cost more to take, 1.06-1.08x; at 24-32 rows the others 1.07-1.3x and these
+ * two 0.95-1.03x; at 48-64 rows 0.92-1.06x. */
+static inline int64_t direct_rows(int64_t fmt) { return fmt == Q5_K || fmt == Q6_K ? 16 : 32; }
 
 /* A tile's `rows` rows of GR outputs in `part`, n of each to y (rows ldy apart): streamed past the caches
  * (whole aligned vectors) where the matmul's output is too large to be read back from them. */
@@ -1376,7 +1377,7 @@ static void tile_task(void *arg, int64_t task, int who) {
             first = w->data[p] + row0 / GR * size;
             next = first + size;
             ahead = more ? size : 0;
-            as_loaded = mm->M <= DIRECT_ROWS;
+            as_loaded = mm->M <= direct_rows(fmt);
             if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
         } else if (n == GR) {
