@@ -1045,8 +1045,10 @@ static inline __attribute__((always_inline)) void kchunk(struct acts x, const gv
             for (int r = 0; r < rows; r++) sum[r] = gv_zero();
 #pragma GCC unroll 8
             for (int j = h * unit / 4; j < (h + 1) * unit / 4; j++)
-                for (int r = 0; r < rows; r++)
-                    sum[r] = gv_dotu(sum[r], w[j], gv_set1(*(const int32_u *)(x.kq + r * K + c * 256 + 32 * k + 4 * j)));
+                for (int r = 0; r < rows; r++) {
+                    int32_t x4 = *(const int32_u *)(x.kq + r * K + c * 256 + 32 * k + 4 * j);
+                    sum[r] = gv_dotu(sum[r], w[j], gv_set1(x4));
+                }
             for (int r = 0; r < rows; r++) {
                 if (unit == 16) sum[r] = gv_add(sum[r], gv_set1(-32 * x.kt[r * (K / 16) + c * 16 + 2 * k + h]));
                 A[r] = gv_add(A[r], gv_mullo(sum[r], gv_load(s->sc[32 / unit * k + h])));
@@ -1326,7 +1328,7 @@ static void *thread_buffer(int which, size_t bytes) {
     return buf[which];
 }
 
-/* Up to this many rows a packed group is multiplied a tile of rows at a time as loaded, with no decoded
+/* Up to direct_rows(fmt) rows a packed group is multiplied a tile of rows at a time as loaded, with no decoded
  * copy (bench/kernel_ab.py --cold, as in a step, against a decoded copy): at 16 rows 1.05-1.2x faster, and
  * Q5_K and Q6_K, whose high bits cost more to take, 1.06-1.08x; at 24-32 rows the others 1.07-1.3x and these
  * two 0.95-1.03x; at 48-64 rows 0.92-1.06x. */
