@@ -1331,8 +1331,11 @@ static void *thread_buffer(int which, size_t bytes) {
 /* Up to direct_rows(fmt) rows a packed group is multiplied a tile of rows at a time as loaded, with no decoded
  * copy (bench/kernel_ab.py --cold, as in a step, against a decoded copy): at 16 rows 1.05-1.2x faster, and
  * Q5_K and Q6_K, whose high bits cost more to take, 1.06-1.08x; at 24-32 rows the others 1.07-1.3x and these
- * two 0.95-1.03x; at 48-64 rows 0.92-1.06x. */
-static inline int64_t direct_rows(int64_t fmt) { return fmt == Q5_K || fmt == Q6_K ? 16 : 32; }
+ * two 0.95-1.03x; at 48-64 rows 0.92-1.06x (with AVX-512's 8-row tiles). */
+static inline int64_t direct_rows(int64_t fmt) {
+    int slow = fmt == Q5_K || fmt == Q6_K;
+    return TR == 8 ? (slow ? 16 : 32) : (slow ? 4 : 16); /* 4-row tiles (AVX2): at 24-32 rows 0.87-1.08x */
+}
 
 /* A tile's `rows` rows of GR outputs in `part`, n of each to y (rows ldy apart): streamed past the caches
  * (whole aligned vectors) where the matmul's output is too large to be read back from them. */
