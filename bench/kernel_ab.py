@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
     parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"],
                         choices=sorted(FORMATS))
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows (default 1 4 16 64)")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64],
+                        help="activation rows (default 1 4 16 64)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cold", action="store_true", help="empty the caches before each call")
     args = parser.parse_args()

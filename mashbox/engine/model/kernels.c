@@ -1395,7 +1395,7 @@ static void tile_task(void *arg, int64_t task, int who) {
         /* a decoded group of 32-value blocks goes 4 rows at a time: at 256 rows 0.87-0.98x with 8 */
         int64_t most = as_loaded || f.values == 256 ? TR : 4;
         for (int64_t r = 0, rows_here; r < mm->M; r += rows_here) {
-            rows_here = mm->M - r >= most ? most : mm->M - r < 4 ? mm->M - r : 4; /* 8, 4 or fewer */
+            rows_here = mm->M - r >= most ? most : mm->M - r >= 4 ? 4 : mm->M - r; /* 8, 4 or fewer */
             struct acts x = acts_row(mm->a, r, K);
             float *out = to_part ? part : y + r * mm->N;
             int64_t ld = to_part ? GR : mm->N;
