@@ -12,6 +12,7 @@ from mashbox import SamplingParams
 from mashbox.engine.load.checkpoint import Checkpoint, Tensors
 from mashbox.engine.model import native
 from mashbox.engine.model.form import Form, decide
+from mashbox.engine.model.kv_cache import BLOCK, KVCache, _pairs, _rows
 from mashbox.engine.model.ops import NativeOps, TorchOps
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import _linear
@@ -172,6 +173,60 @@ def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib,
     split = _chunk_attention(lib, bf16, kvq, rows, keys, values, again, heads, kv_heads, dim, window)
     assert torch.equal(torch.cat([split[:64], split[69:]]), out[37:337])
     assert torch.equal(split[64:69], out[337:342])
+
+
+def _stored(lib, floats, kvq):
+    """``floats`` [slots, kv_heads, ctx, dim] written into a cache by ``mb_kv_store`` in form ``kvq``."""
+    slots, heads, ctx, dim = floats.shape
+    rows = floats.transpose(1, 2).reshape(slots * ctx, heads * dim).contiguous()
+    which, positions = torch.arange(slots).repeat_interleave(ctx), torch.arange(ctx).repeat(slots)
+    cache = torch.full((slots, heads, ctx, dim), float("nan"), dtype=torch.float16)
+    lib.mb_kv_store(rows.data_ptr(), heads * dim, cache.data_ptr(), which.data_ptr(), positions.data_ptr(),
+                    slots * ctx, heads, dim, ctx, kvq)
+    return cache
+
+
+@pytest.mark.parametrize("bf16", [0, 1])
+@pytest.mark.parametrize("window", [0, 100])
+def test_blocked_keys_attend_exactly_as_rows_do(lib, bf16, window):
+    """kvq 2 keeps the keys of each 64 positions as dim pairs (the bf16 attention's form): stored by
+    mb_kv_store as kv_cache lays them out, and attended to with the same bits as fp16 rows, in chunks and
+    one row at a time, positions past a row's own (a last part block) never read."""
+    g = torch.Generator().manual_seed(9)
+    slots, kv_heads, heads, dim, ctx = 2, 3, 9, 64, 960
+    floats = torch.randn(slots, kv_heads, ctx, dim, generator=g)
+    floats[1, :, 330:] = float("nan")  # past slot 1's last row, in its block and after
+    rows, blocked = _stored(lib, floats, 0), _stored(lib, floats, 2)
+    assert torch.equal(rows.nan_to_num(7.0), floats.half().nan_to_num(7.0))
+    assert torch.equal(_pairs(rows, BLOCK).view(torch.int16), blocked.view(torch.int16))
+    assert torch.equal(_rows(blocked, BLOCK).view(torch.int16), rows.view(torch.int16))
+    values = floats.flip(-1).half().contiguous()
+    q = torch.randn(300, heads * dim, generator=g)
+    chunks = [(0, 37, 0, 0), (37, 200, 1, 130), (237, 63, 0, 700)]
+    for chunk in (chunks, [(r + i, 1, slot, start + i) for r, n, slot, start in chunks for i in range(n)]):
+        out = [_chunk_attention(lib, bf16, kvq, q, keys, values, chunk, heads, kv_heads, dim, window)
+               for kvq, keys in ((0, rows), (2, blocked))]
+        assert not out[0].isnan().any() and torch.equal(out[0], out[1])
+
+
+def test_blocked_kv_cache_hands_out_and_takes_in_rows():
+    """save, restore, copy and read of a cache with blocked keys give and take rows, as with fp16 rows."""
+    spec = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=32)
+    forms = [Form(torch.device("cpu"), torch.float16, mode, None) for mode in ("q8", "plain")]
+    blocked, plain = (KVCache.allocate(spec, 3, 200, form, torch.device("cpu")) for form in forms)
+    assert blocked.kvq == (2 if native.load().mb_attention_bf16() else 0) and plain.kvq == 0
+    assert blocked.keys.shape[3] == (256 if blocked.kvq == 2 else 200)
+    g = torch.Generator().manual_seed(2)
+    saved = (torch.randn(2, 150, 3, 32, generator=g).half(), torch.randn(2, 150, 3, 32, generator=g).half())
+    for cache in (blocked, plain):
+        cache.restore(1, saved)
+        cache.copy(1, 2, 150)
+        for slot in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(cache.save(slot, 150), saved))
+            assert all(torch.equal(a, b[:, 70:130]) for a, b in zip(cache.save(slot, 130, 70), saved))
+            keys, values = cache.read(1, slot, 99)
+            assert torch.equal(keys, saved[0][1, :99].transpose(0, 1))
+            assert torch.equal(values, saved[1][1, :99].transpose(0, 1))
 
 
 @pytest.mark.parametrize("kv", [None, "q8_0"])

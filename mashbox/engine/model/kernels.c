@@ -1561,25 +1561,37 @@ static inline void axpy_h(float *y, float a, const uint16_t *x, int64_t n) {
 /* ---- The KV cache's rows ----
  * A row holds one position's keys (or values) of one KV head: D fp16 (kvq 0), or q8_0 as llama.cpp
  * keeps it (kvq 1): D int8, then an fp16 scale for each 32 of them (max |x| / 127), D + D / 16 bytes
- * in all. Either is read back as fp32, a value at a time or 8 or 16 in a vector. */
-static inline int64_t kv_row_bytes(int64_t D, int64_t kvq) { return kvq ? D + D / 16 : 2 * D; }
+ * in all. Either is read back as fp32, a value at a time or 8 or 16 in a vector.
+ * kvq 2 is kvq 0 with the keys kept as the bf16 attention reads them (D % 16 == 0, ctx a multiple of
+ * KB): each KB positions' rows as D / 2 runs of KB words, a word a position's two fp16 of dims 2i, 2i + 1
+ * (kv_key_at), so that a block's keys need no transposing when they are read. Values keep rows. */
+#define KB 64 /* the positions attention takes at a time */
+
+static inline int q8_rows(int64_t kvq) { return kvq == 1; }
+
+static inline int64_t kv_row_bytes(int64_t D, int64_t kvq) { return q8_rows(kvq) ? D + D / 16 : 2 * D; }
+
+/* The byte of a kvq 2 key cache where position t's dim d lies, from its head's first position. */
+static inline int64_t kv_key_at(int64_t t, int64_t d, int64_t D) {
+    return t / KB * KB * 2 * D + (d / 2 * KB + t % KB) * 4 + d % 2 * 2;
+}
 
 static inline float kv_scale(const uint8_t *row, int64_t d, int64_t D) { return half_at(row + D + 2 * (d / QK)); }
 
 static inline float kv_at(const uint8_t *row, int64_t d, int64_t D, int64_t kvq) {
-    return kvq ? (float)(int8_t)row[d] * kv_scale(row, d, D) : half_at(row + 2 * d);
+    return q8_rows(kvq) ? (float)(int8_t)row[d] * kv_scale(row, d, D) : half_at(row + 2 * d);
 }
 
 #ifdef MB_F16C
 static inline __m256 kv8(const uint8_t *row, int64_t d, int64_t D, int64_t kvq) {
-    if (!kvq) return load_h8((const uint16_t *)(row + 2 * d));
+    if (!q8_rows(kvq)) return load_h8((const uint16_t *)(row + 2 * d));
     __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
     return _mm256_mul_ps(x, _mm256_set1_ps(kv_scale(row, d, D)));
 }
 #endif
 #if defined(__AVX512F__) && defined(MB_F16C)
 static inline __m512 kv16(const uint8_t *row, int64_t d, int64_t D, int64_t kvq) {
-    if (!kvq) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
+    if (!q8_rows(kvq)) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
     __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
     return _mm512_mul_ps(x, _mm512_set1_ps(kv_scale(row, d, D)));
 }
@@ -1594,7 +1606,7 @@ static inline void half_to(uint8_t *p, float x) {
 /* Store row x[D] as a cache row: fp16, or q8_0 (quantize_row's int8 blocks of 32, each scale kept
  * as fp16, as ggml's q8_0). */
 static void kv_store_row(const float *x, uint8_t *row, int64_t D, int64_t kvq) {
-    if (kvq) {
+    if (q8_rows(kvq)) {
         float scales[D / QK];
         quantize_row(x, (int8_t *)row, scales, D, QK);
         for (int64_t b = 0; b < D / QK; b++) half_to(row + D + 2 * b, scales[b]);
@@ -1604,13 +1616,19 @@ static void kv_store_row(const float *x, uint8_t *row, int64_t D, int64_t kvq) {
 }
 
 /* Keys or values of M rows into one layer's cache [slots, KVH, ctx, row]: row m's KVH heads of D at
- * x + m * ld, stored at slot slots[m], position positions[m]. */
+ * x + m * ld, stored at slot slots[m], position positions[m]. kvq 2 is for keys only (values: kvq 0). */
 void mb_kv_store(const float *x, int64_t ld, uint8_t *cache, const int64_t *slots, const int64_t *positions,
                  int64_t M, int64_t KVH, int64_t D, int64_t ctx, int64_t kvq) {
     int64_t RB = kv_row_bytes(D, kvq);
     for (int64_t m = 0; m < M; m++)
-        for (int64_t h = 0; h < KVH; h++)
-            kv_store_row(x + m * ld + h * D, cache + ((slots[m] * KVH + h) * ctx + positions[m]) * RB, D, kvq);
+        for (int64_t h = 0; h < KVH; h++) {
+            uint8_t *head = cache + (slots[m] * KVH + h) * ctx * RB;
+            const float *row = x + m * ld + h * D;
+            if (kvq == 2)
+                for (int64_t d = 0; d < D; d++) half_to(head + kv_key_at(positions[m], d, D), row[d]);
+            else
+                kv_store_row(row, head + positions[m] * RB, D, kvq);
+        }
 }
 
 void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
@@ -1691,8 +1709,7 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint8_t *k, const ui
  * fp32, and the weighted values added. A row's operations depend only on its
  * position and its cache, never on the chunk, the task or the thread around it. With a sliding
  * window of W, row p sees positions p-W+1..p: the earlier ones of a block score -inf, and a block
- * with none of them is passed by as a block past its position is. */
-#define KB 64
+ * with none of them is passed by as a block past its position is. Blocks are KB positions (above). */
 #ifndef ROWS
 #define ROWS 192 /* query rows a task packs: positions x query heads of one KV head */
 #endif
@@ -1837,13 +1854,21 @@ static void pack_queries_bf16(const float *src, float scale, uint32_t *dst, int6
 static void pack_block_bf16(const uint8_t *k, const uint8_t *v, int64_t n, int64_t D, int64_t RB, int64_t kvq,
                             uint32_t *kp, uint32_t *vp, uint32_t *tmp) {
     int64_t D2 = D / 2;
-    for (int64_t t = 0; t < KB; t++)
+    if (kvq == 2) /* the keys as kp takes them already: only made bf16, positions past n zero */
+        for (int64_t i = 0; i < D2 * KB; i += 16) {
+            __mmask16 in = (__mmask16)(n - i % KB >= 16 ? 0xFFFF : n > i % KB ? (1u << (n - i % KB)) - 1 : 0);
+            __m512i w = _mm512_maskz_loadu_epi32(in, k + 4 * i); /* 16 words: 16 positions' two fp16 */
+            __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+            __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+            _mm512_storeu_si512(kp + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    for (int64_t t = 0; kvq != 2 && t < KB; t++)
         for (int64_t d = 0; d < D; d += 16) {
             __m256i w = _mm256_setzero_si256();
             if (t < n) w = bf16_row(kv16(k + t * RB, d, D, kvq));
             _mm256_storeu_si256((__m256i *)(tmp + t * D2 + d / 2), w);
         }
-    for (int64_t t = 0; t < KB; t += 8)
+    for (int64_t t = 0; kvq != 2 && t < KB; t += 8)
         for (int64_t d = 0; d < D2; d += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(tmp + (t + i) * D2 + d));
@@ -1910,6 +1935,13 @@ static void block_values4_bf16(const float *p, const uint32_t *vp, float *o, int
  * k, v point at the block's first cache row of one KV head (rows RB bytes apart, as kvq says). */
 static void widen_block(const uint8_t *k, const uint8_t *v, int64_t n, int64_t D, int64_t RB, int64_t kvq,
                         float *kt, float *vb) {
+    if (kvq == 2) { /* kept for the bf16 attention, which builds that take this path do not have */
+        for (int64_t t = 0; t < KB; t++)
+            for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? half_at(k + kv_key_at(t, d, D)) : 0.0f;
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t d = 0; d < D; d++) vb[t * D + d] = half_at(v + t * RB + 2 * d);
+        return;
+    }
 #ifdef VW
     for (int64_t t = 0; t < KB; t += 8)
         for (int64_t d = 0; d < D; d += 8) {
@@ -2095,7 +2127,8 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
 
 /* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
  * (H heads of D, row stride ldq), at positions starts[c].. of slot slots[c]; out: [rows, H * D].
- * k, v: one layer's cache [slots, KVH, ctx, row], rows fp16 (kvq 0) or q8_0 (kvq 1, D % 32 == 0).
+ * k, v: one layer's cache [slots, KVH, ctx, row], rows fp16 (kvq 0), q8_0 (kvq 1, D % 32 == 0), or fp16
+ * with the keys in blocks (kvq 2: the bf16 attention's form, ctx a multiple of KB).
  * D % 16 == 0. bf16: multiply in bf16 pairs where this build can (mb_attention_bf16), else in fp32.
  * window > 0: each row attends to its last `window` positions (itself included) only. */
 void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
@@ -2255,7 +2288,7 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
     for (int64_t m = 0; k_norm && m < M; m++) mb_rms_norm(qkv + m * ld + H * HD, k_norm, qkv + m * ld + H * HD, KVH, HD, eps);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
     mb_kv_store(qkv + H * HD, ld, kcache, slots, positions, M, KVH, HD, ctx, kvq);
-    mb_kv_store(qkv + (H + KVH) * HD, ld, vcache, slots, positions, M, KVH, HD, ctx, kvq);
+    mb_kv_store(qkv + (H + KVH) * HD, ld, vcache, slots, positions, M, KVH, HD, ctx, kvq == 2 ? 0 : kvq);
     for (int64_t m = 0; m < M; m++) {
         if (n && slots[m] == cslots[n - 1] && positions[m] == starts[n - 1] + ns[n - 1]) {
             ns[n - 1]++;
