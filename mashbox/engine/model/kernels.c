@@ -1935,7 +1935,7 @@ static void block_values4_bf16(const float *p, const uint32_t *vp, float *o, int
  * k, v point at the block's first cache row of one KV head (rows RB bytes apart, as kvq says). */
 static void widen_block(const uint8_t *k, const uint8_t *v, int64_t n, int64_t D, int64_t RB, int64_t kvq,
                         float *kt, float *vb) {
-    if (kvq == 2) { /* kept for the bf16 attention, which builds that take this path do not have */
+    if (kvq == 2) { /* the bf16 attention's keys, read here a value at a time (fp32 attention over them) */
         for (int64_t t = 0; t < KB; t++)
             for (int64_t d = 0; d < D; d++) kt[d * KB + t] = t < n ? half_at(k + kv_key_at(t, d, D)) : 0.0f;
         for (int64_t t = 0; t < n; t++)
