@@ -18,6 +18,11 @@ answers one request at a time; ``transformers serve`` with ``--transformers`` (i
 dependencies: ``pip install -e '.[bench]'``). Prints one table with each figure and mashbox's
 ratio to the best peer, and writes it as JSON with --json.
 
+``--rounds N`` measures every server N times, taking turns (mashbox first in odd rounds, last in even
+ones), and reports each figure's median: this machine's speed drifts 10-30% within minutes, and a short
+one-stream sample run minutes after its peer's can swing the ratio by as much; each round's ratios are
+printed as well.
+
 mashbox runs with ``--no-speculation`` unless ``--speculation`` is given, as the peers run without
 theirs: the load generator's answers repeat themselves enough that proposals from the prompt would
 measure speculation, not the kernels (bench/speculation.py measures it, beside llama-server's).
@@ -32,6 +37,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +64,7 @@ class Server:
     model: str
     env: dict[str, str] = field(default_factory=dict)
     figures: dict[str, float | None] = field(default_factory=dict)
+    rounds: list[dict[str, float | None]] = field(default_factory=list)  # each round's figures
     note: str = ""
     health: str = "/health"  # the path that answers 200 once the model is loaded
 
@@ -213,6 +220,21 @@ def measure(server: Server, args) -> None:
         stop(proc)
 
 
+def median_figures(rounds: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each figure's median over the rounds that have it (None where none has)."""
+    keys = {k for r in rounds for k in r}
+    return {k: statistics.median(vs) if (vs := [r[k] for r in rounds if r.get(k) is not None]) else None
+            for k in keys}
+
+
+def round_ratios(servers: list[Server], i: int) -> str:
+    """Round i's one- and many-stream ratios, mashbox over the first peer."""
+    mine, peer = servers[0].rounds[i], servers[1].rounds[i]
+    cells = [f"{key.removeprefix('tok_s_')} streams {mine[key] / peer[key]:.2f}x" for key in sorted(mine)
+             if key.startswith("tok_s_") and mine.get(key) and peer.get(key)]
+    return f"round {i + 1}: " + ", ".join(cells)
+
+
 def stop(proc: subprocess.Popen) -> None:
     """End a server's process group (one that exited on its own is left as it is)."""
     if proc.poll() is not None:
@@ -308,6 +330,8 @@ def main() -> None:
     parser.add_argument("--ready-timeout", type=float, default=180)
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--speculation", action="store_true", help="run mashbox with speculation (its default)")
+    parser.add_argument("--rounds", type=int, default=1, help="measure each server this many times, taking "
+                        "turns, and report the medians (default 1)")
     args = parser.parse_args()
 
     pages = tempfile.TemporaryDirectory(prefix="mashbox-compare-")  # removed at exit
@@ -325,15 +349,27 @@ def main() -> None:
         print("no llama-cpp-python found: install it with bench/build_llama_cpp_python.sh", file=sys.stderr)
     if args.transformers:
         servers.append(transformers_server(free_port(), args.threads))
+    for i in range(args.rounds):
+        for server in servers if i % 2 == 0 else servers[::-1]:
+            print(f"{server.name}: {' '.join(server.command)}" + (f" (round {i + 1})" if args.rounds > 1 else ""),
+                  flush=True)
+            server.figures = {}
+            shutil.rmtree(pages.name)  # mashbox's prompt pages of a round before: this one starts cold too
+            os.mkdir(pages.name)
+            measure(server, args)
+            server.rounds.append(server.figures)
     for server in servers:
-        print(f"{server.name}: {' '.join(server.command)}", flush=True)
-        measure(server, args)
+        server.figures = median_figures(server.rounds)
     print()
+    if args.rounds > 1 and len(servers) > 1:
+        print("\n".join(round_ratios(servers, i) for i in range(args.rounds)))
+        print(f"(the table: each figure's median over {args.rounds} rounds)")
     print(table(servers))
     print()
     print(roofline(servers, bytes_per_token(gguf_of(args.model)[1]), args.threads))
     if args.json:
-        Path(args.json).write_text(json.dumps({s.name: {"figures": s.figures, "note": s.note} for s in servers}, indent=2))
+        Path(args.json).write_text(json.dumps({s.name: {"figures": s.figures, "rounds": s.rounds, "note": s.note}
+                                               for s in servers}, indent=2))
 
 
 if __name__ == "__main__":
