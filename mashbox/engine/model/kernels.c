@@ -1854,7 +1854,7 @@ static void pack_queries_bf16(const float *src, float scale, uint32_t *dst, int6
 static void pack_block_bf16(const uint8_t *k, const uint8_t *v, int64_t n, int64_t D, int64_t RB, int64_t kvq,
                             uint32_t *kp, uint32_t *vp, uint32_t *tmp) {
     int64_t D2 = D / 2;
-    if (kvq == 2) /* the keys as kp takes them already: only made bf16, positions past n zero */
+    if (kvq == 2) { /* the keys as kp takes them already: only made bf16, positions past n zero */
         for (int64_t i = 0; i < D2 * KB; i += 16) {
             __mmask16 in = (__mmask16)(n - i % KB >= 16 ? 0xFFFF : n > i % KB ? (1u << (n - i % KB)) - 1 : 0);
             __m512i w = _mm512_maskz_loadu_epi32(in, k + 4 * i); /* 16 words: 16 positions' two fp16 */
@@ -1862,19 +1862,21 @@ static void pack_block_bf16(const uint8_t *k, const uint8_t *v, int64_t n, int64
             __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
             _mm512_storeu_si512(kp + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
-    for (int64_t t = 0; kvq != 2 && t < KB; t++)
-        for (int64_t d = 0; d < D; d += 16) {
-            __m256i w = _mm256_setzero_si256();
-            if (t < n) w = bf16_row(kv16(k + t * RB, d, D, kvq));
-            _mm256_storeu_si256((__m256i *)(tmp + t * D2 + d / 2), w);
-        }
-    for (int64_t t = 0; kvq != 2 && t < KB; t += 8)
-        for (int64_t d = 0; d < D2; d += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(tmp + (t + i) * D2 + d));
-            transpose8(r);
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(kp + (d + i) * KB + t), r[i]);
-        }
+    } else { /* rows: made bf16, then transposed */
+        for (int64_t t = 0; t < KB; t++)
+            for (int64_t d = 0; d < D; d += 16) {
+                __m256i w = _mm256_setzero_si256();
+                if (t < n) w = bf16_row(kv16(k + t * RB, d, D, kvq));
+                _mm256_storeu_si256((__m256i *)(tmp + t * D2 + d / 2), w);
+            }
+        for (int64_t t = 0; t < KB; t += 8)
+            for (int64_t d = 0; d < D2; d += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(tmp + (t + i) * D2 + d));
+                transpose8(r);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(kp + (d + i) * KB + t), r[i]);
+            }
+    }
     for (int64_t t = 0; t < n; t += 2)
         for (int64_t d = 0; d < D; d += 16) {
             __m512 even = kv16(v + t * RB, d, D, kvq), odd = vzero();
@@ -2288,7 +2290,7 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
     for (int64_t m = 0; k_norm && m < M; m++) mb_rms_norm(qkv + m * ld + H * HD, k_norm, qkv + m * ld + H * HD, KVH, HD, eps);
     mb_rope(qkv, ld, positions, cos, sin, M, H + KVH, HD);
     mb_kv_store(qkv + H * HD, ld, kcache, slots, positions, M, KVH, HD, ctx, kvq);
-    mb_kv_store(qkv + (H + KVH) * HD, ld, vcache, slots, positions, M, KVH, HD, ctx, kvq == 2 ? 0 : kvq);
+    mb_kv_store(qkv + (H + KVH) * HD, ld, vcache, slots, positions, M, KVH, HD, ctx, q8_rows(kvq)); /* values: rows */
     for (int64_t m = 0; m < M; m++) {
         if (n && slots[m] == cslots[n - 1] && positions[m] == starts[n - 1] + ns[n - 1]) {
             ns[n - 1]++;

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 class KVCache:
     keys: torch.Tensor  # [layers, slots, kv_heads, ctx, row]
     values: torch.Tensor
-    q8: ctypes.CDLL | None = None  # rows in q8_0, stored by these kernels; None: rows of floats
-    blocked: ctypes.CDLL | None = None  # fp16 keys in blocks of BLOCK positions, stored by these kernels
+    kvq: int = 0  # the kernels' name for the rows' form: 0 fp16, 1 q8_0, 2 fp16 with blocked keys
+    lib: ctypes.CDLL | None = None  # the kernels that store forms 1 and 2; form 0 is stored by torch
 
     @classmethod
     def allocate(cls, spec: Spec, slots: int, ctx: int, form: Form, device: torch.device) -> KVCache:
@@ -39,15 +39,15 @@ class KVCache:
         lib = form.lib
         blocked = (lib is not None and form.kv != "q8_0" and form.bf16_attention and lib.mb_attention_bf16()
                    and spec.head_dim % 16 == 0)
-        ctx = -(-ctx // BLOCK) * BLOCK if blocked else ctx  # whole blocks (positions past ctx are never used)
+        ctx = _whole(ctx) if blocked else ctx  # whole blocks (positions past ctx are never used)
         shape = (spec.num_layers, slots, spec.num_kv_heads, ctx, form.kv_row(spec.head_dim))
         keys, values = (torch.empty(shape, dtype=form.kv_dtype, device=device) for _ in range(2))
-        return cls(keys, values, lib if form.kv == "q8_0" else None, lib if blocked else None)
+        kvq = 1 if form.kv == "q8_0" else 2 if blocked else 0
+        return cls(keys, values, kvq, lib if kvq else None)
 
     @property
-    def kvq(self) -> int:
-        """The kernels' name for the rows' form: 1 for q8_0, 0 for fp16, 2 for fp16 with blocked keys."""
-        return 1 if self.q8 is not None else 2 if self.blocked is not None else 0
+    def blocked(self) -> bool:
+        return self.kvq == 2
 
     @property
     def nbytes(self) -> int:
@@ -55,16 +55,15 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store each token's keys/values [tokens, kv_heads, head_dim] at its slot and position."""
-        lib = self.q8 or self.blocked
-        if lib is None:
+        if self.lib is None:
             self.keys[layer, slots, :, positions] = k.to(self.keys.dtype)
             self.values[layer, slots, :, positions] = v.to(self.values.dtype)
             return
-        for cache, x, kvq in ((self.keys[layer], k, self.kvq), (self.values[layer], v, self.kvq % 2)):
+        for cache, x, kvq in ((self.keys[layer], k, self.kvq), (self.values[layer], v, int(self.kvq == 1))):
             x = x.float().contiguous()
             tokens, heads, dim = x.shape
-            lib.mb_kv_store(x.data_ptr(), heads * dim, cache.data_ptr(), slots.data_ptr(), positions.data_ptr(),
-                            tokens, heads, dim, cache.shape[2], kvq)
+            self.lib.mb_kv_store(x.data_ptr(), heads * dim, cache.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+                                 tokens, heads, dim, cache.shape[2], kvq)
 
     @property
     def bytes_per_token(self) -> int:
@@ -80,17 +79,17 @@ class KVCache:
     def restore(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = (t.to(self.keys.device).transpose(1, 2) for t in saved)  # [layers, kv_heads, tokens, row]
         self.values[:, slot, :, : values.shape[2]] = values
-        if self.blocked is None:
+        if not self.blocked:
             self.keys[:, slot, :, : keys.shape[2]] = keys
             return
         tokens = keys.shape[2]  # a last part block is filled out: its positions past tokens are written before read
-        whole = keys.new_zeros(*keys.shape[:2], -(-tokens // BLOCK) * BLOCK, keys.shape[3])
+        whole = keys.new_zeros(*keys.shape[:2], _whole(tokens), keys.shape[3])
         whole[:, :, :tokens] = keys
         self.keys[:, slot, :, : whole.shape[2]] = _pairs(whole, BLOCK)
 
     def copy(self, source: int, slot: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``source`` into ``slot`` (whole blocks of keys)."""
-        whole = -(-length // BLOCK) * BLOCK if self.blocked is not None else length
+        whole = _whole(length) if self.blocked else length
         self.keys[:, slot, :, :whole] = self.keys[:, source, :, :whole]
         self.values[:, slot, :, :length] = self.values[:, source, :, :length]
 
@@ -101,14 +100,19 @@ class KVCache:
 
     def _key_rows(self, layer: int | slice, slot: int, start: int, end: int) -> torch.Tensor:
         """Keys of positions [start, end) as rows [..., kv_heads, end - start, row] (a copy where blocked)."""
-        if self.blocked is None:
+        if not self.blocked:
             return self.keys[layer, slot, :, start:end]
         first = start // BLOCK * BLOCK
-        blocks = self.keys[layer, slot, :, first : -(-end // BLOCK) * BLOCK]
+        blocks = self.keys[layer, slot, :, first : _whole(end)]
         return _rows(blocks, BLOCK)[..., start - first : end - first, :]
 
 
 BLOCK = 64  # positions a block of blocked keys holds (KB in kernels.c)
+
+
+def _whole(positions: int) -> int:
+    """``positions`` rounded up to whole blocks."""
+    return -(-positions // BLOCK) * BLOCK
 
 
 def _pairs(rows: torch.Tensor, block: int) -> torch.Tensor:
