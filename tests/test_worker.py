@@ -205,3 +205,34 @@ def test_metrics_count_an_answer_before_its_client_has_it(worker):
             after = counters(url)
             assert after[0] - before[0] == usage["prompt_tokens"], n
             assert after[1] - before[1] == usage["prompt_tokens_details"]["cached_tokens"], n
+
+
+def _load_and_report(conn, model):
+    """In a fresh process: the worker's load, then the collector's state after it."""
+    import gc
+
+    from mashbox.server.worker_child import _load
+
+    _load(conn, model, {"ctx": 256, "slots": 1, "quiet": True})
+    conn.send((gc.isenabled(), gc.get_freeze_count()))
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_what_loading_built_is_frozen_out_of_later_collections(tiny_model_dir, tmp_path, loads):
+    import multiprocessing
+
+    from mashbox.server.worker_messages import Failed, Ready
+
+    spawn = multiprocessing.get_context("spawn")
+    conn, child = spawn.Pipe()
+    process = spawn.Process(target=_load_and_report,
+                            args=(child, str(tiny_model_dir if loads else tmp_path / "missing")))
+    process.start()
+    try:
+        assert conn.poll(120)
+        assert isinstance(conn.recv(), Ready if loads else Failed)
+        enabled, frozen = conn.recv()
+    finally:
+        process.join(30)
+    assert enabled  # on again, whether the load succeeded or not
+    assert (frozen > 50_000) == loads  # torch and the engine's objects are out of the collector's walks
