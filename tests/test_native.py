@@ -14,6 +14,7 @@ from mashbox.engine.model import native
 from mashbox.engine.model.form import Form, decide
 from mashbox.engine.model.kv_cache import BLOCK, KVCache, _pairs, _rows
 from mashbox.engine.model.ops import NativeOps, TorchOps
+from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import _linear
 from mashbox.engine.sched.scheduler import Scheduler
@@ -22,9 +23,10 @@ from mashbox.engine.sched.sequence import Sequence
 
 def test_float_weights_are_int8_blocks_and_a_width_off_32_falls_back(lib):
     ckpt = SimpleNamespace(tensors=Tensors({"a": torch.randn(64, 64), "b": torch.randn(8, 40)}), blocks={})
-    assert _linear(ckpt, ["a"], "gguf", lib).formats == ["int8"]
-    assert _linear(ckpt, ["a"], "q8", lib).formats == ["int8"]
-    assert _linear(ckpt, ["b"], "q8", lib).mode in ("packed", "plain")
+    packer = Packer(lib)
+    assert _linear(ckpt, ["a"], "gguf", packer).formats == ["int8"]
+    assert _linear(ckpt, ["a"], "q8", packer).formats == ["int8"]
+    assert _linear(ckpt, ["b"], "q8", packer).mode in ("packed", "plain")
 
 
 def test_elementwise_ops_match_torch(lib):

@@ -25,6 +25,7 @@ from mashbox.engine.load.progress import loading
 from mashbox.engine.model import native
 from mashbox.engine.model.form import Form, decide
 from mashbox.engine.model.memory import available, check_fits, kv_bytes_per_token
+from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Weights
 from mashbox.engine.request import EngineRequest
@@ -78,7 +79,8 @@ class Runtime:
         self._template: ChatTemplate | None = None
         self.grammars = Grammars(self.tokenizer, self.eos_ids)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, {form.kv_name})")
-        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs)
+        packer = Packer.kept(form.lib, cache_dir() / "packed", Path(loaded.weights), form.mode) if form.lib else None
+        runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs, packer)
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,

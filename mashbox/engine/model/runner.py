@@ -28,6 +28,7 @@ from mashbox.engine.model import ops, sampler
 from mashbox.engine.model.form import Form
 from mashbox.engine.model.graphs import DecodeGraphs
 from mashbox.engine.model.kv_cache import KVCache
+from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.weights import GATED, Weights
 from mashbox.engine.sched.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
 from mashbox.engine.sched.scheduler import Plan, Work
@@ -58,12 +59,13 @@ class ModelRunner:
     graphs on a GPU; the KV cache gets one spare slot for the padding rows. Not with the CPU kernels."""
 
     def __init__(self, ckpt: Checkpoint, num_slots: int, ctx: int, form: Form | str = "tiled",
-                 graphs: bool = False) -> None:
-        """``form``: how the model runs (``form.decide``), or only its mode on the checkpoint's device."""
+                 graphs: bool = False, packer: Packer | None = None) -> None:
+        """``form``: how the model runs (``form.decide``), or only its mode on the checkpoint's device.
+        ``packer``: where the kernels' packed matrices come from (by default packed in memory)."""
         if isinstance(form, str):
             form = Form(ckpt.inv_freq.device, ckpt.tensors.dtype or ckpt.tensors["model.norm.weight"].dtype, form)
         lib = form.lib
-        self.weights = Weights.from_checkpoint(ckpt, ctx, form.mode, lib)
+        self.weights = Weights.from_checkpoint(ckpt, ctx, form.mode, lib, packer)
         self.device = self.weights.embed.device
         self.ops = form.ops()
         native_ops = isinstance(self.ops, ops.NativeOps)

@@ -14,6 +14,7 @@ import torch
 from mashbox.engine.load.checkpoint import SUPPORTED, Checkpoint, Spec
 from mashbox.engine.model import quant
 from mashbox.engine.model.native import ptr
+from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.ops import TorchOps
 from mashbox.errors import ModelLoadError
 
@@ -216,7 +217,9 @@ class Weights:
         return sum(storages.values())
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, ctx: int, mode: str, lib: ctypes.CDLL | None = None) -> Weights:
+    def from_checkpoint(cls, ckpt: Checkpoint, ctx: int, mode: str, lib: ctypes.CDLL | None = None,
+                        packer: Packer | None = None) -> Weights:
+        """``packer``: where the kernels' packed matrices come from (by default packed in memory)."""
         if ckpt.model_type not in SUPPORTED:
             raise ModelLoadError(
                 f"model type {ckpt.model_type!r} is not supported; mashbox runs {', '.join(SUPPORTED)} models"
@@ -228,17 +231,20 @@ class Weights:
         if ckpt.local_inv_freq is not None:
             tables[1] = ckpt.cos_sin(ctx, dtype, local=True)
         windows = ckpt.windows or (0,) * ckpt.spec.num_layers
+        packer = packer or (Packer(lib) if lib is not None else None)
         weights = cls(
             spec=ckpt.spec,
             embed=Embedding(ckpt, lib),
-            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, lib, windows[i], tables[bool(windows[i])])
+            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, packer, windows[i], tables[bool(windows[i])])
                     for i in range(ckpt.spec.num_layers)],
             norm=_norm(ckpt, "model.norm.weight"),
-            lm_head=_linear(ckpt, ["lm_head.weight"], mode, lib),
+            lm_head=_linear(ckpt, ["lm_head.weight"], mode, packer),
             cos=tables[0][0],
             sin=tables[0][1],
             embed_scale=ckpt.embed_scale,
         )
+        if packer is not None:
+            packer.save()
         if ckpt.release is not None and any(p.packed for lin in weights.linears for p in lin.parts):
             ckpt.release()  # the kernels read packed copies: the pages they were made from are let go
         widened = sorted({ckpt.blocks[n].name for n in ckpt.blocks if not ckpt.blocks[n].readable})
@@ -250,7 +256,7 @@ class Weights:
 EMBED = "model.embed_tokens.weight"
 
 
-def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None, window: int,
+def _layer(ckpt: Checkpoint, at: str, act, mode: str, packer: Packer | None, window: int,
            rotary: tuple[torch.Tensor, torch.Tensor]) -> Layer:
     t = ckpt.tensors
     attn, mlp = at + "self_attn.", at + "mlp."
@@ -269,14 +275,14 @@ def _layer(ckpt: Checkpoint, at: str, act, mode: str, lib: ctypes.CDLL | None, w
     return Layer(
         spec=ckpt.spec,
         ln_attn=norm("input_layernorm"),
-        qkv_proj=_linear(ckpt, qkv, mode, lib, rows),
+        qkv_proj=_linear(ckpt, qkv, mode, packer, rows),
         qkv_bias=bias,
         q_norm=by_head(norm("self_attn.q_norm")),
         k_norm=by_head(norm("self_attn.k_norm")),
-        o=_linear(ckpt, [attn + "o_proj.weight"], mode, lib),
+        o=_linear(ckpt, [attn + "o_proj.weight"], mode, packer),
         ln_mlp=norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"),
-        gate_up=_linear(ckpt, gate_up, mode, lib),
-        down=_linear(ckpt, [mlp + "down_proj.weight"], mode, lib),
+        gate_up=_linear(ckpt, gate_up, mode, packer),
+        down=_linear(ckpt, [mlp + "down_proj.weight"], mode, packer),
         act=act,
         cos=rotary[0],
         sin=rotary[1],
@@ -307,20 +313,21 @@ def _norm(ckpt: Checkpoint, name: str) -> torch.Tensor:
     return ckpt.tensors[name] + ckpt.norm_shift if ckpt.norm_shift else ckpt.tensors[name]
 
 
-def _linear(ckpt: Checkpoint, names: list[str], mode: str, lib: ctypes.CDLL | None,
+def _linear(ckpt: Checkpoint, names: list[str], mode: str, packer: Packer | None,
             rows: torch.Tensor | None = None) -> Linear:
     """One Linear over the named weights stacked by rows (q, k, v in one; gate and up in one), the
-    stacked rows in the order ``rows`` where given. With the kernels: each a GGUF's own blocks where
-    the kernels read them (mode ``gguf``), else int8 blocks made from its floats; their float weights
-    are then never read."""
-    if mode in ("gguf", "q8") and lib is not None and ckpt.tensors.shape(names[0])[1] % 32 == 0:
-        parts = [_blocks(ckpt, name, mode, lib) for name in names]
-        return Linear("blocks", lib=lib, parts=parts if rows is None else _reorder(parts, rows))
+    stacked rows in the order ``rows`` where given. With the kernels (``packer``): each a GGUF's own
+    blocks where the kernels read them (mode ``gguf``), else int8 blocks made from its floats (their
+    float weights then never read), packed by ``packer``."""
+    if mode in ("gguf", "q8") and packer is not None and ckpt.tensors.shape(names[0])[1] % 32 == 0:
+        parts = [_blocks(ckpt, name, mode, packer.lib) for name in names]
+        parts = parts if rows is None else _reorder(parts, rows)
+        return Linear("blocks", lib=packer.lib, parts=[packer.pack(p) for p in parts])
     if mode in ("gguf", "q8"):
         mode = "packed" if fbgemm_available() else "plain"
     tensors = [ckpt.tensors[name] for name in names]
     weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-    return Linear(mode, weight if rows is None else weight[rows], lib)
+    return Linear(mode, weight if rows is None else weight[rows])
 
 
 def _reorder(parts: list[quant.Blocks], rows: torch.Tensor) -> list[quant.Blocks]:

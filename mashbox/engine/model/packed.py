@@ -1,0 +1,175 @@
+"""The kernels' packed copies of a model's matrices, kept in a file so that a later start maps them.
+
+Packing a model (``quant.pack``: the same blocks, rearranged for the kernels) reads every matrix of
+the file and writes as many new bytes: ~0.3 s for a 0.5B Q4_K_M model here, ~0.6 s for a 1.5B one,
+most of it the kernel handing out fresh pages. So the first start saves what it packed in one file
+under the cache folder, named for the weights and the kernels' build; a later start maps that file
+and packs nothing. Mapped, the packed matrices are the page cache's pages: replicas of one model share
+them, and the kernels read them at least as fast as the anonymous copies.
+
+The file: each packed matrix at a 4096-byte boundary, in the order the model packs them; then an
+index (JSON: the weights it was made from, and each matrix's format, rows, width, offset and bytes),
+its offset (8 bytes) and ``MAGIC``. A matrix whose description differs from the index's next entry
+(a file made by other code) is packed in memory, and the file made again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import time
+from hashlib import sha256
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mashbox.engine.model import quant
+
+MAGIC = b"MBPACK01"
+ALIGN = 4096
+SUFFIX = ".mbpack"
+HALF_WRITTEN_S = 600  # a temporary file this old was left by a start that stopped while writing it
+TAIL = struct.Struct("<Q8s")  # the index's offset, MAGIC
+log = logging.getLogger("mashbox.engine")
+
+
+class Packer:
+    """Packs a model's matrices for the kernels in order: as views of ``path`` where it was saved by
+    an earlier start, else in memory (``save`` then writes them there). ``path`` None: in memory only."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path | None = None, source: Path | None = None) -> None:
+        self.lib, self.path, self.source = lib, path, source
+        self._saved, self._data = _index(path) if path is not None else ([], None)
+        self._made: list[quant.Blocks] = []  # every packed matrix, in order
+        self._new = False  # whether any was packed here: the file is (re)written
+
+    @classmethod
+    def kept(cls, lib: ctypes.CDLL, folder: Path, weights: Path, mode: str) -> Packer:
+        """A packer whose file, in ``folder``, is named for ``weights`` (a GGUF, or an HF folder): its
+        path, then its files' sizes and times and the kernels' build (the layout is theirs)."""
+        weights = weights.resolve()
+        try:
+            files = sorted(weights.iterdir()) if weights.is_dir() else [weights]
+            made = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+        except OSError:  # weights that cannot be listed are packed in memory
+            return cls(lib)
+        key = sha256(json.dumps([made, Path(lib._name).name, mode]).encode()).hexdigest()[:16]
+        return cls(lib, folder / f"{_prefix(weights)}-{key}{SUFFIX}", weights)
+
+    def pack(self, blocks: quant.Blocks) -> quant.Blocks:
+        """``blocks`` packed for the kernels (as ``quant.pack``): the saved file's next matrix where it is
+        this one, else packed now."""
+        size = 0 if blocks.packed else self.lib.mb_packed_bytes(blocks.fmt, blocks.rows, blocks.k)
+        if not size:
+            return blocks
+        at = len(self._made)
+        entry = self._saved[at] if at < len(self._saved) else None
+        if entry is not None and entry[:3] == [blocks.fmt, blocks.rows, blocks.k] and entry[4] == size:
+            data = self._data[entry[3] : entry[3] + size]
+            group = self.lib.mb_group_rows()
+            packed = quant.Blocks(blocks.fmt + quant.PACKED, data.view(-(-blocks.rows // group) * group, -1),
+                                  blocks.k, blocks.rows)
+        else:
+            self._saved, self._new = [], True  # the file no longer follows this model's order
+            packed = quant.pack(blocks, self.lib)
+        self._made.append(packed)
+        return packed
+
+    def save(self) -> None:
+        """Write every packed matrix to ``path`` where any was packed here (not from the file): atomically,
+        and the files of earlier kernels or weights of the same name removed. A failure (no room, no
+        right to write) is logged; the model runs from memory all the same."""
+        if self.path is None or not self._new or not self._made:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.stem, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    _write(f, self._made, self.source)
+                os.replace(tmp, self.path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("the packed weights could not be saved to %s (%s): the next start packs them again",
+                        self.path, err)
+            return
+        _prune(self.path, self.source)
+        log.info("packed weights saved to %s: the next start maps them", self.path)
+
+
+def _prefix(weights: Path) -> str:
+    return f"{weights.stem}-{sha256(str(weights).encode()).hexdigest()[:8]}"
+
+
+def _write(f, made: list[quant.Blocks], source: Path) -> None:
+    entries = []
+    for blocks in made:
+        f.seek(-(-f.tell() // ALIGN) * ALIGN)
+        data = blocks.data.reshape(-1)
+        entries.append([blocks.fmt % quant.PACKED, blocks.rows, blocks.k, f.tell(), data.numel()])
+        f.write(memoryview(data.numpy()))
+    at = f.tell()
+    f.write(json.dumps({"source": str(source), "matrices": entries}).encode())
+    f.write(TAIL.pack(at, MAGIC))
+
+
+def _index(path: Path) -> tuple[list[list[int]], torch.Tensor | None]:
+    """The saved matrices' entries and the file's bytes, mapped; ([], None) where there is no readable file."""
+    try:
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+    except (OSError, ValueError):  # none yet, or empty
+        return [], None
+    try:
+        at, magic = TAIL.unpack_from(data, len(data) - TAIL.size)
+        if magic != MAGIC:
+            raise ValueError("no index at its end")
+        matrices = json.loads(data[at : len(data) - TAIL.size])["matrices"]
+        if any(offset + size > at for _, _, _, offset, size in matrices):
+            raise ValueError("a matrix runs past the index")
+    except (struct.error, ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring the packed weights in %s (%s): packing again", path, err)
+        return [], None
+    return matrices, torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+
+
+def _prune(kept: Path, source: Path) -> None:
+    """Remove the other packed files of these weights (made for other kernels, or from the weights before
+    they changed), those whose weights are gone, and temporary files left half-written."""
+    prefix = _prefix(source)
+    for path in kept.parent.iterdir():
+        if path.suffix == SUFFIX and path != kept:
+            stale = path.name.startswith(prefix + "-") or not (made_from := _source(path)) or not Path(
+                made_from).exists()
+        else:
+            stale = path.suffix == ".tmp" and _age(path) > HALF_WRITTEN_S
+        if stale:
+            path.unlink(missing_ok=True)
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _source(path: Path) -> str:
+    """The weights a packed file was made from ("" where unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-TAIL.size, os.SEEK_END)
+            at, magic = TAIL.unpack(f.read(TAIL.size))
+            if magic != MAGIC:
+                return ""
+            f.seek(at)
+            return json.loads(f.read()[: -TAIL.size])["source"]
+    except (OSError, ValueError, KeyError, struct.error):
+        return ""

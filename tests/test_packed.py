@@ -1,0 +1,121 @@
+"""The kernels' packed matrices kept in a file: a later start maps them and packs nothing, answering
+exactly as the start that packed them; a file that does not follow the model is packed again and
+replaced; the files of weights that changed or went away are removed."""
+
+import json
+import logging
+import os
+import time
+
+import pytest
+import torch
+from quants import random_prompts, tiny_gguf
+from test_quant import MODELS
+from tiny import greedy
+
+from mashbox import Engine
+from mashbox.engine.load.gguf_file import checkpoint, open_model
+from mashbox.engine.model import packed, quant
+from mashbox.engine.model.packed import Packer
+from mashbox.engine.model.runner import ModelRunner
+
+
+def runner(path, lib, packer):
+    ckpt = checkpoint(open_model(path), torch.device("cpu"), torch.float32, lib)
+    return ModelRunner(ckpt, num_slots=4, ctx=512, form="gguf", packer=packer)
+
+
+def matrices(r):
+    return [p for lin in r.weights.linears for p in lin.parts]
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.mktemp("packed") / "tiny.gguf", MODELS["qwen2"](), "qwen2",
+                     ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+
+
+def test_a_second_start_maps_what_the_first_packed(tmp_path, lib, gguf, monkeypatch):
+    first = runner(gguf, lib, Packer.kept(lib, tmp_path, gguf, "gguf"))
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("tiny-") and files[0].suffix == ".mbpack"
+
+    monkeypatch.setattr(quant, "pack", lambda b, _: b if b.packed else pytest.fail("packed again"))
+    packer = Packer.kept(lib, tmp_path, gguf, "gguf")
+    second = runner(gguf, lib, packer)
+    start, end = packer._data.data_ptr(), packer._data.data_ptr() + packer._data.numel()
+    assert matrices(second) and all(start <= p.data.data_ptr() < end for p in matrices(second))  # views of the file
+    for a, b in zip(matrices(first), matrices(second), strict=True):
+        assert (a.fmt, a.rows, a.k) == (b.fmt, b.rows, b.k) and torch.equal(a.data, b.data)
+    prompts = random_prompts((1, 7, 60, 200))
+    assert greedy(second, prompts) == greedy(first, prompts)
+    assert list(tmp_path.iterdir()) == files  # nothing written again
+
+
+@pytest.mark.parametrize("damage", ["truncated", "another order", "empty"])
+def test_a_file_that_does_not_follow_the_model_is_packed_again_and_replaced(tmp_path, lib, gguf, caplog, damage):
+    first = runner(gguf, lib, Packer.kept(lib, tmp_path, gguf, "gguf"))
+    [path] = tmp_path.iterdir()
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # the index's first matrix said to have other rows
+        at, _ = packed.TAIL.unpack(data[-packed.TAIL.size :])
+        index = json.loads(data[at : -packed.TAIL.size])
+        index["matrices"][0][1] += 1
+        path.write_bytes(data[:at] + json.dumps(index).encode() + data[-packed.TAIL.size :])
+    caplog.set_level(logging.INFO, "mashbox.engine")
+    packer = Packer.kept(lib, tmp_path, gguf, "gguf")
+    second = runner(gguf, lib, packer)
+    assert packer._new and "packed weights saved" in caplog.text
+    prompts = random_prompts((3, 90))
+    assert greedy(second, prompts) == greedy(first, prompts)
+    assert path.read_bytes() == data  # made again, whole
+    again = Packer.kept(lib, tmp_path, gguf, "gguf")
+    runner(gguf, lib, again)
+    assert not again._new
+
+
+def test_files_of_changed_or_missing_weights_and_half_written_ones_are_removed(tmp_path, lib, gguf):
+    folder = tmp_path / "packed"
+    other = tiny_gguf(tmp_path / "other.gguf", MODELS["llama"](), "llama", ["Q4_K"])
+    runner(other, lib, Packer.kept(lib, folder, other, "gguf"))
+    kept_other = next(folder.iterdir())
+    runner(gguf, lib, Packer.kept(lib, folder, gguf, "gguf"))
+    before = Packer.kept(lib, folder, gguf, "gguf").path
+    old_tmp, new_tmp = folder / "tiny-x.tmp", folder / "tiny-y.tmp"
+    old_tmp.write_bytes(b"half"), new_tmp.write_bytes(b"half")
+    os.utime(old_tmp, (time.time() - 3600,) * 2)
+
+    os.utime(gguf, (time.time() + 5,) * 2)  # the weights changed: a new name, the old file goes
+    after = Packer.kept(lib, folder, gguf, "gguf")
+    assert after.path != before
+    runner(gguf, lib, after)
+    assert sorted(folder.iterdir()) == sorted([after.path, kept_other, new_tmp])
+
+    other.unlink()  # weights gone: their packed file goes at the next save
+    os.utime(gguf, (time.time() + 10,) * 2)
+    last = Packer.kept(lib, folder, gguf, "gguf")
+    runner(gguf, lib, last)
+    assert sorted(folder.iterdir()) == sorted([last.path, new_tmp])
+
+
+def test_a_folder_that_cannot_be_written_leaves_the_model_running_from_memory(tmp_path, lib, gguf, caplog):
+    (tmp_path / "file").write_bytes(b"")
+    caplog.set_level(logging.WARNING, "mashbox.engine")
+    r = runner(gguf, lib, Packer.kept(lib, tmp_path / "file", gguf, "gguf"))
+    assert "could not be saved" in caplog.text
+    assert greedy(r, random_prompts((5,)))
+
+
+def test_the_engine_keeps_its_packed_weights_in_the_cache_folder(tmp_path, monkeypatch, gguf):
+    monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path))
+    answers = []
+    for _ in range(2):
+        with Engine(str(gguf), slots=2, ctx=256, quiet=True) as engine:
+            answers.append(engine.complete(prompt="one two", max_tokens=8, temperature=0).choices[0].text)
+        [path] = (tmp_path / "packed").iterdir()
+        assert path.suffix == packed.SUFFIX
+    assert answers[0] == answers[1] and answers[0]
