@@ -136,6 +136,7 @@ def _index(path: Path) -> tuple[list[list[int]], torch.Tensor | None]:
             raise ValueError("a matrix runs past the index")
     except (struct.error, ValueError, KeyError, TypeError) as err:
         log.warning("ignoring the packed weights in %s (%s): packing again", path, err)
+        data.close()
         return [], None
     return matrices, torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
 
@@ -145,11 +146,13 @@ def _prune(kept: Path, source: Path) -> None:
     they changed), those whose weights are gone, and temporary files left half-written."""
     prefix = _prefix(source)
     for path in kept.parent.iterdir():
-        if path.suffix == SUFFIX and path != kept:
-            stale = path.name.startswith(prefix + "-") or not (made_from := _source(path)) or not Path(
-                made_from).exists()
+        if path.suffix == ".tmp":
+            stale = _age(path) > HALF_WRITTEN_S
+        elif path.suffix == SUFFIX and path != kept:
+            made_from = _source(path)
+            stale = path.name.startswith(prefix + "-") or not made_from or not Path(made_from).exists()
         else:
-            stale = path.suffix == ".tmp" and _age(path) > HALF_WRITTEN_S
+            continue
         if stale:
             path.unlink(missing_ok=True)
 
