@@ -119,3 +119,12 @@ def test_the_engine_keeps_its_packed_weights_in_the_cache_folder(tmp_path, monke
         [path] = (tmp_path / "packed").iterdir()
         assert path.suffix == packed.SUFFIX
     assert answers[0] == answers[1] and answers[0]
+
+
+def test_a_disk_nearly_full_gets_no_file(tmp_path, lib, gguf, caplog, monkeypatch):
+    free = packed.ROOM + 100_000  # less than the packed model needs on top
+    monkeypatch.setattr(packed.shutil, "disk_usage", lambda _: type("Usage", (), {"free": free})())
+    caplog.set_level(logging.INFO, "mashbox.engine")
+    r = runner(gguf, lib, Packer.kept(lib, tmp_path / "packed", gguf, "gguf"))
+    assert "not saved" in caplog.text and not list((tmp_path / "packed").iterdir())
+    assert greedy(r, random_prompts((5,)))

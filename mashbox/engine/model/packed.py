@@ -20,6 +20,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
 import tempfile
 import time
@@ -34,6 +35,7 @@ from mashbox.engine.model import quant
 MAGIC = b"MBPACK01"
 ALIGN = 4096
 SUFFIX = ".mbpack"
+ROOM = 2 << 30  # free bytes a saved file must leave on its disk
 HALF_WRITTEN_S = 600  # a temporary file this old was left by a start that stopped while writing it
 TAIL = struct.Struct("<Q8s")  # the index's offset, MAGIC
 log = logging.getLogger("mashbox.engine")
@@ -89,6 +91,11 @@ class Packer:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            size = sum(p.data.numel() for p in self._made)
+            if shutil.disk_usage(self.path.parent).free < size + ROOM:
+                log.info("the packed weights (%.1f GB) are not saved in %s: the disk would have less than %d "
+                         "GiB free; every start packs them", size / 1e9, self.path.parent, ROOM >> 30)
+                return
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.stem, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
