@@ -14,8 +14,8 @@ import torch
 from mashbox.engine.load.checkpoint import SUPPORTED, Checkpoint, Spec
 from mashbox.engine.model import quant
 from mashbox.engine.model.native import ptr
-from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.ops import TorchOps
+from mashbox.engine.model.packed import Packer
 from mashbox.errors import ModelLoadError
 
 TILE = 16
