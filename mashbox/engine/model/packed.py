@@ -67,16 +67,13 @@ class Packer:
     def pack(self, blocks: quant.Blocks) -> quant.Blocks:
         """``blocks`` packed for the kernels (as ``quant.pack``): the saved file's next matrix where it is
         this one, else packed now."""
-        size = 0 if blocks.packed else self.lib.mb_packed_bytes(blocks.fmt, blocks.rows, blocks.k)
+        size = quant.packed_bytes(blocks, self.lib)
         if not size:
             return blocks
         at = len(self._made)
         entry = self._saved[at] if at < len(self._saved) else None
         if entry is not None and entry[:3] == [blocks.fmt, blocks.rows, blocks.k] and entry[4] == size:
-            data = self._data[entry[3] : entry[3] + size]
-            group = self.lib.mb_group_rows()
-            packed = quant.Blocks(blocks.fmt + quant.PACKED, data.view(-(-blocks.rows // group) * group, -1),
-                                  blocks.k, blocks.rows)
+            packed = quant.as_packed(blocks, self._data[entry[3] : entry[3] + size], self.lib)
         else:
             self._saved, self._new = [], True  # the file no longer follows this model's order
             packed = quant.pack(blocks, self.lib)
@@ -135,17 +132,26 @@ def _index(path: Path) -> tuple[list[list[int]], torch.Tensor | None]:
     except (OSError, ValueError):  # none yet, or empty
         return [], None
     try:
-        at, magic = TAIL.unpack_from(data, len(data) - TAIL.size)
-        if magic != MAGIC:
-            raise ValueError("no index at its end")
-        matrices = json.loads(data[at : len(data) - TAIL.size])["matrices"]
-        if any(offset + size > at for _, _, _, offset, size in matrices):
-            raise ValueError("a matrix runs past the index")
-    except (struct.error, ValueError, KeyError, TypeError) as err:
+        matrices = _read(data)["matrices"]
+    except UNREADABLE as err:
         log.warning("ignoring the packed weights in %s (%s): packing again", path, err)
         data.close()
         return [], None
     return matrices, torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+
+
+UNREADABLE = (struct.error, ValueError, KeyError, TypeError)  # what _read raises on a file it cannot read
+
+
+def _read(data: mmap.mmap) -> dict:
+    """The index at the end of a packed file's bytes (checked: every matrix lies before it)."""
+    at, magic = TAIL.unpack_from(data, len(data) - TAIL.size)
+    if magic != MAGIC:
+        raise ValueError("no index at its end")
+    index = json.loads(data[at : len(data) - TAIL.size])
+    if any(offset + size > at for _, _, _, offset, size in index["matrices"]):
+        raise ValueError("a matrix runs past the index")
+    return index
 
 
 def _prune(kept: Path, source: Path) -> None:
@@ -174,12 +180,7 @@ def _age(path: Path) -> float:
 def _source(path: Path) -> str:
     """The weights a packed file was made from ("" where unreadable)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(-TAIL.size, os.SEEK_END)
-            at, magic = TAIL.unpack(f.read(TAIL.size))
-            if magic != MAGIC:
-                return ""
-            f.seek(at)
-            return json.loads(f.read()[: -TAIL.size])["source"]
-    except (OSError, ValueError, KeyError, struct.error):
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _read(data)["source"]
+    except (OSError, *UNREADABLE):
         return ""

@@ -82,13 +82,23 @@ def dequantize(blocks: Blocks, lib: ctypes.CDLL | None, ids: torch.Tensor | None
 def pack(blocks: Blocks, lib: ctypes.CDLL) -> Blocks:
     """The blocks packed for the kernels (a copy of the same size, or 1.03x with an odd count of
     paired blocks a row); as they are where the kernels do not pack (no AVX2) or already packed."""
-    size = 0 if blocks.packed else lib.mb_packed_bytes(blocks.fmt, blocks.rows, blocks.k)
+    size = packed_bytes(blocks, lib)
     if not size:
         return blocks
     out = torch.empty(size, dtype=torch.uint8)
     lib.mb_pack(blocks.data.data_ptr(), blocks.fmt, blocks.rows, blocks.k, out.data_ptr())
+    return as_packed(blocks, out, lib)
+
+
+def packed_bytes(blocks: Blocks, lib: ctypes.CDLL) -> int:
+    """Bytes of ``blocks`` packed; 0 where the kernels do not pack them (no AVX2) or they are packed."""
+    return 0 if blocks.packed else lib.mb_packed_bytes(blocks.fmt, blocks.rows, blocks.k)
+
+
+def as_packed(blocks: Blocks, data: torch.Tensor, lib: ctypes.CDLL) -> Blocks:
+    """``blocks`` as the packed bytes ``data`` (``packed_bytes`` of them, as ``mb_pack`` writes them)."""
     rows = -(-blocks.rows // lib.mb_group_rows()) * lib.mb_group_rows()
-    return Blocks(blocks.fmt + PACKED, out.view(rows, -1), blocks.k, blocks.rows)
+    return Blocks(blocks.fmt + PACKED, data.view(rows, -1), blocks.k, blocks.rows)
 
 
 def quantize(lib: ctypes.CDLL, weight: torch.Tensor) -> Blocks:
