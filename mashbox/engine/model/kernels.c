@@ -240,7 +240,7 @@ static void quantize_row(const float *x, int8_t *q, float *s, int64_t K, int blo
  * A weight is N rows of K, each row its blocks in the file's order, in one of the formats below: ggml's
  * type numbers, and MB_Q8, mashbox's own int8 (an fp32 scale, then 32 int8) for weights that come as
  * floats or in a format these kernels do not read. A matmul quantizes each activation row to int8
- * blocks of 32 (an fp32 scale each, and the sum of each 16 values), then takes the weight GR rows at a
+ * blocks of 32 (an fp32 scale each, and the sum of its values), then takes the weight GR rows at a
  * time (16 with AVX-512, else 8): it decodes their blocks into a buffer of unsigned bytes (4 positions
  * of the GR rows in 4 GR bytes, so one byte-multiply serves 4 positions of GR rows), a scale for each 16
  * or 32 weights and a min for each 32 where the format has one, then multiplies the buffer by every
@@ -964,21 +964,21 @@ static inline __attribute__((always_inline)) gvi dot_at(gvi sum, gvi u, const in
 /* Outputs are computed in tiles of up to TR activation rows x one group of GR weight rows. */
 #define TR (GR == 16 ? 8 : 4) /* 8 rows where 32 vector registers hold their sums (AVX-512), else 4 */
 
-/* A quantized activation row, in blocks of 32: int8 q[K], per 32 the scale s and s * (the sum of its q)
- * sm, per 16 the sum of its q t (rows of a matmul lie K, K / 32 and K / 16 apart); and in blocks of 256
+/* A quantized activation row, in blocks of 32: int8 q[K], per 32 the scale s, s * (the sum of its q) sm
+ * and minus the sum of its q o (rows of a matmul lie K and K / 32 apart); and in blocks of 256
  * for the K-quants (llama.cpp's Q8_K): int8 kq[K], per 256 the scale ks, per 16 the sum kt, per 256 the
  * sums of each 32 as int16 pairs kp[4] (sums 0 and 2, 1 and 3, 4 and 6, 5 and 7, as kscales pairs the
  * mins). A matmul fills the forms its weight's formats take; the other's pointers are NULL. */
 struct acts {
     int8_t *q, *kq;
     float *s, *sm, *ks;
-    int32_t *t, *kt, *kp;
+    int32_t *o, *kt, *kp;
 };
 
 /* Row r of a matmul's activations, K wide. */
 static inline struct acts acts_row(struct acts a, int64_t r, int64_t K) {
     struct acts x = a;
-    if (a.q) x.q += r * K, x.s += r * (K / 32), x.sm += r * (K / 32), x.t += r * (K / 16);
+    if (a.q) x.q += r * K, x.s += r * (K / 32), x.sm += r * (K / 32), x.o += r * (K / 32);
     if (a.kq) x.kq += r * K, x.ks += r * (K / 256), x.kt += r * (K / 16), x.kp += r * (K / 64);
     return x;
 }
@@ -994,16 +994,17 @@ static inline __attribute__((always_inline)) void tile_block(
         const int has_min, const int sign, const int rows, gvf acc[TR]) {
     int64_t nb = K / 32;
     gvi sum[TR][2];
-    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
+    for (int r = 0; r < rows; r++) { /* a chain starts at offset x the activations' sum: -(sum << k) */
+        sum[r][0] = offset ? gv_slli(gv_set1(x.o[r * nb + b]), __builtin_ctz(-offset)) : gv_zero();
+        sum[r][1] = gv_zero();
+    }
     for (int j = 0; j < 8; j++) {
         int chain = rows > 4 ? 0 : j & 1; /* 8 rows are chains enough */
         for (int r = 0; r < rows; r++)
             sum[r][chain] = dot_at(sum[r][chain], w[j], x.q + r * K + b * 32 + 4 * j, sign);
     }
     for (int r = 0; r < rows; r++) {
-        const int32_t *t = x.t + r * 2 * nb + 2 * b;
         gvi dot = gv_add(sum[r][0], sum[r][1]);
-        if (offset) dot = gv_add(dot, gv_set1(offset * (t[0] + t[1])));
         acc[r] = gf_fma(gf_cvt(dot), gf_mul(gf_load(d), gf_set1(x.s[r * nb + b])), acc[r]);
         if (has_min) acc[r] = gf_fma(gf_load(m), gf_set1(x.sm[r * nb + b]), acc[r]);
     }
@@ -1186,14 +1187,13 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = q + b * 32 * GR;
                 const int8_t *xq = x.q + r * K + b * 32;
-                const int32_t *t = x.t + r * 2 * nb + 2 * b;
-                int32_t sum = 0;
+                int32_t sum = -offset * x.o[r * nb + b];
                 for (int j = 0; j < 8; j++)
                     for (int i = 0; i < 4; i++) {
                         uint8_t u = blk[4 * GR * j + 4 * c + i];
                         sum += (sign ? (int8_t)u : u) * xq[4 * j + i];
                     }
-                acc = fmaf((float)(sum + offset * (t[0] + t[1])), d[b * GR + c] * x.s[r * nb + b], acc);
+                acc = fmaf((float)sum, d[b * GR + c] * x.s[r * nb + b], acc);
                 if (has_min) acc = fmaf(m[b * GR + c], x.sm[r * nb + b], acc);
             }
             y[r * ldy + c] = acc;
@@ -1219,8 +1219,9 @@ static void tile(struct acts x, const uint8_t *q, const float *d, const float *m
     default: ktile(x, q, ks, K, u, mn, TR, y, ldy); break;                       \
     }
 
-static void tile_any(const struct format *f, struct acts x, const uint8_t *q, const float *d, const float *m,
-                     int64_t K, int rows, float *y, int64_t ldy) {
+static void tile_any(const struct format *f, const struct acts *a, int64_t r, const uint8_t *q, const float *d,
+                     const float *m, int64_t K, int rows, float *y, int64_t ldy) {
+    struct acts x = acts_row(*a, r, K);
     const struct kscales *ks = (const struct kscales *)d;
     if (f->values == 256 && f->unit == 16) {
         KTILE_ROWS(16, 0)
@@ -1259,8 +1260,10 @@ static void tile_any(const struct format *f, struct acts x, const uint8_t *q, co
     default: ktile_packed(F, f, x, group, K, u, mn, TR, y, ldy, next, ahead); return;                 \
     }
 
-static void tile_packed_any(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K,
-                            int rows, float *y, int64_t ldy, const uint8_t *next, int64_t ahead) {
+static void tile_packed_any(int64_t fmt, const struct format *f, const struct acts *a, int64_t r,
+                            const uint8_t *group, int64_t K, int rows, float *y, int64_t ldy, const uint8_t *next,
+                            int64_t ahead) {
+    struct acts x = acts_row(*a, r, K);
     switch (fmt) {
     case Q4_0: PACKED_ROWS(Q4_0, -8, 0, 0)
     case Q5_0: PACKED_ROWS(Q5_0, -16, 0, 0)
@@ -1309,8 +1312,12 @@ static void quantize_task(void *arg, int64_t task, int who) {
         struct acts x = acts_row(mm->a, r, K);
         if (x.q) {
             quantize_row(mm->x + r * K, x.q, x.s, K, QK);
-            sums16(x.q, K, x.t);
-            for (int64_t b = 0; b < K / QK; b++) x.sm[b] = x.s[b] * (float)(x.t[2 * b] + x.t[2 * b + 1]);
+            for (int64_t b = 0; b < K / QK; b++) {
+                int32_t sum = 0;
+                for (int l = 0; l < QK; l++) sum += x.q[QK * b + l];
+                x.o[b] = -sum;
+                x.sm[b] = x.s[b] * (float)sum;
+            }
         }
         if (x.kq) {
             quantize_row(mm->x + r * K, x.kq, x.ks, K, 256);
@@ -1404,15 +1411,14 @@ static void tile_task(void *arg, int64_t task, int who) {
         int64_t most = as_loaded || f.values == 256 ? TR : 4;
         for (int64_t r = 0, rows_here; r < mm->M; r += rows_here) {
             rows_here = mm->M - r >= most ? most : mm->M - r >= 4 ? 4 : mm->M - r; /* 8, 4 or fewer */
-            struct acts x = acts_row(mm->a, r, K);
             float *out = to_part ? part : y + r * mm->N;
             int64_t ld = to_part ? GR : mm->N;
             if (as_loaded) { /* only where packed, with AVX2 */
 #ifdef MB_AVX2
-                tile_packed_any(fmt, &f, x, first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
+                tile_packed_any(fmt, &f, &mm->a, r, first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
 #endif
             } else {
-                tile_any(&f, x, q, d, m, K, rows_here, out, ld);
+                tile_any(&f, &mm->a, r, q, d, m, K, rows_here, out, ld);
             }
             if (to_part) put_rows(y + r * mm->N, mm->N, part, rows_here, n, mm->stream);
         }
@@ -1447,7 +1453,7 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
         mm.a.q = malloc(M * K);
         mm.a.s = malloc(sizeof(float) * M * (K / 32) * 2);
         mm.a.sm = mm.a.s + M * (K / 32);
-        mm.a.t = malloc(sizeof(int32_t) * M * (K / 16));
+        mm.a.o = malloc(sizeof(int32_t) * M * (K / 32));
     }
     if (blocks256) {
         mm.a.kq = malloc(M * K);
@@ -1462,7 +1468,7 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     pool_run(tile_task, &mm, (mm.groups + mm.groups_per_task - 1) / mm.groups_per_task, (M + 8) * mm.N * K);
     free(mm.a.q);
     free(mm.a.s);
-    free(mm.a.t);
+    free(mm.a.o);
     free(mm.a.kq);
     free(mm.a.ks);
     free(mm.a.kt);
