@@ -966,20 +966,20 @@ static inline __attribute__((always_inline)) gvi dot_at(gvi sum, gvi u, const in
 
 /* A quantized activation row, in blocks of 32: int8 q[K], per 32 the scale s, s * (the sum of its q) sm
  * and minus the sum of its q o (rows of a matmul lie K and K / 32 apart); and in blocks of 256
- * for the K-quants (llama.cpp's Q8_K): int8 kq[K], per 256 the scale ks, per 16 the sum kt, per 256 the
+ * for the K-quants (llama.cpp's Q8_K): int8 kq[K], per 256 the scale ks, per 16 minus the sum ko, per 256 the
  * sums of each 32 as int16 pairs kp[4] (sums 0 and 2, 1 and 3, 4 and 6, 5 and 7, as kscales pairs the
  * mins). A matmul fills the forms its weight's formats take; the other's pointers are NULL. */
 struct acts {
     int8_t *q, *kq;
     float *s, *sm, *ks;
-    int32_t *o, *kt, *kp;
+    int32_t *o, *ko, *kp;
 };
 
 /* Row r of a matmul's activations, K wide. */
 static inline struct acts acts_row(struct acts a, int64_t r, int64_t K) {
     struct acts x = a;
     if (a.q) x.q += r * K, x.s += r * (K / 32), x.sm += r * (K / 32), x.o += r * (K / 32);
-    if (a.kq) x.kq += r * K, x.ks += r * (K / 256), x.kt += r * (K / 16), x.kp += r * (K / 64);
+    if (a.kq) x.kq += r * K, x.ks += r * (K / 256), x.ko += r * (K / 16), x.kp += r * (K / 64);
     return x;
 }
 
@@ -1055,20 +1055,20 @@ static inline __attribute__((always_inline)) void kchunk(struct acts x, const gv
     if (rows > 4) { /* 8 rows are chains enough; Q6_K's two units in turn, so that the sums fit the registers */
 #pragma GCC unroll 2
         for (int h = 0; h < 32 / unit; h++) {
-            gvi sum[TR];
-            for (int r = 0; r < rows; r++) sum[r] = gv_zero();
+            gvi sum[TR]; /* Q6_K's start at -32 x the activations' sum */
+            for (int r = 0; r < rows; r++)
+                sum[r] = unit == 16 ? gv_slli(gv_set1(x.ko[r * (K / 16) + c * 16 + 2 * k + h]), 5) : gv_zero();
 #pragma GCC unroll 8
             for (int j = h * unit / 4; j < (h + 1) * unit / 4; j++)
                 for (int r = 0; r < rows; r++) sum[r] = dot_at(sum[r], w[j], x.kq + r * K + c * 256 + 32 * k + 4 * j, 0);
-            for (int r = 0; r < rows; r++) {
-                if (unit == 16) sum[r] = gv_add(sum[r], gv_set1(-32 * x.kt[r * (K / 16) + c * 16 + 2 * k + h]));
-                A[r] = gv_add(A[r], gv_mullo(sum[r], gv_load(s->sc[32 / unit * k + h])));
-            }
+            for (int r = 0; r < rows; r++) A[r] = gv_add(A[r], gv_mullo(sum[r], gv_load(s->sc[32 / unit * k + h])));
         }
         return;
     }
-    gvi sum[TR][2]; /* two chains a row: even and odd j, or Q6_K's two units */
-    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = gv_zero();
+    gvi sum[TR][2]; /* two chains a row: even and odd j, or Q6_K's two units (from -32 x the activations' sum) */
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++)
+            sum[r][h] = unit == 16 ? gv_slli(gv_set1(x.ko[r * (K / 16) + c * 16 + 2 * k + h]), 5) : gv_zero();
     for (int j = 0; j < 8; j++) {
         int chain = unit == 16 ? j >> 2 : j & 1;
         for (int r = 0; r < rows; r++)
@@ -1076,9 +1076,7 @@ static inline __attribute__((always_inline)) void kchunk(struct acts x, const gv
     }
     for (int r = 0; r < rows; r++) {
         if (unit == 16) {
-            const int32_t *t = x.kt + r * (K / 16) + c * 16 + 2 * k;
-            for (int h = 0; h < 2; h++)
-                A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][h], gv_set1(-32 * t[h])), gv_load(s->sc[2 * k + h])));
+            for (int h = 0; h < 2; h++) A[r] = gv_add(A[r], gv_mullo(sum[r][h], gv_load(s->sc[2 * k + h])));
         } else {
             A[r] = gv_add(A[r], gv_mullo(gv_add(sum[r][0], sum[r][1]), gv_load(s->sc[k])));
         }
@@ -1160,7 +1158,7 @@ static void ktile(struct acts x, const uint8_t *q, const struct kscales *ks, int
                         for (int i = 0; i < 4; i++) sum[unit == 16 ? j >> 2 : 0] += blk[4 * GR * j + 4 * c + i] * xq[4 * j + i];
                     if (unit == 16) {
                         for (int h = 0; h < 2; h++)
-                            A += (sum[h] - 32 * x.kt[r * (K / 16) + b * 16 + 2 * k + h]) * s->sc[2 * k + h][c];
+                            A += (sum[h] + 32 * x.ko[r * (K / 16) + b * 16 + 2 * k + h]) * s->sc[2 * k + h][c];
                     } else {
                         A += sum[0] * s->sc[k][c];
                     }
@@ -1321,11 +1319,12 @@ static void quantize_task(void *arg, int64_t task, int who) {
         }
         if (x.kq) {
             quantize_row(mm->x + r * K, x.kq, x.ks, K, 256);
-            sums16(x.kq, K, x.kt);
+            sums16(x.kq, K, x.ko);
             for (int64_t i = 0; i < K / 64; i++) { /* per 256: sums of 32 paired (0, 2), (1, 3), (4, 6), (5, 7) */
-                const int32_t *t = x.kt + 16 * (i / 4) + 8 * (i % 4 / 2) + 2 * (i % 2);
+                const int32_t *t = x.ko + 16 * (i / 4) + 8 * (i % 4 / 2) + 2 * (i % 2);
                 x.kp[i] = (int32_t)((uint32_t)(uint16_t)(t[0] + t[1]) | (uint32_t)(t[4] + t[5]) << 16);
             }
+            for (int64_t i = 0; i < K / 16; i++) x.ko[i] = -x.ko[i];
         }
     }
 }
@@ -1458,8 +1457,8 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     if (blocks256) {
         mm.a.kq = malloc(M * K);
         mm.a.ks = malloc(sizeof(float) * M * (K / 256));
-        mm.a.kt = malloc(sizeof(int32_t) * M * (K / 16 + K / 64));
-        mm.a.kp = mm.a.kt + M * (K / 16);
+        mm.a.ko = malloc(sizeof(int32_t) * M * (K / 16 + K / 64));
+        mm.a.kp = mm.a.ko + M * (K / 16);
     }
     mm.rows_per_task = (M + parts - 1) / parts;
     mm.groups_per_task = (mm.groups + parts - 1) / parts;
@@ -1471,7 +1470,7 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     free(mm.a.o);
     free(mm.a.kq);
     free(mm.a.ks);
-    free(mm.a.kt);
+    free(mm.a.ko);
 }
 
 /* Rows ids[i] (ids NULL: rows 0..n-1) of a weight of format fmt, K wide, as fp32: out [n, K]. */
