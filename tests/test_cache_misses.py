@@ -1,6 +1,7 @@
 """Why a prompt missed the prefix cache: where it left a longer cached prefix, in which part of the
 conversation (the x-mashbox-cache header, the request's log line), and the counters on /metrics."""
 
+import json
 import logging
 
 import httpx
@@ -90,3 +91,47 @@ def test_a_miss_is_told_in_the_header_the_log_and_the_metrics(url, tiny_engine, 
     assert any(note in r.getMessage() and "finished" in r.getMessage() for r in caplog.records)
     assert scrape("mashbox:prefix_cache_diverged_total") == diverged + 1
     assert scrape("mashbox:prefix_cache_misses_total") == missed + changed.json()["usage"]["prompt_tokens"] - tokens
+
+
+def _stream(url, max_tokens=2, **extra):
+    """A streamed chat request: (its headers, its content, whether it ended with [DONE])."""
+    body = {"messages": [{"role": "system", "content": SYSTEM}, *TURNS], "tools": TOOLS, "max_tokens": max_tokens,
+            "stream": True, **extra}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in lines[:-1] if json.loads(line[6:])["choices"])
+    return response.headers, text, lines[-1] == "data: [DONE]"
+
+
+def test_a_stream_says_how_its_prompt_met_the_cache_in_its_headers(url):
+    _stream(url)
+    headers, _, done = _stream(url)  # the same prompt again: its whole chunks from the cache
+    assert done and int(headers["x-mashbox-cache"].removeprefix("cached=")) >= 256
+    changed, _, _ = _stream(url, messages=[{"role": "system", "content": SYSTEM.replace("Monday", "Friday")}, *TURNS])
+    assert 'part="system text"' in changed["x-mashbox-cache"]
+
+
+def test_a_stream_waiting_for_a_slot_starts_without_the_header_and_loses_nothing(tiny_model_dir, monkeypatch):
+    from mashbox import Engine
+    from mashbox.server import generation
+
+    monkeypatch.setattr(generation, "SLOT_WAIT_S", 0.01)
+    long = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "temperature": 1.0,
+            "seed": 3, "stream": True}
+    with Engine(str(tiny_model_dir), ctx=512, slots=1, speculation=False, quiet=True) as engine:
+        server = serve(InProcessBackend.of(engine), Settings())
+        url = next(server)
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=long, timeout=60) as busy:
+                lines = busy.iter_lines()
+                next(lines)  # the one slot is taken
+                queued, text, done = _stream(url, max_tokens=8, temperature=0)
+                rest = [line for line in lines if line]
+            body = {"messages": [{"role": "system", "content": SYSTEM}, *TURNS], "tools": TOOLS, "max_tokens": 8,
+                    "temperature": 0}
+            alone = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        finally:
+            next(server, None)
+    assert "x-mashbox-cache" not in queued  # its headers went out while the other held the slot
+    assert done and text and text == alone["content"] and rest[-1] == "data: [DONE]"

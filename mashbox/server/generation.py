@@ -39,6 +39,7 @@ log = logging.getLogger("mashbox.server")
 MAX_HEADER = 2048  # an ignored-fields header longer than this is cut
 SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id", "session_id")
 MAX_SESSION = 200  # a session id longer than this is cut
+SLOT_WAIT_S = 1.0  # a stream's headers wait this long for its prompt's slot, to say how it met the cache
 T = TypeVar("T")
 
 
@@ -129,6 +130,8 @@ class Run:
         self._resent = False
         self._finish: Finish | None = None
         self._started: Started | None = None
+        self._slot = asyncio.Event()  # set at Started
+        self._pending: asyncio.Future[Event] | None = None  # a stream's next event, asked for before it began
         self._events: AsyncIterator[Event] | None = None
         self._closed = False
         log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session, tag.tenant)
@@ -153,11 +156,25 @@ class Run:
     async def streamed(self, headers: dict[str, str]) -> EventStream:
         try:
             first = await self._accepted()
+            if isinstance(first, Queued):
+                await self._await_slot()
         except BaseException:
             await self.close()
             raise
+        if self._started is not None:
+            headers = {**headers, "x-mashbox-cache": self.cache()}
         return EventStream(self._frames(first), idle_s=self._ctx.settings.idle_timeout_s, on_close=self.close,
                            headers=headers)
+
+    async def _await_slot(self) -> None:
+        """Ask for a queued run's next event and wait up to SLOT_WAIT_S for its slot (``Started``: how
+        its prompt met the prefix cache is then known for the stream's headers)."""
+        self._pending = asyncio.ensure_future(self._next())
+        slot = asyncio.ensure_future(self._slot.wait())
+        try:
+            await asyncio.wait({self._pending, slot}, timeout=SLOT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            slot.cancel()
 
     async def _accepted(self) -> Event:
         """The run's first event (``Queued``: the engine took it); a bad request raises here, and
@@ -172,6 +189,11 @@ class Run:
             return
         self._closed = True
         try:
+            if (pending := self._pending) is not None:  # a stream closed before it took its first event
+                pending.cancel()
+                await asyncio.wait({pending})
+                if not pending.cancelled():
+                    pending.exception()  # retrieved: a stream's error is told in its frames, if at all
             await self._aclose_events()
         finally:
             self._ticket.done()
@@ -185,7 +207,8 @@ class Run:
             while isinstance(event, Queued) or _lost(event):  # no output yet: it may be sent again
                 if lost := _lost(event):
                     self._failed(event)
-                waiting = asyncio.ensure_future(self._open() if lost else self._next())
+                waiting = self._pending or asyncio.ensure_future(self._open() if lost else self._next())
+                self._pending = None
                 async with contextlib.aclosing(self._beats(waiting)) as beats:
                     async for beat in beats:
                         yield beat
@@ -239,6 +262,7 @@ class Run:
         if isinstance(event, Started):
             self._ticket.running()
             self._started = event
+            self._slot.set()
             event = await anext(self._events)
         if isinstance(event, Queued):
             return event
