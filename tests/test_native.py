@@ -29,6 +29,13 @@ def test_float_weights_are_int8_blocks_and_a_width_off_32_falls_back(lib):
     assert _linear(ckpt, ["b"], "q8", packer).mode in ("packed", "plain")
 
 
+def test_matmuls_use_the_tile_unit_where_the_cpu_has_one(lib):
+    """On a CPU with AMX (int8 tiles) Linux lets a process use, matmuls of 16 rows and more sum on it
+    (tests/test_quant.py checks their bits against the vector tiles'); elsewhere they do not try."""
+    flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    assert lib.mb_amx() == int({"amx_tile", "amx_int8"} <= set(flags))
+
+
 def test_elementwise_ops_match_torch(lib):
     g = torch.Generator().manual_seed(0)
     native_ops, torch_ops = NativeOps(lib), TorchOps()

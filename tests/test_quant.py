@@ -45,11 +45,12 @@ def test_matmul_over_blocks_is_exact_and_each_row_stands_alone(lib, name, n, k):
     weight = quant.dequantize(blocks, lib)
     linear = Linear("blocks", lib=lib, parts=[blocks])
     assert linear.shape == (n, k) and linear.formats == [name]
-    x = torch.randn(33, k, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(57, k, generator=torch.Generator().manual_seed(k))
     out = linear(x)
     expected = (int8_rows(x, quant.FORMATS[FORMATS[name]][1]).double() @ weight.double().T).float()
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
-    for rows in (*range(1, 10), 12, 16, 17, 32):  # tiles of 8 rows, 4 and fewer; as loaded up to 16 or 32
+    # tiles of 8 rows, 4 and fewer; as loaded up to 16 or 32; on AMX 16 rows a tile from 16 or 48 on, fewer left
+    for rows in (*range(1, 10), 12, 16, 17, 32, 33, 48, 55):
         assert torch.equal(linear(x[:rows]), out[:rows]), f"a row changed with {rows} rows"
     threads = torch.get_num_threads()
     try:
@@ -193,8 +194,8 @@ def test_packed_blocks_give_the_bits_of_the_files_blocks(lib, name):
             continue
         assert packed.packed and packed.rows == n and packed.name == name
         assert packed.data.nbytes <= blocks.data.nbytes * 1.2 + 16 * quant.FORMATS[fmt][2] * k
-        x = torch.randn(33, k, generator=torch.Generator().manual_seed(k))
-        for rows in (1, 2, 3, 4, 16, 17, 32, 33):
+        x = torch.randn(57, k, generator=torch.Generator().manual_seed(k))
+        for rows in (1, 2, 3, 4, 16, 17, 32, 33, 57):
             out = [torch.empty(rows, n) for _ in range(2)]
             for b, y in zip((blocks, packed), out):
                 parts = quant.Parts.of([b])

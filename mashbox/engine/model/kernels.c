@@ -1090,7 +1090,7 @@ static inline __attribute__((always_inline)) void kchunk(struct acts x, const gv
  * sum against the activations' (exact in int32) times -dmin and that scale. */
 static inline __attribute__((always_inline)) void kblock_end(struct acts x, const struct kscales *s, int64_t K,
                                                              int64_t c, const int has_min, const int rows,
-                                                             const gvi A[TR], gvf acc[TR]) {
+                                                             const gvi *A, gvf *acc) {
     for (int r = 0; r < rows; r++) {
         gvf xs = gf_set1(x.ks[r * (K / 256) + c]);
         acc[r] = gf_fma(gf_cvt(A[r]), gf_mul(gf_load(s->dd), xs), acc[r]);
@@ -1144,6 +1144,153 @@ static inline __attribute__((always_inline)) void ktile_packed(
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
+
+#if GR == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define MB_AMX 1
+/* ---- AMX ----
+ * Where the CPU has Intel's tile unit (and Linux lets the process use it), a group's products with 16
+ * activation rows at a time are summed by it: exact int32 sums, the integers the vector tiles sum, then
+ * scaled by the same float steps as theirs, so that a row's bits are the same whichever path ran them.
+ * Packed Q8_0 goes as it is (signed bytes, 4 of each row a lane: the tile unit's layout), one tile a block;
+ * a K-quant is decoded and its weights multiplied by its scales' digits first (amx_scaled), so that a
+ * block's 256 products need no scaling per 32 or 16. (Decoded alone, with the scales applied to each 32's
+ * sums, they were 0.76-1.19x the vector tiles: bench/kernel_ab.py, docs/performance.md.) */
+#define AMX_ROWS 16  /* the least rows a matmul takes to the tile unit (packed Q8_0) */
+#define AMX_KROWS 48 /* and for the K-quants, which are decoded and scaled first (at 32 rows 0.95-1.05x) */
+struct tile_config {
+    uint8_t palette, start, reserved[14];
+    uint16_t bytes[16];
+    uint8_t rows[16];
+};
+
+/* Whether the kernel lets this process use the tiles (asked once: Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA). */
+static int amx_allowed(void) {
+    static _Atomic int state; /* 0 not asked, 1 allowed, -1 not */
+    if (atomic_load(&state) == 0) atomic_store(&state, syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1);
+    return atomic_load(&state) > 0;
+}
+
+/* This thread's tiles (other code in the process may shape them otherwise between calls): 16 rows of 64
+ * bytes (sums of 16 x 16 int32, 64 activations of 16 rows, 64 weights of the group's 16 rows), but for Q8_0
+ * 4 (32 activations of 16 rows) and 5 (32 weights). */
+static void amx_configure(void) {
+    struct tile_config c = {.palette = 1};
+    for (int t = 0; t < 8; t++) c.bytes[t] = 64, c.rows[t] = 16;
+    c.bytes[4] = 32, c.rows[5] = 8;
+    _tile_loadconfig(&c);
+}
+
+/* Block b0 + i (if i < n) of a packed Q8_0 group (its weights at w[i]) against 16 rows of x: sums[i], in tile i. */
+#define AMX_SUM(i)                                                         \
+    if (i < n) {                                                           \
+        _tile_zero(i);                                                     \
+        _tile_loadd(4, x.q + 32 * (b0 + i), K);                            \
+        _tile_loadd(5, w[i], 64);                                          \
+        _tile_dpbssd(i, 4, 5);                                             \
+        _tile_stored(i, sums[i], 64);                                      \
+    }
+
+/* tile_packed for packed Q8_0 (or mashbox's int8 blocks) and up to 16 rows on the tile unit, 4 blocks at a time. */
+static void amx_q8(int64_t fmt, const struct format *f, struct acts x, const uint8_t *group, int64_t K, int rows,
+                   float *y, int64_t ldy, const uint8_t *next, int64_t ahead) {
+    int64_t nb = K / 32, base;
+    int32_t sums[4][16][GR] __attribute__((aligned(64)));
+    float d[4][GR], m[GR];
+    gvf acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        int half, n = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        const uint8_t *w[4];
+        for (int i = 0; i < n; i++) {
+            fetch_share(next, ahead, b0 + i, nb);
+            const uint8_t *at = packed_block(fmt, f, group, b0 + i, &base, &half);
+            group_scales(fmt, f, at, 0, base, half, d[i], m);
+            w[i] = at + (base + (fmt == Q8_0 ? 2 : 4)) * GR;
+        }
+        AMX_SUM(0) AMX_SUM(1) AMX_SUM(2) AMX_SUM(3)
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < rows; r++)
+                acc[r] = gf_fma(gf_cvt(gv_load(sums[i][r])), gf_mul(gf_load(d[i]), gf_set1(x.s[r * nb + b0 + i])), acc[r]);
+    }
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
+
+/* A decoded K-quant group's weights times the digits of each unit's scale, bytes still, into nd matrices of
+ * GR x K at out: Q4_K and Q5_K by their 6-bit scales' low and high 3 bits (at most 31 x 7, unsigned),
+ * Q6_K (as signed, less 32) by its int8 scales' 3 digits in base 8 from -3 to 4 (-128 .. 124). Then
+ * sum(w sc x) = sum over i of sum(w digit_i x) << 3i, exact, and the tile unit sums a block's 256
+ * products against each matrix at once, 64 a tile, where per unit its sums would need scaling. */
+static void amx_scaled(int64_t fmt, const uint8_t *q, const struct kscales *ks, int64_t K, uint8_t *out) {
+    const int six = fmt == Q6_K, unit = six ? 16 : 32, nd = six ? 3 : 2;
+    const __m512i low = _mm512_set1_epi32(0x00FF00FF);
+    for (int64_t c = 0; c < K / 256; c++)
+        for (int u = 0; u < 256 / unit; u++) {
+            __m512i digit[3], sc = gv_load(ks[c].sc[u]);
+            for (int i = 0; i < nd; i++) {
+                __m512i dg = six ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(sc, gv_set1(3)), gv_set1(7)), gv_set1(3))
+                                 : _mm512_and_si512(sc, gv_set1(7));
+                sc = _mm512_srai_epi32(_mm512_sub_epi32(sc, dg), 3);
+                digit[i] = _mm512_or_si512(_mm512_and_si512(dg, gv_set1(0xFFFF)), _mm512_slli_epi32(dg, 16));
+            }
+            for (int j = 0; j < unit / 4; j++) {
+                int64_t at = c * 256 * GR + u * unit * GR + 4 * GR * j;
+                __m512i v = gv_load(q + at), even, odd;
+                if (six) {
+                    v = _mm512_sub_epi8(v, _mm512_set1_epi8(32));
+                    even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), odd = _mm512_srai_epi16(v, 8);
+                } else {
+                    even = _mm512_and_si512(v, low), odd = _mm512_srli_epi16(v, 8);
+                }
+                for (int i = 0; i < nd; i++)
+                    gv_store(out + i * GR * K + at,
+                             _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(even, digit[i]), low),
+                                             _mm512_slli_epi16(_mm512_mullo_epi16(odd, digit[i]), 8)));
+            }
+        }
+}
+
+/* ktile for a K-quant group (m: amx_scaled's matrices) and up to 16 rows on the tile unit: per block of 256
+ * the sums against each matrix (tiles 0 .. nd - 1, 64 activations a tile at a time), A their sum shifted
+ * (kchunk's, exact in int32), then kblock_end. */
+static void amx_ktile(int64_t fmt, struct acts x, const uint8_t *m, const struct kscales *ks, int64_t K, int rows,
+                      float *y, int64_t ldy) {
+    const int six = fmt == Q6_K, nd = six ? 3 : 2;
+    int32_t sums[3][16][GR] __attribute__((aligned(64)));
+    gvf acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
+    for (int64_t c = 0; c < K / 256; c++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (six) _tile_zero(2);
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *b = m + (4 * c + p) * 64 * GR;
+            _tile_loadd(6, x.kq + c * 256 + 64 * p, K);
+            if (six) {
+                _tile_loadd(7, b, 64);
+                _tile_dpbssd(0, 6, 7);
+                _tile_loadd(7, b + GR * K, 64);
+                _tile_dpbssd(1, 6, 7);
+                _tile_loadd(7, b + 2 * GR * K, 64);
+                _tile_dpbssd(2, 6, 7);
+            } else {
+                _tile_loadd(7, b, 64);
+                _tile_dpbsud(0, 6, 7);
+                _tile_loadd(7, b + GR * K, 64);
+                _tile_dpbsud(1, 6, 7);
+            }
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        if (six) _tile_stored(2, sums[2], 64);
+        for (int r = 0; r < rows; r++) {
+            gvi A = gv_load(sums[nd - 1][r]);
+            for (int i = nd - 2; i >= 0; i--) A = gv_add(gv_slli(A, 3), gv_load(sums[i][r]));
+            kblock_end(acts_row(x, r, K), ks + c, K, c, !six, 1, &A, &acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
+#endif
 #else
 static void ktile(struct acts x, const uint8_t *q, const struct kscales *ks, int64_t K, int unit, int has_min,
                   int rows, float *y, int64_t ldy) {
@@ -1294,6 +1441,7 @@ struct matmul {
     int64_t M, N, K, rows_per_task, groups_per_task, groups;
     int64_t first[4]; /* each part's first group; first[parts] = groups */
     int stream;       /* the output streamed past the caches (put_rows) */
+    int amx;          /* packed Q8_0 groups multiplied on the tile unit, 16 rows at a time */
 };
 
 /* The sums of each 16 of q's n values into t. */
@@ -1332,11 +1480,11 @@ static void quantize_task(void *arg, int64_t task, int who) {
     }
 }
 
-/* This thread's buffer number `which` (0: a decoded group, 1: a last group's rows), grown as needed;
+/* This thread's buffer number `which` (0: a decoded group, 1: a last group's rows, 2: amx_scaled's), grown as needed;
  * each thread has its own. */
 static void *thread_buffer(int which, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t size[2];
+    static __thread void *buf[3];
+    static __thread size_t size[3];
     if (bytes > size[which]) {
         free(buf[which]);
         size[which] = (bytes + 4095) / 4096 * 4096;
@@ -1379,6 +1527,9 @@ static void tile_task(void *arg, int64_t task, int who) {
      * block of 256, take both) */
     uint8_t *q = thread_buffer(0, GR * K + sizeof(float) * GR * (K / 16 + K / 32));
     float *d = (float *)(q + GR * K), *m = d + GR * (K / 16);
+#ifdef MB_AMX
+    if (mm->amx) amx_configure();
+#endif
     for (int64_t g = task * mm->groups_per_task; g < end && g < mm->groups; g++) {
         int p = 0, col = 0;
         while (g >= mm->first[p + 1]) col += w->n[p++];
@@ -1390,16 +1541,21 @@ static void tile_task(void *arg, int64_t task, int who) {
         const uint8_t *first = w->data[p] + row0 * bytes, *next = first + n * bytes;
         int more = g + 1 < end && row0 + n < w->n[p]; /* this task runs the part's next group */
         int64_t ahead = more ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
-        float *y = mm->y + col + row0, part[TR * GR];
+        float *y = mm->y + col + row0, part[16 * GR];
         int to_part = n < GR || mm->stream; /* the tiles write to part, put_rows to y */
         int as_loaded = 0; /* a packed group (at first) multiplied as loaded, with no decoded copy */
+        int amx = 0, kamx = 0; /* on the tile unit: a packed Q8_0 group as it is, a K-quant's decoded and scaled */
+#ifdef MB_AMX
+        amx = mm->amx && w->fmt[p] >= PACKED && (fmt == Q8_0 || fmt == MB_Q8);
+        kamx = mm->amx && mm->M >= AMX_KROWS && f.values == 256;
+#endif
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
             int64_t size = GR * packed_row_bytes(fmt, &f, K);
             first = w->data[p] + row0 / GR * size;
             next = first + size;
             ahead = more ? size : 0;
-            as_loaded = mm->M <= direct_rows(fmt);
+            as_loaded = amx || (!kamx && mm->M <= direct_rows(fmt));
             if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
         } else if (n == GR) {
@@ -1409,13 +1565,24 @@ static void tile_task(void *arg, int64_t task, int who) {
             for (int c = 0; c < GR; c++) memcpy(full + c * bytes, first + (c < n ? c : n - 1) * bytes, bytes);
             decode_group(w->fmt[p], &f, full, bytes, K, q, d, m, NULL, 0);
         }
+#ifdef MB_AMX
+        uint8_t *scaled = kamx ? thread_buffer(2, 3 * GR * K) : NULL;
+        if (kamx) amx_scaled(fmt, q, (const struct kscales *)d, K, scaled);
+#endif
         /* a decoded group of 32-value blocks goes 4 rows at a time: at 256 rows 0.87-0.98x with 8 */
-        int64_t most = as_loaded || f.values == 256 ? TR : 4;
         for (int64_t r = 0, rows_here; r < mm->M; r += rows_here) {
-            rows_here = mm->M - r >= most ? most : mm->M - r >= 4 ? 4 : mm->M - r; /* 8, 4 or fewer */
+            int on_amx = (amx || kamx) && mm->M - r >= 8; /* 16 rows at a time; fewer left go as before */
+            int64_t most = on_amx ? 16 : as_loaded || f.values == 256 ? TR : 4;
+            rows_here = mm->M - r < most ? mm->M - r : most;
+            if (!on_amx && rows_here < most && rows_here > 4) rows_here = 4; /* 8, 4 or fewer */
             float *out = to_part ? part : y + r * mm->N;
             int64_t ld = to_part ? GR : mm->N;
-            if (as_loaded) { /* only where packed, with AVX2 */
+            if (on_amx) {
+#ifdef MB_AMX
+                if (kamx) amx_ktile(fmt, acts_row(mm->a, r, K), scaled, (const struct kscales *)d, K, rows_here, out, ld);
+                else amx_q8(fmt, &f, acts_row(mm->a, r, K), first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
+#endif
+            } else if (as_loaded) { /* only where packed, with AVX2 */
 #ifdef MB_AVX2
                 tile_packed_any(fmt, &f, &mm->a, r, first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
 #endif
@@ -1428,11 +1595,23 @@ static void tile_task(void *arg, int64_t task, int who) {
 #ifdef MB_AVX2
     if (mm->stream) _mm_sfence(); /* the streamed stores seen before the job is done */
 #endif
+#ifdef MB_AMX
+    if (mm->amx) _tile_release();
+#endif
 }
 
 /* An output this large (an lm_head's logits for many rows) leaves the caches before it is read: its
  * stores go past them, with no read of each line before it is written. */
 #define STREAM_BYTES (8 << 20)
+
+/* Whether matmuls use the tile unit (AMX) where they have enough rows. */
+int mb_amx(void) {
+#ifdef MB_AMX
+    return amx_allowed();
+#else
+    return 0;
+#endif
+}
 
 /* y[M, N] = x[M, K] @ w.T, x's rows quantized to int8 blocks; N is the parts' rows together. */
 void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int64_t K) {
@@ -1445,6 +1624,10 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     mm.first[w->parts] = mm.groups;
     if (M == 0 || mm.N == 0) return;
     mm.stream = M * mm.N * (int64_t)sizeof(float) >= STREAM_BYTES;
+#ifdef MB_AMX
+    mm.amx = M >= AMX_ROWS && amx_allowed();
+#endif
+    int64_t padded = (M + 15) / 16 * 16; /* the tile unit reads activations 16 rows at a time */
     int blocks32 = 0, blocks256 = 0, parts = 4 * omp_get_max_threads();
     for (int p = 0; p < w->parts; p++) {
         struct format f;
@@ -1452,7 +1635,7 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
         else blocks32 = 1;
     }
     if (blocks32) {
-        mm.a.q = malloc(M * K);
+        mm.a.q = malloc(padded * K);
         mm.a.s = malloc(sizeof(float) * M * (K / 32) * 2);
         mm.a.sm = mm.a.s + M * (K / 32);
         mm.a.o = malloc(sizeof(int32_t) * M * (K / 32));
