@@ -14,7 +14,8 @@
  * int8 blocks for weights that come as floats, as the file has them or packed at load (the same
  * bytes rearranged a group of rows at a time, "Packed weights" below). A matmul quantizes each
  * activation row to int8 blocks of 32 (of 256 against the K-quants, as llama.cpp's Q8_K), sums the
- * products exactly in int32 per block and scales them in fp32 ("Matmuls over a GGUF's own blocks" below).
+ * products exactly in int32 per block (on the tile unit, "AMX" below, where the CPU has one and a call
+ * has the rows) and scales them in fp32 ("Matmuls over a GGUF's own blocks" below).
  */
 #include <linux/futex.h>
 #include <math.h>
@@ -1641,7 +1642,7 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
         mm.a.o = malloc(sizeof(int32_t) * M * (K / 32));
     }
     if (blocks256) {
-        mm.a.kq = malloc(M * K);
+        mm.a.kq = malloc(padded * K);
         mm.a.ks = malloc(sizeof(float) * M * (K / 256));
         mm.a.ko = malloc(sizeof(int32_t) * M * (K / 16 + K / 64));
         mm.a.kp = mm.a.ko + M * (K / 16);
