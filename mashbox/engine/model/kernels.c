@@ -413,6 +413,7 @@ typedef __m512 gvf;
 #define gv_set1(x) _mm512_set1_epi32(x)
 #define gv_zero() _mm512_setzero_si512()
 #define gv_add(a, b) _mm512_add_epi32(a, b)
+#define gv_sub(a, b) _mm512_sub_epi32(a, b)
 #define gv_and(a, b) _mm512_and_si512(a, b)
 #define gv_or(a, b) _mm512_or_si512(a, b)
 #define gv_srli(a, n) _mm512_srli_epi32(a, n)
@@ -446,6 +447,7 @@ typedef __m256 gvf;
 #define gv_set1(x) _mm256_set1_epi32(x)
 #define gv_zero() _mm256_setzero_si256()
 #define gv_add(a, b) _mm256_add_epi32(a, b)
+#define gv_sub(a, b) _mm256_sub_epi32(a, b)
 #define gv_and(a, b) _mm256_and_si256(a, b)
 #define gv_or(a, b) _mm256_or_si256(a, b)
 #define gv_srli(a, n) _mm256_srli_epi32(a, n)
@@ -1153,11 +1155,12 @@ static inline __attribute__((always_inline)) void ktile_packed(
  * activation rows at a time are summed by it: exact int32 sums, the integers the vector tiles sum, then
  * scaled by the same float steps as theirs, so that a row's bits are the same whichever path ran them.
  * Packed Q8_0 goes as it is (signed bytes, 4 of each row a lane: the tile unit's layout), one tile a block;
- * a K-quant is decoded and its weights multiplied by its scales' digits first (amx_scaled), so that a
- * block's 256 products need no scaling per 32 or 16. (Decoded alone, with the scales applied to each 32's
- * sums, they were 0.76-1.19x the vector tiles: bench/kernel_ab.py, docs/performance.md.) */
+ * from AMX_KROWS rows a K-quant is decoded and its weights multiplied by its scales' digits first
+ * (amx_scaled), so that a block's 256 products need no scaling per 32 or 16, and another format is decoded
+ * as signed bytes (amx_signed). (K-quants decoded alone, with the scales applied to each unit's sums, were
+ * 0.76-1.19x the vector tiles: bench/kernel_ab.py, docs/performance.md.) */
 #define AMX_ROWS 16  /* the least rows a matmul takes to the tile unit (packed Q8_0) */
-#define AMX_KROWS 48 /* and for the K-quants, which are decoded and scaled first (at 32 rows 0.95-1.05x) */
+#define AMX_KROWS 48 /* and for the formats decoded first (K-quants at 32 rows 0.95-1.05x) */
 struct tile_config {
     uint8_t palette, start, reserved[14];
     uint16_t bytes[16];
@@ -1211,7 +1214,40 @@ static void amx_q8(int64_t fmt, const struct format *f, struct acts x, const uin
         AMX_SUM(0) AMX_SUM(1) AMX_SUM(2) AMX_SUM(3)
         for (int i = 0; i < n; i++)
             for (int r = 0; r < rows; r++)
-                acc[r] = gf_fma(gf_cvt(gv_load(sums[i][r])), gf_mul(gf_load(d[i]), gf_set1(x.s[r * nb + b0 + i])), acc[r]);
+                acc[r] = gf_fma(gf_cvt(gv_load(sums[i][r])), gf_mul(gf_load(d[i]), gf_set1(x.s[r * nb + b0 + i])),
+                                acc[r]);
+    }
+    for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
+}
+
+/* A decoded group of 32-value blocks as signed bytes (u + offset: Q4_0's u - 8, Q5_0's u - 16, Q8_0's u - 128;
+ * the formats with a min keep u, at most 31) at out, so that the tile unit's sums need no offset term. */
+static void amx_signed(const uint8_t *q, int64_t K, int offset, uint8_t *out) {
+    const __m512i add = _mm512_set1_epi8((char)offset);
+    for (int64_t at = 0; at < GR * K; at += 64) gv_store(out + at, _mm512_add_epi8(gv_load(q + at), add));
+}
+
+/* tile for a decoded group of 32-value blocks (qs: amx_signed's) and up to 16 rows on the tile unit, 4 blocks
+ * at a time: the sums, then tile_block's float steps. */
+static void amx_tile(struct acts x, const uint8_t *qs, const float *d, const float *m, int64_t K, int has_min,
+                     int rows, float *y, int64_t ldy) {
+    int64_t nb = K / 32;
+    int32_t sums[4][16][GR] __attribute__((aligned(64)));
+    gvf acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = gf_zero();
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        int n = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        const uint8_t *w[4];
+        for (int i = 0; i < n; i++) w[i] = qs + (b0 + i) * 32 * GR;
+        AMX_SUM(0) AMX_SUM(1) AMX_SUM(2) AMX_SUM(3)
+        for (int i = 0; i < n; i++) {
+            int64_t b = b0 + i;
+            for (int r = 0; r < rows; r++) {
+                acc[r] = gf_fma(gf_cvt(gv_load(sums[i][r])), gf_mul(gf_load(d + b * GR), gf_set1(x.s[r * nb + b])),
+                                acc[r]);
+                if (has_min) acc[r] = gf_fma(gf_load(m + b * GR), gf_set1(x.sm[r * nb + b]), acc[r]);
+            }
+        }
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
@@ -1228,8 +1264,7 @@ static void amx_scaled(int64_t fmt, const uint8_t *q, const struct kscales *ks, 
         for (int u = 0; u < 256 / unit; u++) {
             __m512i digit[3], sc = gv_load(ks[c].sc[u]);
             for (int i = 0; i < nd; i++) {
-                __m512i dg = six ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(sc, gv_set1(3)), gv_set1(7)), gv_set1(3))
-                                 : _mm512_and_si512(sc, gv_set1(7));
+                __m512i dg = six ? gv_sub(gv_and(gv_add(sc, gv_set1(3)), gv_set1(7)), gv_set1(3)) : gv_and(sc, gv_set1(7));
                 sc = _mm512_srai_epi32(_mm512_sub_epi32(sc, dg), 3);
                 digit[i] = _mm512_or_si512(_mm512_and_si512(dg, gv_set1(0xFFFF)), _mm512_slli_epi32(dg, 16));
             }
@@ -1545,10 +1580,10 @@ static void tile_task(void *arg, int64_t task, int who) {
         float *y = mm->y + col + row0, part[16 * GR];
         int to_part = n < GR || mm->stream; /* the tiles write to part, put_rows to y */
         int as_loaded = 0; /* a packed group (at first) multiplied as loaded, with no decoded copy */
-        int amx = 0, kamx = 0; /* on the tile unit: a packed Q8_0 group as it is, a K-quant's decoded and scaled */
+        int amx = 0, amx_decoded = 0; /* on the tile unit: packed Q8_0 as it is; others decoded, scaled or signed */
 #ifdef MB_AMX
         amx = mm->amx && w->fmt[p] >= PACKED && (fmt == Q8_0 || fmt == MB_Q8);
-        kamx = mm->amx && mm->M >= AMX_KROWS && f.values == 256;
+        amx_decoded = mm->amx && mm->M >= AMX_KROWS && !amx;
 #endif
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
@@ -1556,7 +1591,7 @@ static void tile_task(void *arg, int64_t task, int who) {
             first = w->data[p] + row0 / GR * size;
             next = first + size;
             ahead = more ? size : 0;
-            as_loaded = amx || (!kamx && mm->M <= direct_rows(fmt));
+            as_loaded = amx || (!amx_decoded && mm->M <= direct_rows(fmt));
             if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
         } else if (n == GR) {
@@ -1567,12 +1602,13 @@ static void tile_task(void *arg, int64_t task, int who) {
             decode_group(w->fmt[p], &f, full, bytes, K, q, d, m, NULL, 0);
         }
 #ifdef MB_AMX
-        uint8_t *scaled = kamx ? thread_buffer(2, 3 * GR * K) : NULL;
-        if (kamx) amx_scaled(fmt, q, (const struct kscales *)d, K, scaled);
+        uint8_t *scaled = amx_decoded ? thread_buffer(2, 3 * GR * K) : NULL;
+        if (amx_decoded && f.values == 256) amx_scaled(fmt, q, (const struct kscales *)d, K, scaled);
+        else if (amx_decoded) amx_signed(q, K, f.offset, scaled);
 #endif
         /* a decoded group of 32-value blocks goes 4 rows at a time: at 256 rows 0.87-0.98x with 8 */
         for (int64_t r = 0, rows_here; r < mm->M; r += rows_here) {
-            int on_amx = (amx || kamx) && mm->M - r >= 8; /* 16 rows at a time; fewer left go as before */
+            int on_amx = (amx || amx_decoded) && mm->M - r >= 8; /* 16 rows at a time; fewer left go as before */
             int64_t most = on_amx ? 16 : as_loaded || f.values == 256 ? TR : 4;
             rows_here = mm->M - r < most ? mm->M - r : most;
             if (!on_amx && rows_here < most && rows_here > 4) rows_here = 4; /* 8, 4 or fewer */
@@ -1580,8 +1616,13 @@ static void tile_task(void *arg, int64_t task, int who) {
             int64_t ld = to_part ? GR : mm->N;
             if (on_amx) {
 #ifdef MB_AMX
-                if (kamx) amx_ktile(fmt, acts_row(mm->a, r, K), scaled, (const struct kscales *)d, K, rows_here, out, ld);
-                else amx_q8(fmt, &f, acts_row(mm->a, r, K), first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
+                struct acts x = acts_row(mm->a, r, K);
+                if (amx_decoded && f.values == 256)
+                    amx_ktile(fmt, x, scaled, (const struct kscales *)d, K, rows_here, out, ld);
+                else if (amx_decoded)
+                    amx_tile(x, scaled, d, m, K, f.min, rows_here, out, ld);
+                else
+                    amx_q8(fmt, &f, x, first, K, rows_here, out, ld, next, r == 0 ? ahead : 0);
 #endif
             } else if (as_loaded) { /* only where packed, with AVX2 */
 #ifdef MB_AVX2
