@@ -1477,7 +1477,7 @@ struct matmul {
     int64_t M, N, K, rows_per_task, groups_per_task, groups;
     int64_t first[4]; /* each part's first group; first[parts] = groups */
     int stream;       /* the output streamed past the caches (put_rows) */
-    int amx;          /* packed Q8_0 groups multiplied on the tile unit, 16 rows at a time */
+    int amx;          /* enough rows for the tile unit, and it is allowed (AMX below) */
 };
 
 /* The sums of each 16 of q's n values into t. */
@@ -1516,8 +1516,8 @@ static void quantize_task(void *arg, int64_t task, int who) {
     }
 }
 
-/* This thread's buffer number `which` (0: a decoded group, 1: a last group's rows, 2: amx_scaled's), grown as needed;
- * each thread has its own. */
+/* This thread's buffer number `which` (0: a decoded group, 1: a last group's rows, 2: a decoded group made
+ * ready for the tile unit), grown as needed; each thread has its own. */
 static void *thread_buffer(int which, size_t bytes) {
     static __thread void *buf[3];
     static __thread size_t size[3];
