@@ -99,8 +99,8 @@ def _stream(url, max_tokens=2, **extra):
             "stream": True, **extra}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                   for line in lines[:-1] if json.loads(line[6:])["choices"])
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks if chunk["choices"])
     return response.headers, text, lines[-1] == "data: [DONE]"
 
 
