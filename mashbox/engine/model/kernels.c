@@ -1629,7 +1629,7 @@ static void tile_task(void *arg, int64_t task, int who) {
             } else if (as_loaded) { /* only where packed, with AVX2 */
 #ifdef MB_AVX2
                 /* each pass of TR rows over the group fetches its share of the next one (the first pass all
-                 * of it: 16-row steps on the 1.5B shape 1.12x slower) */
+                 * of it: 16-row steps on the 1.5B shape 1.10x slower) */
                 int64_t passes = (mm->M + TR - 1) / TR, share = (ahead + passes - 1) / passes;
                 int64_t at = r / TR * share, here = ahead - at < share ? ahead - at : share;
                 tile_packed_any(fmt, &f, &mm->a, r, first, K, rows_here, out, ld, next + at, here > 0 ? here : 0);
