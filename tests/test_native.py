@@ -36,6 +36,13 @@ def test_matmuls_use_the_tile_unit_where_the_cpu_has_one(lib):
     assert lib.mb_amx() == int({"amx_tile", "amx_int8"} <= set(flags))
 
 
+def test_attention_multiplies_on_the_tile_unit_where_the_cpu_has_one(lib):
+    """With AMX's bf16 products, attention's dot products run on the tile unit for every row of every call
+    (the chunk tests below check a row's bits in any chunking and alone); elsewhere on the vector unit."""
+    flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    assert lib.mb_attention_amx() == int({"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags))
+
+
 def test_elementwise_ops_match_torch(lib):
     g = torch.Generator().manual_seed(0)
     native_ops, torch_ops = NativeOps(lib), TorchOps()

@@ -1,5 +1,6 @@
 /* mashbox's CPU kernels: int8-weight matmul, decode and prompt-chunk attention over an fp16 or
- * q8_0 KV cache (bf16 dot products with fp32 sums where the CPU has AVX512-BF16), the per-row norm,
+ * q8_0 KV cache (bf16 dot products with fp32 sums where the CPU has AVX512-BF16, on the tile unit
+ * where it has AMX-BF16), the per-row norm,
  * rotary and gate ops, and a whole decoder layer built from them.
  *
  * Compiled on first use by mashbox/engine/native.py with the machine's C compiler
@@ -1944,8 +1945,9 @@ void mb_decode_attention(const float *q, int64_t ldq, const uint8_t *k, const ui
  * tasks of (chunk, KV head, block of positions); a task packs the queries of the block's
  * positions for every query head of the KV head (GQA folded into rows), then walks the keys in
  * blocks of KB positions counted from 0: convert the block once (to fp32, or to bf16 pairs where
- * the CPU has AVX512-BF16: MB_BF16 below), scores by a register tile, an online softmax per row in
- * fp32, and the weighted values added. A row's operations depend only on its
+ * the CPU has AVX512-BF16: MB_BF16 below), scores by a register tile (or the tile unit's, where it
+ * has AMX-BF16: MB_AMX_BF16), an online softmax per row in fp32, and the weighted values added (the
+ * same). A row's operations depend only on its
  * position and its cache, never on the chunk, the task or the thread around it. With a sliding
  * window of W, row p sees positions p-W+1..p: the earlier ones of a block score -inf, and a block
  * with none of them is passed by as a block past its position is. Blocks are KB positions (above). */
@@ -2276,11 +2278,80 @@ static void block_values4(const float *p, const float *vb, float *o, int64_t n, 
 /* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g,
  * whose keys and values k, v hold from position 0; bf16: multiply in bf16 pairs (only where MB_BF16
  * is built; fp32 otherwise); window: each row sees its last `window` positions only (0: all). */
+#if defined(MB_AMX) && defined(MB_BF16) && defined(__AMX_BF16__)
+#define MB_AMX_BF16 1
+/* Where the tile unit multiplies bf16 too, attention's dot products go to it (D % 32 == 0), rows 16 at a time
+ * (a call's rows padded to 16s): every row of every call, so that a row's bits still depend only on its
+ * position and its cache (the vector unit's sums, in another order, would give others). Prompt rows 3.1-3.3x
+ * faster (bench/attention_speed.py: qwen's heads, 256 rows at 2-8k positions), one-token rows ~1.2x. Tiles
+ * 0-3 hold sums (16 rows x 16 fp32), 4 a 16-row tile of bf16 pairs of the rows, 5 one of the keys' or values'. */
+static void amx_attention_configure(void) {
+    struct tile_config c = {.palette = 1};
+    for (int t = 0; t < 6; t++) c.bytes[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+#define AMX_SCORES(i)                           \
+    _tile_loadd(5, kp + d * KB + 16 * i, KB * 4); \
+    _tile_dpbf16ps(i, 4, 5);
+
+/* s[M][KB] = qb[M] . kp (block_scores_bf16's, by the tile unit), M % 16 == 0. */
+static void amx_scores(const uint32_t *qb, const uint32_t *kp, float *s, int64_t M, int64_t D) {
+    for (int64_t m = 0; m < M; m += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d = 0; d < D / 2; d += 16) { /* 32 dims a tile */
+            _tile_loadd(4, qb + m * (D / 2) + d, D / 2 * 4);
+            AMX_SCORES(0) AMX_SCORES(1) AMX_SCORES(2) AMX_SCORES(3)
+        }
+        _tile_stored(0, s + m * KB, KB * 4);
+        _tile_stored(1, s + m * KB + 16, KB * 4);
+        _tile_stored(2, s + m * KB + 32, KB * 4);
+        _tile_stored(3, s + m * KB + 48, KB * 4);
+    }
+}
+
+#define AMX_VALUES(i, op)                   \
+    if (i < w) {                            \
+        float *at = o + m * D + d + 16 * i; \
+        const uint32_t *b = vp + 16 * k * D + d + 16 * i; \
+        (void)at, (void)b;                  \
+        op;                                 \
+    }
+
+/* o[M][D] += p[M][KB] . vp (block_values4_bf16's for all rows, by the tile unit), M % 16 == 0; pw: room for
+ * the weights as bf16 pairs [M][KB / 2]. vp's pairs past the block's positions are zero. */
+static void amx_values(const float *p, uint32_t *pw, const uint32_t *vp, float *o, int64_t M, int64_t D) {
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < KB; j += 32)
+            _mm512_storeu_si512(pw + m * (KB / 2) + j / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(vload(p + m * KB + j + 16), vload(p + m * KB + j)));
+    for (int64_t m = 0; m < M; m += 16)
+        for (int64_t d = 0; d < D; d += 64) {
+            int w = D - d >= 64 ? 4 : (int)(D - d) / 16;
+            int k = 0;
+            AMX_VALUES(0, _tile_loadd(0, at, D * 4)) AMX_VALUES(1, _tile_loadd(1, at, D * 4))
+            AMX_VALUES(2, _tile_loadd(2, at, D * 4)) AMX_VALUES(3, _tile_loadd(3, at, D * 4))
+            for (k = 0; k < 2; k++) { /* positions 32k .. 32k + 31 */
+                _tile_loadd(4, pw + m * (KB / 2) + 16 * k, KB / 2 * 4);
+                AMX_VALUES(0, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(0, 4, 5))
+                AMX_VALUES(1, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(1, 4, 5))
+                AMX_VALUES(2, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(2, 4, 5))
+                AMX_VALUES(3, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(3, 4, 5))
+            }
+            AMX_VALUES(0, _tile_stored(0, at, D * 4)) AMX_VALUES(1, _tile_stored(1, at, D * 4))
+            AMX_VALUES(2, _tile_stored(2, at, D * 4)) AMX_VALUES(3, _tile_stored(3, at, D * 4))
+        }
+}
+#endif
+
 static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, int64_t kvq, int64_t row0,
                        int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale,
-                       float *out, int64_t ldo, float *buf, int bf16, int64_t window) {
-    (void)bf16;
-    int64_t M = np * G, Mp = (M + 3) / 4 * 4, last = p0 + np - 1, RB = kv_row_bytes(D, kvq);
+                       float *out, int64_t ldo, float *buf, int bf16, int amx, int64_t window) {
+    (void)bf16, (void)amx;
+    int64_t M = np * G, Mp = amx ? (M + 15) / 16 * 16 : (M + 3) / 4 * 4, last = p0 + np - 1, RB = kv_row_bytes(D, kvq);
     float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
     float *max = o + Mp * D, *sum = max + Mp;
     memset(qs, 0, sizeof(float) * Mp * D);
@@ -2306,7 +2377,13 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
 #ifdef MB_BF16
         if (bf16) {
             pack_block_bf16(kb, vbk, n, D, RB, kvq, (uint32_t *)kt, (uint32_t *)vb, (uint32_t *)kt + D * KB / 2);
-            block_scores_bf16((uint32_t *)qs, (uint32_t *)kt, s, Mp, D);
+#ifdef MB_AMX_BF16
+            if (amx) { /* the tile unit reads whole blocks: the pairs past the block's positions zero */
+                memset((uint32_t *)vb + (n + 1) / 2 * D, 0, sizeof(uint32_t) * (KB / 2 - (n + 1) / 2) * D);
+                amx_scores((uint32_t *)qs, (uint32_t *)kt, s, Mp, D);
+            } else
+#endif
+                block_scores_bf16((uint32_t *)qs, (uint32_t *)kt, s, Mp, D);
         } else
 #endif
         {
@@ -2327,12 +2404,15 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
             }
 #ifdef MB_BF16
             if (bf16) {
-                block_values4_bf16(s + m * KB, (uint32_t *)vb, o + m * D, most, D);
+                if (!amx) block_values4_bf16(s + m * KB, (uint32_t *)vb, o + m * D, most, D);
                 continue;
             }
 #endif
             block_values4(s + m * KB, vb, o + m * D, most, D);
         }
+#ifdef MB_AMX_BF16
+        if (amx) amx_values(s, (uint32_t *)(sum + Mp), (uint32_t *)vb, o, Mp, D);
+#endif
     }
     for (int64_t m = 0; m < M; m++) {
         float *dst = out + (row0 + m / G) * ldo + (g * G + m % G) * D;
@@ -2351,7 +2431,7 @@ struct chunks {
     int64_t H, KVH, D, ctx;
     float scale;
     int64_t span, blocks, floats, window;
-    int bf16;
+    int bf16, amx; /* amx: the dot products on the tile unit */
     float *bufs[MAX_THREADS];
 };
 
@@ -2362,8 +2442,14 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
     if (!a->bufs[who]) a->bufs[who] = malloc(sizeof(float) * a->floats);
     int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span;
     int64_t base = (a->slots[c] * KVH + g) * a->ctx * kv_row_bytes(D, a->kvq);
+#ifdef MB_AMX_BF16
+    if (a->amx) amx_attention_configure();
+#endif
     chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->kvq, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
-               a->scale, a->out, a->H * D, a->bufs[who], a->bf16, a->window);
+               a->scale, a->out, a->H * D, a->bufs[who], a->bf16, a->amx, a->window);
+#ifdef MB_AMX_BF16
+    if (a->amx) _tile_release();
+#endif
 }
 
 /* R prompt chunks, each attending over its own slot: chunk c's rows are rows[c]..rows[c]+ns[c]-1 of q
@@ -2383,9 +2469,13 @@ void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uin
     }
     int64_t span = ROWS / G > 1 ? ROWS / G : 1, wanted = (4 * threads + R * KVH - 1) / (R * KVH);
     if ((longest + span - 1) / span < wanted) span = (longest + wanted - 1) / wanted;
-    int64_t blocks = (longest + span - 1) / span, Mp = (span * G + 3) / 4 * 4;
+    int amx = 0;
+#ifdef MB_AMX_BF16
+    amx = bf16 && D % 32 == 0 && amx_allowed();
+#endif
+    int64_t blocks = (longest + span - 1) / span, Mp = (span * G + 15) / 16 * 16;
     struct chunks a = {q, ldq, k, v, kvq, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
-                       Mp * D * 2 + D * KB * 2 + Mp * KB + Mp * 2, window, bf16 != 0, {0}};
+                       Mp * D * 2 + D * KB * 2 + Mp * KB * 3 / 2 + Mp * 2, window, bf16 != 0, amx, {0}};
     pool_run(chunk_attention_task, &a, R * KVH * blocks, work);
     for (int i = 0; i < MAX_THREADS; i++) free(a.bufs[i]);
 }
@@ -2572,6 +2662,15 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
 int mb_attention_bf16(void) {
 #ifdef MB_BF16
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where attention's bf16 products run on the tile unit (AMX-BF16; heads of a multiple of 32 values). */
+int mb_attention_amx(void) {
+#ifdef MB_AMX_BF16
+    return amx_allowed();
 #else
     return 0;
 #endif

@@ -76,6 +76,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mb_attention_bf16.argtypes, lib.mb_attention_bf16.restype = (), ctypes.c_int
     lib.mb_group_rows.argtypes, lib.mb_group_rows.restype = (), ctypes.c_int
     lib.mb_amx.argtypes, lib.mb_amx.restype = (), ctypes.c_int
+    lib.mb_attention_amx.argtypes, lib.mb_attention_amx.restype = (), ctypes.c_int
     lib.mb_packed_bytes.argtypes, lib.mb_packed_bytes.restype = (_I, _I, _I), _I
     return lib
 
