@@ -2275,9 +2275,6 @@ static void block_values4(const float *p, const float *vb, float *o, int64_t n, 
     block_values(p + 2 * KB, vb, o + 2 * D, n, D);
 }
 
-/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g,
- * whose keys and values k, v hold from position 0; bf16: multiply in bf16 pairs (only where MB_BF16
- * is built; fp32 otherwise); window: each row sees its last `window` positions only (0: all). */
 #if defined(MB_AMX) && defined(MB_BF16) && defined(__AMX_BF16__)
 #define MB_AMX_BF16 1
 /* Where the tile unit multiplies bf16 too, attention's dot products go to it (D % 32 == 0), rows 16 at a time
@@ -2291,7 +2288,8 @@ static void amx_attention_configure(void) {
     _tile_loadconfig(&c);
 }
 
-#define AMX_SCORES(i)                           \
+/* Tile i's scores plus the queries' tile (4) times the keys of 32 dims from 2d, positions 16i .. */
+#define AMX_SCORES(i)                             \
     _tile_loadd(5, kp + d * KB + 16 * i, KB * 4); \
     _tile_dpbf16ps(i, 4, 5);
 
@@ -2313,12 +2311,15 @@ static void amx_scores(const uint32_t *qb, const uint32_t *kp, float *s, int64_t
     }
 }
 
-#define AMX_VALUES(i, op)                   \
-    if (i < w) {                            \
-        float *at = o + m * D + d + 16 * i; \
-        const uint32_t *b = vp + 16 * k * D + d + 16 * i; \
-        (void)at, (void)b;                  \
-        op;                                 \
+/* The sums of dims d + 16i .. of 16 rows from m: loaded into tile i from o, or stored there (op), if i < w. */
+#define AMX_SUMS(i, op) \
+    if (i < w) op(i, o + m * D + d + 16 * i, D * 4);
+
+/* Tile i's sums plus the weights' tile (4) times the values of 32 positions from 32k, dims d + 16i .. */
+#define AMX_VALUES(i)                                         \
+    if (i < w) {                                              \
+        _tile_loadd(5, vp + 16 * k * D + d + 16 * i, D * 4); \
+        _tile_dpbf16ps(i, 4, 5);                              \
     }
 
 /* o[M][D] += p[M][KB] . vp (block_values4_bf16's for all rows, by the tile unit), M % 16 == 0; pw: room for
@@ -2331,22 +2332,20 @@ static void amx_values(const float *p, uint32_t *pw, const uint32_t *vp, float *
     for (int64_t m = 0; m < M; m += 16)
         for (int64_t d = 0; d < D; d += 64) {
             int w = D - d >= 64 ? 4 : (int)(D - d) / 16;
-            int k = 0;
-            AMX_VALUES(0, _tile_loadd(0, at, D * 4)) AMX_VALUES(1, _tile_loadd(1, at, D * 4))
-            AMX_VALUES(2, _tile_loadd(2, at, D * 4)) AMX_VALUES(3, _tile_loadd(3, at, D * 4))
-            for (k = 0; k < 2; k++) { /* positions 32k .. 32k + 31 */
+            AMX_SUMS(0, _tile_loadd) AMX_SUMS(1, _tile_loadd) AMX_SUMS(2, _tile_loadd) AMX_SUMS(3, _tile_loadd)
+            for (int k = 0; k < 2; k++) {
                 _tile_loadd(4, pw + m * (KB / 2) + 16 * k, KB / 2 * 4);
-                AMX_VALUES(0, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(0, 4, 5))
-                AMX_VALUES(1, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(1, 4, 5))
-                AMX_VALUES(2, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(2, 4, 5))
-                AMX_VALUES(3, _tile_loadd(5, b, D * 4); _tile_dpbf16ps(3, 4, 5))
+                AMX_VALUES(0) AMX_VALUES(1) AMX_VALUES(2) AMX_VALUES(3)
             }
-            AMX_VALUES(0, _tile_stored(0, at, D * 4)) AMX_VALUES(1, _tile_stored(1, at, D * 4))
-            AMX_VALUES(2, _tile_stored(2, at, D * 4)) AMX_VALUES(3, _tile_stored(3, at, D * 4))
+            AMX_SUMS(0, _tile_stored) AMX_SUMS(1, _tile_stored) AMX_SUMS(2, _tile_stored) AMX_SUMS(3, _tile_stored)
         }
 }
 #endif
 
+/* The task's rows: positions p0..p0+np-1 of one chunk, each with the G query heads of KV head g,
+ * whose keys and values k, v hold from position 0; bf16: multiply in bf16 pairs (only where MB_BF16
+ * is built; fp32 otherwise), amx: on the tile unit (MB_AMX_BF16); window: each row sees its last
+ * `window` positions only (0: all). */
 static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, int64_t kvq, int64_t row0,
                        int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale,
                        float *out, int64_t ldo, float *buf, int bf16, int amx, int64_t window) {
@@ -2411,7 +2410,7 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
             block_values4(s + m * KB, vb, o + m * D, most, D);
         }
 #ifdef MB_AMX_BF16
-        if (amx) amx_values(s, (uint32_t *)(sum + Mp), (uint32_t *)vb, o, Mp, D);
+        if (amx) amx_values(s, (uint32_t *)(sum + Mp), (uint32_t *)vb, o, Mp, D); /* room past sum: pw */
 #endif
     }
     for (int64_t m = 0; m < M; m++) {
