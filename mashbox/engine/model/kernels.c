@@ -2145,15 +2145,19 @@ static void block_scores_bf16(const uint32_t *qb, const uint32_t *kp, float *s, 
     }
 }
 
+/* The weights p of `rows` rows (KB each) as bf16 pairs pw [rows][KB / 2], as the values' products take them. */
+static inline void weights_bf16(const float *p, uint32_t *pw, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < KB; j += 32)
+            _mm512_storeu_si512(pw + r * (KB / 2) + j / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(vload(p + r * KB + j + 16), vload(p + r * KB + j)));
+}
+
 /* o[m + r] += p[m + r] . vp over the first n positions, for four rows (weights past a row's own
  * count are zero). */
 static void block_values4_bf16(const float *p, const uint32_t *vp, float *o, int64_t n, int64_t D) {
     uint32_t pw[4][KB / 2];
-    for (int r = 0; r < 4; r++)
-        for (int j = 0; j < KB; j += 32) {
-            __m512bh pair = _mm512_cvtne2ps_pbh(vload(p + r * KB + j + 16), vload(p + r * KB + j));
-            _mm512_storeu_si512(pw[r] + j / 2, (__m512i)pair);
-        }
+    weights_bf16(p, pw[0], 4);
     int64_t pairs = (n + 1) / 2;
     for (int64_t d = 0; d < D; d += 64) {
         int w = D - d >= 64 ? 4 : (int)(D - d) / 16;
@@ -2325,10 +2329,7 @@ static void amx_scores(const uint32_t *qb, const uint32_t *kp, float *s, int64_t
 /* o[M][D] += p[M][KB] . vp (block_values4_bf16's for all rows, by the tile unit), M % 16 == 0; pw: room for
  * the weights as bf16 pairs [M][KB / 2]. vp's pairs past the block's positions are zero. */
 static void amx_values(const float *p, uint32_t *pw, const uint32_t *vp, float *o, int64_t M, int64_t D) {
-    for (int64_t m = 0; m < M; m++)
-        for (int j = 0; j < KB; j += 32)
-            _mm512_storeu_si512(pw + m * (KB / 2) + j / 2,
-                                (__m512i)_mm512_cvtne2ps_pbh(vload(p + m * KB + j + 16), vload(p + m * KB + j)));
+    weights_bf16(p, pw, M);
     for (int64_t m = 0; m < M; m += 16)
         for (int64_t d = 0; d < D; d += 64) {
             int w = D - d >= 64 ? 4 : (int)(D - d) / 16;
@@ -2353,6 +2354,8 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
     int64_t M = np * G, Mp = amx ? (M + 15) / 16 * 16 : (M + 3) / 4 * 4, last = p0 + np - 1, RB = kv_row_bytes(D, kvq);
     float *qs = buf, *kt = qs + Mp * D, *vb = kt + D * KB, *s = vb + KB * D, *o = s + Mp * KB;
     float *max = o + Mp * D, *sum = max + Mp;
+    uint32_t *pw = (uint32_t *)(sum + Mp); /* the weights as bf16 pairs, for the tile unit */
+    (void)pw;
     memset(qs, 0, sizeof(float) * Mp * D);
     memset(o, 0, sizeof(float) * Mp * D);
     for (int64_t m = 0; m < Mp; m++) {
@@ -2410,7 +2413,7 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
             block_values4(s + m * KB, vb, o + m * D, most, D);
         }
 #ifdef MB_AMX_BF16
-        if (amx) amx_values(s, (uint32_t *)(sum + Mp), (uint32_t *)vb, o, Mp, D); /* room past sum: pw */
+        if (amx) amx_values(s, pw, (uint32_t *)vb, o, Mp, D);
 #endif
     }
     for (int64_t m = 0; m < M; m++) {
@@ -2472,7 +2475,7 @@ void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uin
 #ifdef MB_AMX_BF16
     amx = bf16 && D % 32 == 0 && amx_allowed();
 #endif
-    int64_t blocks = (longest + span - 1) / span, Mp = (span * G + 15) / 16 * 16;
+    int64_t blocks = (longest + span - 1) / span, Mp = amx ? (span * G + 15) / 16 * 16 : (span * G + 3) / 4 * 4;
     struct chunks a = {q, ldq, k, v, kvq, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
                        Mp * D * 2 + D * KB * 2 + Mp * KB * 3 / 2 + Mp * 2, window, bf16 != 0, amx, {0}};
     pool_run(chunk_attention_task, &a, R * KVH * blocks, work);
