@@ -55,7 +55,8 @@
  * futex. A job is n tasks handed out one at a time by a ticket that holds the job's generation,
  * its n and the next task, taken by compare-and-swap. The caller takes tasks too, so a helper slow
  * to wake only leaves more of them to the caller; one preempted in the middle of a task makes the
- * caller wait, so after that the caller runs its jobs alone for a while. A task writes its own
+ * caller wait (running the next jobs alone after that cost the served figures 7-11% and gained nothing
+ * with another process busy on a core: docs/performance.md, run AK). A task writes its own
  * outputs, so no result depends on which thread ran it or on how many did. One job runs at a
  * time; a second caller (another thread) runs its job alone. */
 #define POOL_WORK (1LL << 19) /* the least work (multiply-adds) a call shares */
@@ -69,7 +70,6 @@ static struct {
     pthread_mutex_t busy;
     pid_t pid;                 /* helpers run in this process (a forked child starts its own) */
     int helpers;               /* helpers started */
-    int64_t backoff, alone;    /* jobs to run alone after a late helper; how many are left */
     _Atomic int width;         /* threads the running job may use */
     _Atomic uint32_t gen;      /* bumped for each job: the futex the helpers sleep on */
     _Atomic int sleepers;
@@ -139,12 +139,6 @@ static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
         for (int64_t i = 0; i < n; i++) fn(arg, i, 0);
         return;
     }
-    if (pool.alone > 0) {
-        pool.alone--;
-        pthread_mutex_unlock(&pool.busy);
-        for (int64_t i = 0; i < n; i++) fn(arg, i, 0);
-        return;
-    }
     if (pool.pid != getpid()) {
         pool.pid = getpid();
         pool.helpers = 0;
@@ -162,22 +156,10 @@ static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
     atomic_store(&pool.ticket, (uint64_t)(gen & 0xFFFFFF) << 40 | (uint64_t)n << 20);
     atomic_store(&pool.gen, gen);
     if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-    uint64_t start = now_ns();
-    int64_t mine = take_tasks(gen, 0);
-    uint64_t own = now_ns() - start;
+    take_tasks(gen, 0);
     for (int spins = 0; atomic_load(&pool.done) < n; spins++) {
         relax();
         if (spins > 4096) sched_yield();
-    }
-    /* A helper that held its last task much longer than one of the caller's took was preempted:
-     * another process wants its core. Waiting on it costs more than the caller's share, so the next
-     * jobs run alone, twice as many each time it happens again; punctual jobs halve that. */
-    uint64_t late = now_ns() - start - own;
-    if (mine > 0 && late > 2 * own / (uint64_t)mine + 20000) {
-        pool.backoff = pool.backoff < 4096 ? 2 * pool.backoff + 32 : 8192;
-        pool.alone = pool.backoff;
-    } else {
-        pool.backoff /= 2;
     }
     pthread_mutex_unlock(&pool.busy);
 }
