@@ -264,6 +264,24 @@ def test_a_short_prompt_beside_decoding_streams_runs_in_whole_chunks():
     assert first_busy_step(600) == 4 and first_busy_step(64) == 32
 
 
+def test_a_short_prompts_last_few_tokens_go_with_the_chunk_before_them():
+    def busy_steps(prompt: int) -> list[int]:
+        s = paced(num_slots=8)
+        new = seq("new", prompt, first=1000)
+        s.add(new)
+        steps = []
+        while new.num_computed < prompt:
+            plan = s.schedule()
+            steps.append(plan.prompt_tokens)
+            s.update(plan, [1] * sum(w.sample for w in plan.work), seconds=0.010)  # the pace as measured
+        return steps
+
+    # 4 decode steps (40 ms) hold one chunk; one more decode step's time (to 20 ms) holds 13 tokens: a last
+    # chunk of up to 13 tokens more than the budget goes with the one before it, not in a step of its own
+    assert busy_steps(40) == [40] and busy_steps(45) == [45]
+    assert busy_steps(46) == [32, 14] and busy_steps(64) == [32, 32] and busy_steps(104) == [32, 32, 40]
+
+
 def test_a_long_prompt_mostly_in_the_prefix_cache_counts_as_short():
     s = paced(num_slots=3)
     first = seq("first", 300, max_new=1)

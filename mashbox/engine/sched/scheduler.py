@@ -138,10 +138,13 @@ class Scheduler:
         short = self._short_first()
         unit = self.chunk_tokens if short or not self.cut_anywhere else PIECE
         ratio = SHORT_RATIO if short else RATIO
-        budget = (self.pace.budget(len(plan.work) + plan.draft_rows, unit, self.busy_tokens, ratio, self.chunk_tokens)
-                  if plan else self.step_tokens)
+        rows = len(plan.work) + plan.draft_rows
+        budget = self.pace.budget(rows, unit, self.busy_tokens, ratio, self.chunk_tokens) if plan else self.step_tokens
+        # a short prompt's last few tokens go with the chunks before them where they cost less than the
+        # step they would wait for (a decode step for every running request)
+        tail = self.pace.budget(rows, 1, self.chunk_tokens, 2.0, 1) if plan and short else 0
         for seq in [s for s in self.running if s.in_prefill]:
-            budget -= self._prefill(plan, seq, budget, unit)
+            budget -= self._prefill(plan, seq, budget, unit, tail)
         for seq in list(self.waiting):
             fits = budget >= min(unit, len(seq.prompt_ids)) if plan else budget > 0
             if not self.slots.num_free or not fits:
@@ -150,7 +153,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             plan.cache_ops += self._admit(seq)
-            budget -= self._prefill(plan, seq, budget, unit)
+            budget -= self._prefill(plan, seq, budget, unit, tail)
         return plan
 
     def update(self, plan: Plan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, list[int]]]:
@@ -261,14 +264,15 @@ class Scheduler:
         """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""
         return min(len(seq.prompt_ids) - position, self.chunk_tokens - position % self.chunk_tokens)
 
-    def _prefill(self, plan: Plan, seq: Sequence, budget: int, unit: int) -> int:
+    def _prefill(self, plan: Plan, seq: Sequence, budget: int, unit: int, tail: int = 0) -> int:
         """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty), the last
-        one cut short where the step's ``unit`` is less than a chunk."""
+        one cut short where the step's ``unit`` is less than a chunk; the prompt's last chunk also where
+        it passes the budget by at most ``tail`` tokens."""
         start = position = seq.num_computed
         prompt = len(seq.prompt_ids)
         while position < prompt:
             n, left = self._chunk_len(seq, position), budget - (position - start)
-            if plan and n > left:
+            if plan and n > left and not (position + n == prompt and n - left <= tail):
                 if left <= 0 or unit == self.chunk_tokens:
                     break
                 n = left
