@@ -1191,16 +1191,17 @@ static void amx_q8(int64_t fmt, const struct format *f, struct acts x, const uin
         int half, n = nb - b0 < 4 ? (int)(nb - b0) : 4;
         const uint8_t *w[4];
         for (int i = 0; i < n; i++) {
-            fetch_share(next, ahead, b0 + i, nb);
             const uint8_t *at = packed_block(fmt, f, group, b0 + i, &base, &half);
             group_scales(fmt, f, at, 0, base, half, d[i], m);
             w[i] = at + (base + (fmt == Q8_0 ? 2 : 4)) * GR;
         }
         AMX_SUM(0) AMX_SUM(1) AMX_SUM(2) AMX_SUM(3)
-        for (int i = 0; i < n; i++)
+        for (int i = 0; i < n; i++) {
+            fetch_share(next, ahead, b0 + i, nb); /* a block's share between each block's float steps */
             for (int r = 0; r < rows; r++)
                 acc[r] = gf_fma(gf_cvt(gv_load(sums[i][r])), gf_mul(gf_load(d[i]), gf_set1(x.s[r * nb + b0 + i])),
                                 acc[r]);
+        }
     }
     for (int r = 0; r < rows; r++) gf_store(y + r * ldy, acc[r]);
 }
