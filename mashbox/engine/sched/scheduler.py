@@ -5,7 +5,8 @@ past its prompt, plus prompt chunks of new ones: up to ``step_tokens`` prompt
 tokens when nothing decodes; while others decode, as many as keep the step
 within a few decode steps' time (``Pace``, from the times ``update`` is given;
 ``RATIO``), at most ``busy_tokens``, so a long prompt does not stall their
-next tokens for long. Chunks start at multiples of ``chunk_tokens`` so a prompt
+next tokens for long; a short prompt's last few tokens go with its chunks
+before them where they cost less than the decode step they would wait for. Chunks start at multiples of ``chunk_tokens`` so a prompt
 is cut the same way whatever else runs (batch invariance); one request may run
 several consecutive chunks in one call. Where the runner's results do not
 depend on where a prompt is cut (``cut_anywhere``: mashbox's CPU kernels), a
@@ -264,7 +265,7 @@ class Scheduler:
         """Tokens of ``seq``'s prompt chunk that starts at ``position`` (up to the next boundary)."""
         return min(len(seq.prompt_ids) - position, self.chunk_tokens - position % self.chunk_tokens)
 
-    def _prefill(self, plan: Plan, seq: Sequence, budget: int, unit: int, tail: int = 0) -> int:
+    def _prefill(self, plan: Plan, seq: Sequence, budget: int, unit: int, tail: int) -> int:
         """Add ``seq``'s next chunks that fit ``budget`` (at least one if the plan is empty), the last
         one cut short where the step's ``unit`` is less than a chunk; the prompt's last chunk also where
         it passes the budget by at most ``tail`` tokens."""
