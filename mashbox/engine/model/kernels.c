@@ -91,17 +91,15 @@ static inline void relax(void) {
 #endif
 }
 
-/* Run tasks of job `gen` until none is left to take; how many it ran. */
-static int64_t take_tasks(uint32_t gen, int who) {
-    int64_t ran = 0;
+/* Run tasks of job `gen` until none is left to take. */
+static void take_tasks(uint32_t gen, int who) {
     uint64_t t = atomic_load(&pool.ticket);
     for (;;) {
         uint64_t next = t & 0xFFFFF, n = t >> 20 & 0xFFFFF;
-        if ((t >> 40) != (gen & 0xFFFFFF) || next >= n) return ran;
+        if ((t >> 40) != (gen & 0xFFFFFF) || next >= n) return;
         if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue; /* t now holds the ticket */
         pool.fn(pool.arg, (int64_t)next, who);
         atomic_fetch_add(&pool.done, 1);
-        ran++;
         t = atomic_load(&pool.ticket);
     }
 }
