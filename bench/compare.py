@@ -3,18 +3,18 @@
     .venv/bin/python bench/compare.py [--model ID-or-.gguf] [--llama-server PATH] [--llama-cpp-python PYTHON]
                                       [--transformers] [--speculation]
 
-Starts each server in turn on 127.0.0.1 (never two at once: they share the machine), waits for
-its health, then drives it with bench/loadgen.py at each stream count (~107-token prompts, 128 new
-tokens, greedy, streaming), times one 2k-token prompt to its first token (prefill speed), and a
-second 2k-token prompt sharing the first's prefix (the prefix cache). ``--model`` takes a catalog id or a
-GGUF path (default smollm2-135m); the table then says how many bytes of weights a decode step reads
-(every matrix of the file once; the embedding only if it is also the output) and the GB/s each server
-reaches at one stream, beside what this machine's memory gives a plain read (bench/memory_read.py).
-Peers: llama.cpp's
-``llama-server`` (``--llama-server``, else on PATH, else where bench/build_llama_server.sh
-puts it) with 16 slots on the same GGUF; llama-cpp-python's server (``--llama-cpp-python``, a
-python that has it, else where bench/build_llama_cpp_python.sh puts it) on the same GGUF, which
-answers one request at a time; ``transformers serve`` with ``--transformers`` (its
+Starts each server in turn on 127.0.0.1 (never two at once: they share the machine), once untimed (a
+first start packs mashbox's weights and fills the page cache) and then for each round: waits for its
+health (time to ready, a second start), then drives it with bench/loadgen.py at each stream count
+(~107-token prompts, 128 new tokens, greedy, streaming), times one 2k-token prompt to its first token
+(prefill speed), and a second 2k-token prompt sharing the first's prefix (the prefix cache).
+``--model`` takes a catalog id or a GGUF path (default smollm2-135m); the table then says how many
+bytes of weights a decode step reads (every matrix of the file once; the embedding only if it is also
+the output) and the GB/s each server reaches at one stream, beside what this machine's memory gives a
+plain read (bench/memory_read.py). Peers: llama.cpp's ``llama-server`` (``--llama-server``, else on
+PATH, else where bench/build_llama_server.sh puts it) with 16 slots on the same GGUF; llama-cpp-python's
+server (``--llama-cpp-python``, a python that has it, else where bench/build_llama_cpp_python.sh puts
+it) on the same GGUF, which answers one request at a time; ``transformers serve`` with ``--transformers`` (its
 dependencies: ``pip install -e '.[bench]'``). Prints one table with each figure and mashbox's
 ratio to the best peer, and writes it as JSON with --json.
 
@@ -190,12 +190,28 @@ def long_prompt(seed: int, words: int = 1500) -> str:
     return loadgen.make_prompts(1, words, seed=seed)[0]
 
 
-def measure(server: Server, args) -> None:
+def start(server: Server) -> tuple[str, subprocess.Popen]:
+    """``server`` started: its base URL and its process."""
     port = int(server.command[server.command.index("--port") + 1])
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **server.env}
-    proc = subprocess.Popen(server.command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(server.command, env={**os.environ, **server.env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def prime(server: Server, args) -> None:
+    """Start ``server`` once and stop it when ready, untimed: a first start packs mashbox's weights for its
+    kernels (a new GGUF, or new kernels) and reads the file into the page cache, for either server, so
+    that every round's time to ready is a second start's."""
+    url, proc = start(server)
+    try:
+        if wait_ready(url + server.health, proc, args.ready_timeout) is None:
+            server.note = f"did not become ready: {_tail(proc)}"
+    finally:
+        stop(proc)
+
+
+def measure(server: Server, args) -> None:
+    url, proc = start(server)
     try:
         ready = wait_ready(url + server.health, proc, args.ready_timeout)
         if ready is None:
@@ -269,7 +285,7 @@ def tree_rss_mib(pid: int) -> float:
 
 
 ROWS = [  # (figure, label, higher is better)
-    ("ready_s", "time to ready: /health 200 (s)", False),
+    ("ready_s", "time to ready, second start: /health 200 (s)", False),
     ("rss_idle_mib", "resident memory idle (MiB)", False),
     ("rss_load_mib", "resident memory under load (MiB)", False),
     *[(f"tok_s_{n}", f"{n} stream{'s' * (n > 1)}: output tok/s", True) for n in (1, 4, 16)],
@@ -349,6 +365,9 @@ def main() -> None:
         print("no llama-cpp-python found: install it with bench/build_llama_cpp_python.sh", file=sys.stderr)
     if args.transformers:
         servers.append(transformers_server(free_port(), args.threads))
+    for server in servers:
+        print(f"{server.name}: a first start, untimed", flush=True)
+        prime(server, args)
     for i in range(args.rounds):
         for server in servers if i % 2 == 0 else servers[::-1]:
             print(f"{server.name}: {' '.join(server.command)}" + (f" (round {i + 1})" if args.rounds > 1 else ""),
