@@ -1158,12 +1158,12 @@ static int amx_allowed(void) {
 }
 
 /* This thread's tiles (other code in the process may shape them otherwise between calls): 16 rows of 64
- * bytes (sums of 16 x 16 int32, 64 activations of 16 rows, 64 weights of the group's 16 rows), but for Q8_0
- * 4 (32 activations of 16 rows) and 5 (32 weights). */
-static void amx_configure(void) {
+ * bytes (sums of 16 x 16 int32 or fp32, 64 bytes of 16 rows of activations or of weights), but where q8 tiles
+ * 4 (32 activations of 16 rows) and 5 (32 weights) for Q8_0's blocks. */
+static void amx_configure(int q8) {
     struct tile_config c = {.palette = 1};
     for (int t = 0; t < 8; t++) c.bytes[t] = 64, c.rows[t] = 16;
-    c.bytes[4] = 32, c.rows[5] = 8;
+    if (q8) c.bytes[4] = 32, c.rows[5] = 8;
     _tile_loadconfig(&c);
 }
 
@@ -1548,7 +1548,7 @@ static void tile_task(void *arg, int64_t task, int who) {
     uint8_t *q = thread_buffer(0, GR * K + sizeof(float) * GR * (K / 16 + K / 32));
     float *d = (float *)(q + GR * K), *m = d + GR * (K / 16);
 #ifdef MB_AMX
-    if (mm->amx) amx_configure();
+    if (mm->amx) amx_configure(1);
 #endif
     for (int64_t g = task * mm->groups_per_task; g < end && g < mm->groups; g++) {
         int p = 0, col = 0;
@@ -2266,12 +2266,8 @@ static void block_values4(const float *p, const float *vb, float *o, int64_t n, 
  * (a call's rows padded to 16s): every row of every call, so that a row's bits still depend only on its
  * position and its cache (the vector unit's sums, in another order, would give others). Prompt rows 3.1-3.3x
  * faster (bench/attention_speed.py: qwen's heads, 256 rows at 2-8k positions), one-token rows ~1.2x. Tiles
- * 0-3 hold sums (16 rows x 16 fp32), 4 a 16-row tile of bf16 pairs of the rows, 5 one of the keys' or values'. */
-static void amx_attention_configure(void) {
-    struct tile_config c = {.palette = 1};
-    for (int t = 0; t < 6; t++) c.bytes[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+ * (amx_configure(0)) 0-3 hold sums (16 rows x 16 fp32), 4 a 16-row tile of bf16 pairs of the rows, 5 one of
+ * the keys' or values'. */
 
 /* Tile i's scores plus the queries' tile (4) times the keys of 32 dims from 2d, positions 16i .. */
 #define AMX_SCORES(i)                             \
@@ -2426,7 +2422,7 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
     int64_t np = a->ns[c] - first < a->span ? a->ns[c] - first : a->span;
     int64_t base = (a->slots[c] * KVH + g) * a->ctx * kv_row_bytes(D, a->kvq);
 #ifdef MB_AMX_BF16
-    if (a->amx) amx_attention_configure();
+    if (a->amx) amx_configure(0);
 #endif
     chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->kvq, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
                a->scale, a->out, a->H * D, a->bufs[who], a->bf16, a->amx, a->window);

@@ -6,8 +6,9 @@ tokens when nothing decodes; while others decode, as many as keep the step
 within a few decode steps' time (``Pace``, from the times ``update`` is given;
 ``RATIO``), at most ``busy_tokens``, so a long prompt does not stall their
 next tokens for long; a short prompt's last few tokens go with its chunks
-before them where they cost less than the decode step they would wait for. Chunks start at multiples of ``chunk_tokens`` so a prompt
-is cut the same way whatever else runs (batch invariance); one request may run
+before them where they cost less than the decode step they would wait for.
+Chunks start at multiples of ``chunk_tokens`` so a prompt is cut the same way
+whatever else runs (batch invariance); one request may run
 several consecutive chunks in one call. Where the runner's results do not
 depend on where a prompt is cut (``cut_anywhere``: mashbox's CPU kernels), a
 step beside decoding requests may also end in the middle of a chunk, at a
