@@ -222,7 +222,8 @@ def measure(server: Server, args) -> None:
         for n in args.streams:
             summary = load(url, server.model, n, args.requests, args.max_tokens)
             server.figures[f"tok_s_{n}"] = summary["output_tok_per_s"] if summary["errors"] == 0 else None
-            server.figures[f"ttft_p50_{n}"] = (summary["ttft_ms"]["p50"] or 0) / 1000
+            ttft = summary["ttft_ms"]["p50"]  # None where no answer wrote any text
+            server.figures[f"ttft_p50_{n}"] = None if ttft is None else ttft / 1000
             server.figures["rss_load_mib"] = max(server.figures.get("rss_load_mib", 0), tree_rss_mib(proc.pid))
             print(f"  {server.name}: {n} streams {summary['output_tok_per_s']} tok/s, "
                   f"TTFT p50 {summary['ttft_ms']['p50']} ms, errors {summary['errors']}", flush=True)
