@@ -52,6 +52,29 @@ def test_a_second_start_maps_what_the_first_packed(tmp_path, lib, gguf, monkeypa
     assert list(tmp_path.iterdir()) == files  # nothing written again
 
 
+def vm_flags(address: int) -> list[str]:
+    """The kernel's flags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+def test_the_mapped_file_asks_for_huge_pages(tmp_path, lib, gguf):
+    """Read anew (after a reboot, or once the page cache let it go), the file comes in 2 MB pages where the
+    kernel has transparent huge pages: a decode step reading the weights then misses the TLB less."""
+    runner(gguf, lib, Packer.kept(lib, tmp_path, gguf, "gguf"))
+    packer = Packer.kept(lib, tmp_path, gguf, "gguf")
+    flags = vm_flags(packer._data.data_ptr())
+    assert "rd" in flags  # the file's mapping was found
+    assert ("hg" in flags) == os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
 @pytest.mark.parametrize("damage", ["truncated", "another order", "empty"])
 def test_a_file_that_does_not_follow_the_model_is_packed_again_and_replaced(tmp_path, lib, gguf, caplog, damage):
     first = runner(gguf, lib, Packer.kept(lib, tmp_path, gguf, "gguf"))

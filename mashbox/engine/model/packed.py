@@ -15,6 +15,7 @@ its offset (8 bytes) and ``MAGIC``. A matrix whose description differs from the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -131,6 +132,9 @@ def _index(path: Path) -> tuple[list[list[int]], torch.Tensor | None]:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
     except (OSError, ValueError):  # none yet, or empty
         return [], None
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: pages read anew come in 2 MB pieces, fewer misses of the TLB
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+            data.madvise(mmap.MADV_HUGEPAGE)
     try:
         matrices = _read(data)["matrices"]
     except UNREADABLE as err:
