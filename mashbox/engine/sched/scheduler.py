@@ -44,6 +44,7 @@ PIECE = 4  # the fewest prompt tokens a step beside decoding requests runs, wher
 RATIO = 1.5  # how long a step with prompt tokens may take beside decoding requests, in decode steps
 SHORT = 4  # chunks: a prompt with no more to compute beside decoding requests goes in whole chunks,
 SHORT_RATIO = 4.0  # in steps of up to this many decode steps: it passes in one or two
+TAIL_RATIO = 2.0  # its last tokens past the budget join its chunks if beside decoding they fit a step this long
 SPEC_ROWS = 8  # requests decoding, at most, for proposals to be checked (and no prompt waiting to be computed)
 PROBE = 16  # steps with proposals none of which seemed to pay, before the likeliest is checked anyway
 
@@ -142,9 +143,7 @@ class Scheduler:
         ratio = SHORT_RATIO if short else RATIO
         rows = len(plan.work) + plan.draft_rows
         budget = self.pace.budget(rows, unit, self.busy_tokens, ratio, self.chunk_tokens) if plan else self.step_tokens
-        # a short prompt's last few tokens go with the chunks before them where they cost less than the
-        # step they would wait for (a decode step for every running request)
-        tail = self.pace.budget(rows, 1, self.chunk_tokens, 2.0, 1) if plan and short else 0
+        tail = self.pace.budget(rows, 1, self.chunk_tokens, TAIL_RATIO, 1) if plan and short else 0
         for seq in [s for s in self.running if s.in_prefill]:
             budget -= self._prefill(plan, seq, budget, unit, tail)
         for seq in list(self.waiting):
