@@ -12,7 +12,7 @@ from tiny import greedy
 
 from mashbox.engine.load.catalog import resolve
 from mashbox.engine.load.checkpoint import rotary
-from mashbox.engine.load.gguf_file import checkpoint, open_model
+from mashbox.engine.load.gguf_file import PERMUTED, checkpoint, open_model
 from mashbox.engine.model import quant
 from mashbox.engine.model.runner import ModelRunner
 
@@ -115,7 +115,7 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
 
 
 def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str], seed: int = 0) -> Path:
-    """Write ``model`` (a tiny transformers Llama, Qwen2 or Gemma 3, its matrices a multiple of 256 wide)
+    """Write ``model`` (a tiny transformers model of one of the families, its matrices a multiple of 256 wide)
     as a GGUF whose matrices are random blocks, cycling through ``formats`` (the embedding in Q8_0), and
     set the model's own weights to what those blocks hold, so that it is the reference for the file.
     Gemma's norms are written as llama.cpp's converter writes them (1 + weight), with its head size and
@@ -127,6 +127,10 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
                    "gemma3.attention.sliding_window": config.sliding_window}
     if arch == "phi3":
         numbers = _phi3_fields(model, floats)
+    if arch == "granite":  # its multipliers, under the names llama.cpp's converter gives them
+        numbers = {"granite.embedding_scale": config.embedding_multiplier, "granite.residual_scale":
+                   config.residual_multiplier, "granite.attention.scale": config.attention_multiplier,
+                   "granite.logit_scale": config.logits_scaling}
     with torch.no_grad():
         for hf, param in model.state_dict().items():
             if hf == "lm_head.weight" and config.tie_word_embeddings:
@@ -139,7 +143,7 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
             turn += hf != "model.embed_tokens.weight"
             blocks = random_blocks(fmt, param.shape[0], param.shape[1], seed + turn)
             param.copy_(quant.dequantize(blocks, None))
-            if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):  # the file's rotary order
+            if arch in PERMUTED and name.split(".")[-2] in ("attn_q", "attn_k"):  # the file's rotary order
                 heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
                 blocks = blocks.select(_permute(param.shape[0], heads))
             matrices[name] = blocks

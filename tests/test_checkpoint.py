@@ -10,6 +10,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Phi3Config,
@@ -18,6 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams
@@ -40,6 +44,11 @@ FAMILIES = {
     "phi3, fused, partial rotary": lambda: Phi3ForCausalLM(Phi3Config(**SHAPE, partial_rotary_factor=0.75, pad_token_id=0)),
     "gemma3, windows": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 6}, head_dim=16,
                                                                   sliding_window=8, pad_token_id=0)),
+    "smollm3, NoPE layers": lambda: SmolLM3ForCausalLM(SmolLM3Config(**{**SHAPE, "num_hidden_layers": 4},
+                                                                     pad_token_id=0)),
+    "granite, multipliers": lambda: GraniteForCausalLM(GraniteConfig(
+        **SHAPE, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+        logits_scaling=8.0)),
 }
 
 
@@ -53,6 +62,8 @@ def test_read_equals_the_model_transformers_builds(family: str, tmp_path: Path) 
     assert got is not None
     assert (got.model_type, got.spec, got.hidden_act, got.trained_ctx, got.eos_ids) == (
         expected.model_type, expected.spec, expected.hidden_act, expected.trained_ctx, expected.eos_ids)
+    assert (got.embed_scale, got.rotated, got.residual_scale, got.logit_scale) == (
+        expected.embed_scale, expected.rotated, expected.residual_scale, expected.logit_scale)
     assert got.rope_scale == pytest.approx(expected.rope_scale)
     assert torch.allclose(got.inv_freq, expected.inv_freq, rtol=1e-6, atol=0)
     assert got.tensors.keys() == expected.tensors.keys()

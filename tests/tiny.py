@@ -34,6 +34,21 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new: int = 12) -> list
     return [s.output_ids for s in seqs]
 
 
+def last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    """The runner's logits after ``prompt`` (at most 512 tokens, all in one step)."""
+    scheduler = Scheduler(num_slots=4, ctx=512, chunk_tokens=512, step_tokens=512, busy_tokens=512)
+    scheduler.add(Sequence("0", prompt, SamplingParams(), 1))
+    batch = runner._batch(scheduler.schedule())
+    with torch.inference_mode():
+        return runner._logits(runner.forward(batch).index_select(0, batch.sample_rows))[0]
+
+
+def logits(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits after ``prompt`` (ids)."""
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0, -1]
+
+
 def generate(model, prompt: list[int], n: int = 12) -> list[int]:
     """transformers' greedy answer of ``n`` tokens to ``prompt`` (ids)."""
     with torch.inference_mode():

@@ -22,7 +22,7 @@ import torch
 
 from mashbox.engine.model import quant
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite")
 TYPES = {"gemma3_text": "gemma3"}  # transformers' model type -> the GGUF architecture it is
 _NEEDED = ("model.embed_tokens.weight", "model.norm.weight")
 _QUERIES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight")  # one of them
@@ -36,10 +36,11 @@ class Spec:
     head_dim: int
     eps: float
     scale_dim: int = 0  # attention scores are scaled by its inverse square root (0: head_dim's)
+    attn_scale: float = 0.0  # or by this, where the model names it (Granite's attention multiplier)
 
     @property
     def scale(self) -> float:
-        return (self.scale_dim or self.head_dim) ** -0.5
+        return self.attn_scale or (self.scale_dim or self.head_dim) ** -0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +61,9 @@ class Checkpoint:
     local_inv_freq: torch.Tensor | None = None  # the rotary of the sliding-window layers, where theirs differs
     long_inv_freq: torch.Tensor | None = None  # LongRoPE: the rotary for a context past ``original_ctx``
     original_ctx: int | None = None
+    rotated: tuple[bool, ...] = ()  # whether each layer turns q and k (SmolLM3's every fourth does not); (): all
+    residual_scale: float = 1.0  # each layer's attention and MLP outputs are multiplied by it (Granite)
+    logit_scale: float = 1.0  # the logits are divided by it (Granite)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:
@@ -148,15 +152,20 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         eps=config.get("rms_norm_eps", 1e-6),
         scale_dim=config.get("query_pre_attn_scalar") or 0,
+        attn_scale=config.get("attention_multiplier") or 0.0,
     )
     window = config.get("sliding_window") or 0
     kinds = config.get("layer_types") or (["sliding_attention"] * spec.num_layers if model_type == "phi3" else ())
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    embed_scale = config["hidden_size"] ** 0.5 if gemma else config.get("embedding_multiplier") or 1.0
     return Checkpoint(model_type, spec, config.get("hidden_act") or config.get("hidden_activation") or "silu",
                       config.get("max_position_embeddings"), inv_freq, scale, eos_ids, tensors,
-                      embed_scale=config["hidden_size"] ** 0.5 if gemma else 1.0, norm_shift=1.0 if gemma else 0.0,
+                      embed_scale=embed_scale, norm_shift=1.0 if gemma else 0.0,
                       windows=windows if any(windows) else (), local_inv_freq=local_inv_freq,
-                      long_inv_freq=long[0] if long else None, original_ctx=long[1] if long else None)
+                      long_inv_freq=long[0] if long else None, original_ctx=long[1] if long else None,
+                      rotated=tuple(bool(r) for r in config.get("no_rope_layers") or ()),
+                      residual_scale=config.get("residual_multiplier") or 1.0,
+                      logit_scale=config.get("logits_scaling") or 1.0)
 
 
 def _rope(path: Path, config: dict[str, Any], device: torch.device,

@@ -42,6 +42,10 @@ _GEMMA3 = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_no
 _PHI3 = {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # q, k, v in one; gate, up in one
 _LAYERS = {"gemma3": _GEMMA3, "phi3": _PHI3}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's converter interleaves their q and k rows (_unpermute)
+UNMAPPED = ("smollm3", "granite")  # families transformers' GGUF reader has no config for: the loader reads
+# their tokenizer as the file's vocabulary alone
+NOPE_STEP = 4  # SmolLM3: every fourth layer turns neither q nor k (llama.cpp's step, not in the file)
 GEMMA3_PATTERN = 6  # Gemma 3: every sixth layer attends to all positions, the others to a sliding window
 GEMMA3_LOCAL_BASE = 10000.0  # the sliding-window layers' rotary base (llama.cpp's, not in the file)
 
@@ -231,19 +235,23 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
     head_dim = int(meta("attention.key_length", int(meta("embedding_length")) // heads))
     spec = Spec(num_layers=int(meta("block_count")), num_heads=heads,
                 num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
-                eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)))
+                eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+                attn_scale=float(meta("attention.scale", 0.0)))
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
     gemma = arch == "gemma3"  # its norms' weights were written as 1 + weight, as they multiply
     windows = _windows(meta, spec.num_layers) if gemma else ()  # Phi-3's window: unused, as llama.cpp does
     local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if gemma and windows else None
     inv_freq, long, original = _rotary(gguf, arch, meta, head_dim)
+    rotated = tuple((i + 1) % NOPE_STEP != 0 for i in range(spec.num_layers)) if arch == "smollm3" else ()
+    embed_scale = float(meta("embedding_length")) ** 0.5 if gemma else float(meta("embedding_scale", 1.0))
     return Checkpoint(arch, spec, "gelu_pytorch_tanh" if gemma else "silu", meta("context_length"),
                       inv_freq.to(device), float(meta("rope.scaling.attn_factor", 1.0)), tuple(int(i) for i in eos),
                       Tensors.of(floats, found, dtype, device, lib), found, gguf.release,
-                      embed_scale=float(meta("embedding_length")) ** 0.5 if gemma else 1.0, windows=windows,
-                      local_inv_freq=local, long_inv_freq=None if long is None else long.to(device),
-                      original_ctx=original)
+                      embed_scale=embed_scale, windows=windows, local_inv_freq=local,
+                      long_inv_freq=None if long is None else long.to(device), original_ctx=original,
+                      rotated=rotated, residual_scale=float(meta("residual_scale", 1.0)),
+                      logit_scale=float(meta("logit_scale", 1.0)))
 
 
 def _windows(meta, layers: int) -> tuple[int, ...]:
@@ -263,7 +271,7 @@ def _tensors(gguf: GGUFFile, arch: str, spec: Spec) -> tuple[dict[str, torch.Ten
         if hf is None:
             continue
         value = gguf.tensor(name)
-        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):  # the converter's rotary order undone
+        if arch in PERMUTED and name.split(".")[-2] in ("attn_q", "attn_k"):  # the converter's rotary order undone
             value = _unpermute(value, spec.num_heads if "attn_q" in name else spec.num_kv_heads)
         (found if isinstance(value, quant.Blocks) else floats)[hf] = value
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
@@ -278,8 +286,8 @@ def _rotary(gguf: GGUFFile, arch: str, meta, head_dim: int) -> tuple[torch.Tenso
     and linear scaling applied; LongRoPE's (Phi-3): those of the short factors, those of the long ones
     and the original context."""
     dims = int(meta("rope.dimension_count", head_dim))
-    if dims != head_dim and arch == "llama":  # its converter interleaves the rotated pairs: not undone here
-        raise ModelLoadError(f"'{gguf.path}' rotates part of each head (partial rotary) of a llama model, "
+    if dims != head_dim and arch in PERMUTED:  # its converter interleaves the rotated pairs: not undone here
+        raise ModelLoadError(f"'{gguf.path}' rotates part of each head (partial rotary) of a {arch} model, "
                              "which mashbox does not run yet")
     inv_freq = rotary(float(meta("rope.freq_base", 10000.0)), dims)
     if "rope_freqs.weight" in gguf.tensors:  # llama 3's long-context factors, per frequency

@@ -124,12 +124,14 @@ def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], 
             return Tokenizer.read(converted)
     step("converting the GGUF's tokenizer (first load only)")
     with _hush():
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        tokenizer = Tokenizer.of(_gguf_call(source, AutoTokenizer.from_pretrained))
+        # AutoTokenizer reads the model's config too, which transformers maps only for the families it runs
+        arch = gguf.fields.get("general.architecture")
+        reader = PreTrainedTokenizerFast if arch in gguf_file.UNMAPPED else AutoTokenizer
+        tokenizer = Tokenizer.of(_gguf_call(source, reader.from_pretrained))
     if not tokenizer.chat_template:  # the file's, else the turns of its architecture where mashbox knows them
-        tokenizer.chat_template = (gguf.fields.get("tokenizer.chat_template")
-                                   or FALLBACKS.get(gguf.fields.get("general.architecture")))
+        tokenizer.chat_template = gguf.fields.get("tokenizer.chat_template") or FALLBACKS.get(arch)
     _save_tokenizer(tokenizer, converted, source.path)
     return tokenizer
 

@@ -2572,11 +2572,17 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+/* x[0..n) times s (Granite's residual scale), as torch multiplies: nothing where s is 1. */
+static void scale_rows(float *x, int64_t n, float s) {
+    for (int64_t i = 0; s != 1.0f && i < n; i++) x[i] *= s;
+}
+
 /* One decoder layer for M rows, x [M, D] updated in place: the same kernels, in the same order,
  * as the runner's general path, so a row's result is the same either way (weights as mb_matmul takes them). Keys and values of each row are stored
  * at its slot and position; it attends over positions 0..pos (the last `window` of them where window > 0).
  * Optional (NULL: none): per-head norms of queries and keys before the rotary, norms of the attention's
- * and the MLP's outputs (Gemma); gelu: GELU (tanh form) in the MLP, else SiLU. Rows of one slot at consecutive
+ * and the MLP's outputs (Gemma); gelu: GELU (tanh form) in the MLP, else SiLU; residual: what those outputs
+ * are multiplied by before they are added (Granite's; 1 for the others). Rows of one slot at consecutive
  * positions attend as one prompt chunk (mb_chunk_attention, which gives a row the same result in
  * any chunk; one-token rows are chunks of one, as in mb_decode_attention); where HD % 16 != 0
  * each row attends alone (mb_decode_attention's fp32 heads). */
@@ -2585,7 +2591,8 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
               const float *qkv_bias, const struct weight *o_w, const float *ln_mlp,
               const struct weight *gu_w, const struct weight *down_w, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
               uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq, int64_t window,
-              const float *q_norm, const float *k_norm, const float *post_attn, const float *post_mlp, int64_t gelu) {
+              const float *q_norm, const float *k_norm, const float *post_attn, const float *post_mlp, int64_t gelu,
+              float residual) {
     int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -2622,12 +2629,14 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
     }
     mb_matmul(attn, o_w, h, M, H * HD);
     if (post_attn) mb_rms_norm(h, post_attn, h, M, D, eps);
+    scale_rows(h, M * D, residual);
     add_rows(x, h, M * D);
     mb_rms_norm(x, ln_mlp, h, M, D, eps);
     mb_matmul(h, gu_w, gu, M, D);
     (gelu ? mb_gelu_mul : mb_silu_mul)(gu, h, M, I);
     mb_matmul(h, down_w, gu, M, I);
     if (post_mlp) mb_rms_norm(gu, post_mlp, gu, M, D, eps);
+    scale_rows(gu, M * D, residual);
     add_rows(x, gu, M * D);
     free(h);
     free(qkv);

@@ -37,7 +37,7 @@ _SIGNATURES = {
     "mb_decode_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, _I),
     "mb_chunk_attention": (_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, _I),
     "mb_kv_store": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
-    "mb_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 13, _I, _I, _I, _I, _P, _P, _P, _P, _I),
+    "mb_layer": (_P, _I, _I, _I, _I, _I, _I, _F, _F, *[_P] * 13, _I, _I, _I, _I, _P, _P, _P, _P, _I, _F),
     "mb_rms_norm": (_P, _P, _P, _I, _I, _F),
     "mb_argmax": (_P, _I, _I, _P),
     "mb_rope": (_P, _I, _P, _P, _P, _I, _I, _I),

@@ -120,7 +120,9 @@ class ModelRunner:
         return self._logits(hidden[[i for i, item in enumerate(plan.work) if item.sample]])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.weights.lm_head(self.ops.rms_norm(hidden, self.weights.norm, self.weights.spec.eps))
+        w = self.weights
+        logits = w.lm_head(self.ops.rms_norm(hidden, w.norm, w.spec.eps))
+        return logits if w.logit_scale == 1.0 else logits.div_(w.logit_scale)
 
     def _padded_step(self, inputs: torch.Tensor, longest: int) -> torch.Tensor:
         """The forward of a step of one-token rows as ``DecodeGraphs`` pads them: ``inputs`` [5, rows]
@@ -163,12 +165,13 @@ class ModelRunner:
         if self._fused is not None and not batch.rest:  # every row attended by the kernels
             return self._fused(x, batch)
         norm = lambda h, weight: h if weight is None else self.ops.rms_norm(h, weight, eps)
+        scaled = lambda h: h if w.residual_scale == 1.0 else h.mul_(w.residual_scale)
         for i, layer in enumerate(w.layers):
             h = self.ops.rms_norm(x, layer.ln_attn, eps)
             q, k, v = layer.qkv(h, batch.positions, self.ops)
             self.kv.write(i, batch.slots, batch.positions, k, v)
-            x += norm(layer.o(self._attention(i, batch, q)), layer.post_attn)
-            x += norm(layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops), layer.post_mlp)
+            x += scaled(norm(layer.o(self._attention(i, batch, q)), layer.post_attn))
+            x += scaled(norm(layer.mlp(self.ops.rms_norm(x, layer.ln_mlp, eps), self.ops), layer.post_mlp))
         return x
 
     def _attention(self, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
@@ -292,6 +295,7 @@ class FusedLayers:
         s = weights.spec
         self.fn = lib.mb_layer
         self.kv = kv
+        self.residual = weights.residual_scale
         self.layers = [self._args(layer, i) for i, layer in enumerate(weights.layers)]
         self.shape = (s.num_heads, s.num_kv_heads, s.head_dim, s.eps, s.scale)
         self.bf16 = bf16
@@ -306,7 +310,7 @@ class FusedLayers:
         return (*layer.down.shape, p(layer.ln_attn), layer.qkv_proj.address, p(layer.qkv_bias), layer.o.address,
                 p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(layer.cos), p(layer.sin),
                 p(self.kv.keys[i]), p(self.kv.values[i]), layer.window, p(layer.q_norm), p(layer.k_norm),
-                p(layer.post_attn), p(layer.post_mlp), int(layer.act != "silu"))
+                p(layer.post_attn), p(layer.post_mlp), int(layer.act != "silu"), self.residual)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale = self.shape
@@ -315,5 +319,5 @@ class FusedLayers:
         for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, cos, sin, k, v, window, *rest in self.layers:
             self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv, bias, o,
                     ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq, window,
-                    *rest)  # Gemma's norms, and the activation
+                    *rest)  # Gemma's norms, the activation, Granite's residual scale
         return x

@@ -158,7 +158,7 @@ class Layer:
     gate_up: Linear
     down: Linear
     act: str  # the MLP's activation by transformers' name (silu and gelu_pytorch_tanh: one op each, GATED)
-    cos: torch.Tensor  # the layer's rotary tables [ctx, head_dim]
+    cos: torch.Tensor  # the layer's rotary tables [ctx, head_dim] (cos 1, sin 0 where it turns nothing: SmolLM3)
     sin: torch.Tensor
     post_attn: torch.Tensor | None = None  # norms of the attention's and the MLP's outputs (Gemma)
     post_mlp: torch.Tensor | None = None
@@ -202,6 +202,8 @@ class Weights:
     cos: torch.Tensor
     sin: torch.Tensor
     embed_scale: float = 1.0  # the embedding's rows are multiplied by it
+    residual_scale: float = 1.0  # each layer's attention and MLP outputs are multiplied by it before they are added
+    logit_scale: float = 1.0  # the logits are divided by it
 
     @property
     def linears(self) -> list[Linear]:
@@ -231,17 +233,21 @@ class Weights:
         if ckpt.local_inv_freq is not None:
             tables[1] = ckpt.cos_sin(ctx, dtype, local=True)
         windows = ckpt.windows or (0,) * ckpt.spec.num_layers
+        rotated = ckpt.rotated or (True,) * ckpt.spec.num_layers
+        still = (torch.ones_like(tables[0][0]), torch.zeros_like(tables[0][1])) if not all(rotated) else None
         packer = packer or (Packer(lib) if lib is not None else None)
         weights = cls(
             spec=ckpt.spec,
             embed=Embedding(ckpt, lib),
-            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, packer, windows[i], tables[bool(windows[i])])
-                    for i in range(ckpt.spec.num_layers)],
+            layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, packer, windows[i],
+                           tables[bool(windows[i])] if rotated[i] else still) for i in range(ckpt.spec.num_layers)],
             norm=_norm(ckpt, "model.norm.weight"),
             lm_head=_linear(ckpt, ["lm_head.weight"], mode, packer),
             cos=tables[0][0],
             sin=tables[0][1],
             embed_scale=ckpt.embed_scale,
+            residual_scale=ckpt.residual_scale,
+            logit_scale=ckpt.logit_scale,
         )
         if packer is not None:
             packer.save()
