@@ -91,6 +91,15 @@ BARE = [
     ('{"city": "Paris"} is JSON', [("text", '{"city": "Paris"} is JSON')]),
     ("The answer: " + FENCED, [("text", "The answer: " + FENCED)]),
     ('```json\n{"name": "get_weather", "argu', [("text", '```json\n{"name": "get_weather", "argu')]),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+     [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Rome"})]),
+    ('```json\n[ {"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1"}]\n```',
+     [("call", 0, "get_weather", {"city": "Paris"})]),
+    ('[{"name": "get_weather", "arguments": {}}, {"name": "other_tool", "arguments": {}}]',
+     [("text", '[{"name": "get_weather", "arguments": {}}, {"name": "other_tool", "arguments": {}}]')]),
+    ("[1, 2, 3] are numbers", [("text", "[1, 2, 3] are numbers")]),
+    ("[the docs](https://example.com) say so", [("text", "[the docs](https://example.com) say so")]),
+    ("[]", [("text", "[]")]),
 ]
 
 
@@ -99,6 +108,14 @@ def test_bare_json_call_to_a_known_tool_at_every_split(text, expected):
     assert parse([text], names=NAMES) == expected
     for cut in range(len(text) + 1):
         assert parse([text[:cut], text[cut:]], names=NAMES) == expected
+
+
+def test_text_that_only_begins_with_a_bracket_is_not_held():
+    """A list of calls is held from its ``[{``; a link or a list of other things goes out at once."""
+    m = Markup(names=NAMES)
+    assert m.push("[") == []
+    assert m.push("the docs](x)") == [TextDelta("[the docs](x)")]
+    assert Markup(names=NAMES).push('[ {"name"') == []
 
 
 def test_text_after_a_bare_call_at_the_end_is_kept():

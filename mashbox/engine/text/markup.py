@@ -183,16 +183,17 @@ class Markup:
             if body and self.bare:
                 self.bare.open = False
 
-    def _bare(self, decision: tuple[str, tuple[str, str] | None, str] | None, events: list[Event]) -> None:
-        """Act on a bare-JSON decision: (text to release, call, text after it)."""
+    def _bare(self, decision: tuple[str, list[tuple[str, str]] | None, str] | None, events: list[Event]) -> None:
+        """Act on a bare-JSON decision: (text to release, calls, text after them)."""
         if decision is None:
             return
-        released, call, rest = decision
-        if call is None:
+        released, calls, rest = decision
+        if calls is None:
             released = self._watched(released)
             events += [TextDelta(released)] if released else []
             return
-        events += self._call_events(*call)
+        for call in calls:
+            events += self._call_events(*call)
         self.after = rest
 
     def _enter(self, tag: str, events: list[Event]) -> None:
@@ -255,9 +256,11 @@ class Markup:
 
 class BareCall:
     """A call written without tags, as some models (Qwen2.5-Coder) answer a tool
-    request: a JSON object or a ```json block that is only a call to a known tool.
-    Such text is held from the start of an answer (or right after a call) until it
-    is known to be a call or not; anything else is released as text."""
+    request: a JSON object or a ```json block that is only a call to a known tool,
+    or a JSON list of such calls (Mistral and Granite write one after a special
+    token, which the text no longer holds). Such text is held from the start of an
+    answer (or right after a call) until it is known to be a call or not; anything
+    else is released as text."""
 
     FENCE = "```json"
     LIMIT = 16384
@@ -270,23 +273,24 @@ class BareCall:
     def offer(self, text: str) -> str | None:
         """None when ``text`` is held as a possible call; else all held text, to emit as text."""
         candidate = (self.text + text).lstrip()
-        if not candidate or candidate.startswith(("{", self.FENCE)) or self.FENCE.startswith(candidate):
+        listed = candidate.startswith("[") and candidate[1:].lstrip()[:1] in ("", "{")  # a list of calls begun
+        if not candidate or listed or candidate.startswith(("{", self.FENCE)) or self.FENCE.startswith(candidate):
             self.text += text
             return None
         held, self.text, self.open = self.text, "", False
         return held + text
 
-    def decide(self, final: bool) -> tuple[str, tuple[str, str] | None, str] | None:
-        """None while undecided, else (held text, the call or None, text after the call)."""
+    def decide(self, final: bool) -> tuple[str, list[tuple[str, str]] | None, str] | None:
+        """None while undecided, else (held text, the calls or None, text after them)."""
         body, rest = self._split(self.text.lstrip())
         if body is None and not final and len(self.text) < self.LIMIT:
             return None
         held, self.text = self.text, ""
-        call = HERMES.parse(body) if body is not None else None
-        if call is None or call[0] not in self.names:
+        calls = _calls(body) if body is not None else None
+        if not calls or any(name not in self.names for name, _ in calls):
             self.open = False
             return held, None, ""
-        return held, call, rest
+        return held, calls, rest
 
     def release(self) -> str:
         """Give up what is held (a tagged call starts)."""
@@ -302,6 +306,16 @@ class BareCall:
         except json.JSONDecodeError:
             return None, ""
         return text[:end], text[end:]
+
+
+def _calls(body: str) -> list[tuple[str, str]] | None:
+    """The calls in a bare call's JSON: one call, or a list of calls; None if it is neither."""
+    if not body.startswith("["):
+        call = HERMES.parse(body)
+        return [call] if call else None
+    items = _loads(body)
+    calls = [HERMES.parse(json.dumps(item)) for item in items] if isinstance(items, list) else []
+    return calls if calls and all(calls) else None
 
 
 def looping_call(messages: tuple[Message, ...]) -> tuple[str, str] | None:
