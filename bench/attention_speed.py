@@ -26,7 +26,7 @@ def call(lib, q, keys, values, rows: int, depth: int, heads: int, kv_heads: int,
     start = time.perf_counter()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
                            *(c.data_ptr() for c in chunk), out.data_ptr(), 1, heads, kv_heads, dim, keys.shape[2],
-                           dim**-0.5, bf16, kvq, 0)  # an fp16 cache, no sliding window
+                           dim**-0.5, bf16, kvq, 0, 0.0)  # an fp16 cache, no sliding window, no soft cap
     return time.perf_counter() - start
 
 

@@ -99,7 +99,7 @@ _GEMMA3 = {**_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "att
            "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
            "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3 = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-_LAYERS = {"gemma3": _GEMMA3, "phi3": _PHI3}
+_LAYERS = {"gemma2": _GEMMA3, "gemma3": _GEMMA3, "phi3": _PHI3}
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -122,9 +122,12 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
     sliding window; Phi-3's rotated dimensions and LongRoPE factors as its converter writes them."""
     matrices, floats, turn = {}, {}, 0
     config, numbers = model.config, {}
-    if arch == "gemma3":
-        numbers = {"gemma3.attention.key_length": config.head_dim, "gemma3.attention.value_length": config.head_dim,
-                   "gemma3.attention.sliding_window": config.sliding_window}
+    if arch in ("gemma2", "gemma3"):
+        numbers = {f"{arch}.attention.key_length": config.head_dim, f"{arch}.attention.value_length": config.head_dim,
+                   f"{arch}.attention.sliding_window": config.sliding_window}
+    if arch == "gemma2":  # its soft caps, where it has them
+        numbers |= {f"gemma2.{cap}": float(getattr(config, cap)) for cap in ("attn_logit_softcapping",
+                    "final_logit_softcapping") if getattr(config, cap)}
     if arch == "phi3":
         numbers = _phi3_fields(model, floats)
     if arch == "granite":  # its multipliers, under the names llama.cpp's converter gives them
@@ -137,7 +140,7 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
                 continue
             name = gguf_name(hf, arch)
             if param.dim() == 1:
-                floats[name] = param + 1 if arch == "gemma3" and "norm" in name else param.clone()
+                floats[name] = param + 1 if arch in ("gemma2", "gemma3") and "norm" in name else param.clone()
                 continue
             fmt = "Q8_0" if hf == "model.embed_tokens.weight" else formats[turn % len(formats)]
             turn += hf != "model.embed_tokens.weight"

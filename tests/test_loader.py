@@ -175,8 +175,8 @@ def test_an_hf_directory_of_an_architecture_mashbox_cannot_run_is_refused_before
     (folder / "tokenizer.json").write_text("not read")  # reading it would fail otherwise
     with pytest.raises(ModelLoadError) as err:
         load(str(folder))
-    assert str(err.value) == (f"'{folder}' holds a 'mamba' model (config.json's model_type); "
-                              "mashbox runs llama, mistral, qwen2, qwen3, gemma3, phi3, smollm3, granite models")
+    assert str(err.value) == (f"'{folder}' holds a 'mamba' model (config.json's model_type); mashbox runs "
+                              "llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite models")
 
 
 @pytest.mark.parametrize("head", [b"", b"GGUF\x03\x00\x00\x00"])

@@ -133,7 +133,7 @@ def test_decode_attention_matches_sdpa(lib, bf16, kvq, dim, window):
     out = torch.empty(2, heads * dim)
     lib.mb_decode_attention(q.data_ptr(), heads * dim, keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                             which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
-                            dim**-0.5, bf16, kvq, window)
+                            dim**-0.5, bf16, kvq, window, 0.0)
     q, keys, values, atol = _as_read(lib, bf16, q, key_values, value_values, dim**-0.5)
     for r in range(2):
         first = max(0, int(lens[r]) - window) if window else 0  # a sliding window: the last `window` only
@@ -158,12 +158,12 @@ def _chunk_reference(q, keys, values, chunks, heads, dim, window=0):
     return out
 
 
-def _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim, window=0):
+def _chunk_attention(lib, bf16, kvq, q, keys, values, chunks, heads, kv_heads, dim, window=0, softcap=0.0):
     out = torch.full((q.shape[0], heads * dim), float("nan"))
     rows, ns, slots, starts = torch.tensor(chunks).T.contiguous()
     lib.mb_chunk_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
                            ns.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(), len(chunks), heads,
-                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16, kvq, window)
+                           kv_heads, dim, keys.shape[2], dim**-0.5, bf16, kvq, window, softcap)
     return out
 
 
@@ -189,6 +189,57 @@ def test_chunk_attention_matches_sdpa_and_a_row_is_the_same_in_any_chunking(lib,
     split = _chunk_attention(lib, bf16, kvq, rows, keys, values, again, heads, kv_heads, dim, window)
     assert torch.equal(torch.cat([split[:64], split[69:]]), out[37:337])
     assert torch.equal(split[64:69], out[337:342])
+
+
+def _capped_reference(q, keys, values, chunks, heads, dim, cap):
+    """_chunk_reference with each score (q already scaled) capped softly: cap tanh(score / cap)."""
+    out = torch.empty(q.shape[0], heads * dim)
+    for row, n, slot, start in chunks:
+        end = start + n
+        k, v = (t[slot, :, :end].repeat_interleave(heads // t.shape[1], dim=0) for t in (keys, values))
+        query = q[row : row + n].view(n, heads, dim).transpose(0, 1)
+        scores = torch.tanh(query @ k.transpose(-1, -2) / cap) * cap
+        causal = torch.arange(start, end)[:, None] >= torch.arange(end)[None, :]
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out[row : row + n] = (weights @ v).transpose(0, 1).reshape(n, -1)
+    return out
+
+
+@pytest.mark.parametrize("bf16", [0, 1])
+def test_chunk_attention_caps_scores_softly_in_any_chunking(lib, bf16):
+    """Gemma 2's soft cap on the scores: as written out in torch, and a row's bits whatever its chunk."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, slots, ctx = 8, 4, 64, 2, 300
+    keys, key_values = _cache(lib, 0, 3 * torch.randn(slots, kv_heads, ctx, dim, generator=g))
+    values, value_values = _cache(lib, 0, torch.randn(slots, kv_heads, ctx, dim, generator=g))
+    q = 3 * torch.randn(200, heads * dim, generator=g)
+    chunks = [(0, 120, 0, 0), (120, 80, 1, 50)]
+    out = _chunk_attention(lib, bf16, 0, q, keys, values, chunks, heads, kv_heads, dim, softcap=2.0)
+    *read, atol = _as_read(lib, bf16, q, key_values, value_values, dim**-0.5)
+    atol = max(atol, 1e-3)  # scores of up to ~60 before the cap: torch's own result moves by 2e-4 between runs
+    assert torch.allclose(out, _capped_reference(*read, chunks, heads, dim, 2.0), atol=atol)
+    assert not torch.allclose(out, _chunk_reference(*read, chunks, heads, dim), atol=0.1)  # the cap counts here
+    again = [(0, 50, 0, 0), (50, 70, 0, 50), (120, 80, 1, 50)]
+    assert torch.equal(_chunk_attention(lib, bf16, 0, q, keys, values, again, heads, kv_heads, dim, softcap=2.0), out)
+
+
+def test_decode_attention_of_narrow_heads_caps_scores_softly(lib):
+    """Heads of 16 values attend one head at a time (fp32): capped as the chunks are."""
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, slots, ctx = 4, 2, 16, 2, 40
+    keys, key_values = _cache(lib, 0, 4 * torch.randn(slots, kv_heads, ctx, dim, generator=g))
+    values, value_values = _cache(lib, 0, torch.randn(slots, kv_heads, ctx, dim, generator=g))
+    q = 4 * torch.randn(2, heads * dim, generator=g)
+    rows, which, lens = torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([17, 40])
+    out = torch.empty(2, heads * dim)
+    lib.mb_decode_attention(q.data_ptr(), heads * dim, keys.data_ptr(), values.data_ptr(), rows.data_ptr(),
+                            which.data_ptr(), lens.data_ptr(), out.data_ptr(), 2, heads, kv_heads, dim, ctx,
+                            dim**-0.5, 0, 0, 0, 1.5)
+    chunks = [(r, 1, int(which[r]), int(lens[r]) - 1) for r in range(2)]
+    expected = _capped_reference(q * dim**-0.5, key_values, value_values, chunks, heads, dim, 1.5)
+    assert torch.allclose(out, expected, atol=1e-3)  # torch's own result moves by up to 2e-4 between runs
+    assert not torch.allclose(out, _chunk_reference(q * dim**-0.5, key_values, value_values, chunks, heads, dim),
+                              atol=0.1)  # the cap counts here
 
 
 def _stored(lib, floats, kvq):

@@ -145,7 +145,7 @@ def test_the_engine_runs_a_gguf_it_was_given(tmp_path, monkeypatch):
     assert [p.name.endswith("-tokenizer") for p in (tmp_path / "cache" / "converted").iterdir()] == [True]
 
 
-REFUSED = "'mamba' model; mashbox runs llama, mistral, qwen2, qwen3, gemma3, phi3, smollm3, granite"
+REFUSED = "'mamba' model; mashbox runs llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite"
 
 
 @pytest.mark.parametrize("arch,numbers,says", [

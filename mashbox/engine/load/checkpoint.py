@@ -22,7 +22,7 @@ import torch
 
 from mashbox.engine.model import quant
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite")
 TYPES = {"gemma3_text": "gemma3"}  # transformers' model type -> the GGUF architecture it is
 _NEEDED = ("model.embed_tokens.weight", "model.norm.weight")
 _QUERIES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight")  # one of them
@@ -37,6 +37,7 @@ class Spec:
     eps: float
     scale_dim: int = 0  # attention scores are scaled by its inverse square root (0: head_dim's)
     attn_scale: float = 0.0  # or by this, where the model names it (Granite's attention multiplier)
+    softcap: float = 0.0  # scaled scores s become softcap tanh(s / softcap) (Gemma 2); 0: as they are
 
     @property
     def scale(self) -> float:
@@ -64,6 +65,7 @@ class Checkpoint:
     rotated: tuple[bool, ...] = ()  # whether each layer turns q and k (SmolLM3's every fourth does not); (): all
     residual_scale: float = 1.0  # each layer's attention and MLP outputs are multiplied by it (Granite)
     logit_scale: float = 1.0  # the logits are divided by it (Granite)
+    logit_softcap: float = 0.0  # then capped softly to it as the scores are (Gemma 2); 0: not
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:
@@ -144,7 +146,7 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
     heads = config["num_attention_heads"]
     kind = config.get("model_type", "llama")
     model_type = TYPES.get(kind, kind)
-    gemma = model_type == "gemma3"
+    gemma = model_type in ("gemma2", "gemma3")
     spec = Spec(
         num_layers=config["num_hidden_layers"],
         num_heads=heads,
@@ -153,6 +155,7 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
         eps=config.get("rms_norm_eps", 1e-6),
         scale_dim=config.get("query_pre_attn_scalar") or 0,
         attn_scale=config.get("attention_multiplier") or 0.0,
+        softcap=config.get("attn_logit_softcapping") or 0.0,
     )
     window = config.get("sliding_window") or 0
     kinds = config.get("layer_types") or (["sliding_attention"] * spec.num_layers if model_type == "phi3" else ())
@@ -165,7 +168,8 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
                       long_inv_freq=long[0] if long else None, original_ctx=long[1] if long else None,
                       rotated=tuple(bool(r) for r in config.get("no_rope_layers") or ()),
                       residual_scale=config.get("residual_multiplier") or 1.0,
-                      logit_scale=config.get("logits_scaling") or 1.0)
+                      logit_scale=config.get("logits_scaling") or 1.0,
+                      logit_softcap=config.get("final_logit_softcapping") or 0.0)
 
 
 def _rope(path: Path, config: dict[str, Any], device: torch.device,

@@ -40,13 +40,13 @@ _LAYER = {  # GGUF tensor -> HF name, in each layer
 _GEMMA3 = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
            "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 3's norms around attention and the MLP
 _PHI3 = {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # q, k, v in one; gate, up in one
-_LAYERS = {"gemma3": _GEMMA3, "phi3": _PHI3}
+_LAYERS = {"gemma2": _GEMMA3, "gemma3": _GEMMA3, "phi3": _PHI3}  # Gemma 2: Gemma 3's norms, no q/k norms
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's converter interleaves their q and k rows (_unpermute)
 UNMAPPED = ("smollm3", "granite")  # families transformers' GGUF reader has no config for: the loader reads
 # their tokenizer as the file's vocabulary alone
 NOPE_STEP = 4  # SmolLM3: every fourth layer turns neither q nor k (llama.cpp's step, not in the file)
-GEMMA3_PATTERN = 6  # Gemma 3: every sixth layer attends to all positions, the others to a sliding window
+GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends to all positions, the others to a window
 GEMMA3_LOCAL_BASE = 10000.0  # the sliding-window layers' rotary base (llama.cpp's, not in the file)
 
 
@@ -236,12 +236,12 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
     spec = Spec(num_layers=int(meta("block_count")), num_heads=heads,
                 num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
                 eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-                attn_scale=float(meta("attention.scale", 0.0)))
+                attn_scale=float(meta("attention.scale", 0.0)), softcap=float(meta("attn_logit_softcapping", 0.0)))
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
-    gemma = arch == "gemma3"  # its norms' weights were written as 1 + weight, as they multiply
-    windows = _windows(meta, spec.num_layers) if gemma else ()  # Phi-3's window: unused, as llama.cpp does
-    local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if gemma and windows else None
+    gemma = arch in GEMMA_PATTERNS  # its norms' weights were written as 1 + weight, as they multiply
+    windows = _windows(meta, spec.num_layers, GEMMA_PATTERNS[arch]) if gemma else ()  # Phi-3's: unused, as in llama.cpp
+    local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if arch == "gemma3" and windows else None
     inv_freq, long, original = _rotary(gguf, arch, meta, head_dim)
     rotated = tuple((i + 1) % NOPE_STEP != 0 for i in range(spec.num_layers)) if arch == "smollm3" else ()
     embed_scale = float(meta("embedding_length")) ** 0.5 if gemma else float(meta("embedding_scale", 1.0))
@@ -251,15 +251,16 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                       embed_scale=embed_scale, windows=windows, local_inv_freq=local,
                       long_inv_freq=None if long is None else long.to(device), original_ctx=original,
                       rotated=rotated, residual_scale=float(meta("residual_scale", 1.0)),
-                      logit_scale=float(meta("logit_scale", 1.0)))
+                      logit_scale=float(meta("logit_scale", 1.0)),
+                      logit_softcap=float(meta("final_logit_softcapping", 0.0)))
 
 
-def _windows(meta, layers: int) -> tuple[int, ...]:
+def _windows(meta, layers: int, every: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: none): the file's pattern where it has one (true: sliding), else
-    Gemma 3's, every GEMMA3_PATTERN-th layer global."""
+    the family's, every ``every``-th layer global."""
     window = int(meta("attention.sliding_window", 0))
     pattern = meta("attention.sliding_window_pattern")
-    sliding = pattern if isinstance(pattern, list) else [i % GEMMA3_PATTERN < GEMMA3_PATTERN - 1 for i in range(layers)]
+    sliding = pattern if isinstance(pattern, list) else [i % every < every - 1 for i in range(layers)]
     return tuple(window if s else 0 for s in sliding) if window else ()
 
 

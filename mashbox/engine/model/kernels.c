@@ -1855,7 +1855,13 @@ void mb_kv_store(const float *x, int64_t ld, uint8_t *cache, const int64_t *slot
 void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
                         int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq,
-                        int64_t window);
+                        int64_t window, float softcap);
+
+/* cap tanh(s / cap): a score softly capped (Gemma 2's), tanh as (1 - e) / (1 + e) with e = exp(-2|s| / cap). */
+static inline float capped(float s, float cap) {
+    float e = expf(fabsf(s) * (-2.0f / cap));
+    return copysignf(cap * ((1.0f - e) / (1.0f + e)), s);
+}
 
 /* Decode attention for one (row, query head), a task of mb_decode_attention where D % 16 != 0
  * (an fp16 cache: q8_0 rows need D % 32 == 0). */
@@ -1866,7 +1872,7 @@ struct heads {
     const int64_t *rows, *slots, *lens;
     float *out;
     int64_t H, KVH, D, ctx;
-    float scale;
+    float scale, softcap;
     int64_t max_len, window;
     float *scores[MAX_THREADS];
 };
@@ -1884,6 +1890,7 @@ static void head_task(void *arg, int64_t i, int who) {
     len -= from;
     for (int64_t t = 0; t < len; t++) {
         p[t] = dot_h(qi, kb + t * D, D) * a->scale;
+        if (a->softcap > 0) p[t] = capped(p[t], a->softcap);
         top = fmaxf(top, p[t]);
     }
     for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - top));
@@ -1902,19 +1909,20 @@ static void head_task(void *arg, int64_t i, int who) {
 void mb_decode_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                          const int64_t *slots, const int64_t *lens, float *out, int64_t R, int64_t H,
                          int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq,
-                         int64_t window) {
+                         int64_t window, float softcap) {
     if (D % 16 == 0) {
         int64_t *ns = malloc(sizeof(int64_t) * R * 2), *starts = ns + R;
         for (int64_t r = 0; r < R; r++) {
             ns[r] = 1;
             starts[r] = lens[r] - 1;
         }
-        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16, kvq, window);
+        mb_chunk_attention(q, ldq, k, v, rows, ns, slots, starts, out, R, H, KVH, D, ctx, scale, bf16, kvq, window,
+                           softcap);
         free(ns);
         return;
     }
-    struct heads a = {q, ldq, (const uint16_t *)k, (const uint16_t *)v, rows, slots, lens, out, H, KVH, D, ctx, scale, 1,
-                      window, {0}};
+    struct heads a = {q, ldq, (const uint16_t *)k, (const uint16_t *)v, rows, slots, lens, out, H, KVH, D, ctx, scale,
+                      softcap, 1, window, {0}};
     for (int64_t r = 0; r < R; r++) a.max_len = lens[r] > a.max_len ? lens[r] : a.max_len;
     pool_run(head_task, &a, R * H, 2 * R * H * a.max_len * D);
     for (int i = 0; i < MAX_THREADS; i++) free(a.scores[i]);
@@ -1958,6 +1966,10 @@ typedef __m512 vecf;
 #define vexp2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define vhsum(x) _mm512_reduce_add_ps(x)
 #define vhmax(x) _mm512_reduce_max_ps(x)
+#define vabs(x) _mm512_abs_ps(x)
+#define vsigned(t, x) /* t with x's sign (t >= 0) */                                      \
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),                               \
+                                        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))))
 #elif defined(MB_F16C)
 #define VW 8
 typedef __m256 vecf;
@@ -1976,6 +1988,8 @@ typedef __m256 vecf;
 #define vfloor(x) _mm256_floor_ps(x)
 #define vexp2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #define vhsum(x) hsum8(x)
+#define vabs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
+#define vsigned(t, x) /* t with x's sign (t >= 0) */ _mm256_or_ps(t, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)))
 static inline float vhmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -2050,6 +2064,18 @@ static void block_softmax(float *s, int64_t n, float *max, float *sum, float *o,
     *sum = *sum * alpha + total;
     *max = top;
     for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+}
+
+/* A block's KB scores capped (cap > 0), each the same way wherever it lies. */
+static void cap_block(float *s, float cap) {
+#ifdef VW
+    for (int64_t j = 0; j < KB; j += VW) {
+        vecf x = vload(s + j), e = vexp(vmul(vabs(x), vset(-2.0f / cap)));
+        vstore(s + j, vsigned(vmul(vset(cap), vdiv(vsub(vset(1.0f), e), vadd(vset(1.0f), e))), x));
+    }
+#else
+    for (int64_t j = 0; j < KB; j++) s[j] = capped(s[j], cap);
+#endif
 }
 
 #ifdef MB_BF16
@@ -2325,7 +2351,7 @@ static void amx_values(const float *p, uint32_t *pw, const uint32_t *vp, float *
  * is built; fp32 otherwise), amx: on the tile unit (MB_AMX_BF16); window: each row sees its last
  * `window` positions only (0: all). */
 static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, int64_t kvq, int64_t row0,
-                       int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale,
+                       int64_t p0, int64_t np, int64_t g, int64_t G, int64_t D, float scale, float softcap,
                        float *out, int64_t ldo, float *buf, int bf16, int amx, int64_t window) {
     (void)bf16, (void)amx;
     int64_t M = np * G, Mp = amx ? (M + 15) / 16 * 16 : (M + 3) / 4 * 4, last = p0 + np - 1, RB = kv_row_bytes(D, kvq);
@@ -2377,6 +2403,7 @@ static void chunk_task(const float *q, int64_t ldq, const uint8_t *k, const uint
                 seen[r] = c < 0 || before >= c || before >= KB ? 0 : c > KB ? KB : c;
                 most = seen[r] > most ? seen[r] : most;
                 if (seen[r] > 0) {
+                    if (softcap > 0) cap_block(s + (m + r) * KB, softcap);
                     for (int64_t j = 0; j < before; j++) s[(m + r) * KB + j] = -INFINITY;
                     block_softmax(s + (m + r) * KB, seen[r], max + m + r, sum + m + r, o + (m + r) * D, D);
                 } else memset(s + (m + r) * KB, 0, sizeof(float) * KB);
@@ -2408,7 +2435,7 @@ struct chunks {
     const int64_t *rows, *ns, *slots, *starts;
     float *out;
     int64_t H, KVH, D, ctx;
-    float scale;
+    float scale, softcap;
     int64_t span, blocks, floats, window;
     int bf16, amx; /* amx: the dot products on the tile unit */
     float *bufs[MAX_THREADS];
@@ -2425,7 +2452,7 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
     if (a->amx) amx_configure(0);
 #endif
     chunk_task(a->q, a->ldq, a->k + base, a->v + base, a->kvq, a->rows[c] + first, a->starts[c] + first, np, g, a->H / KVH, D,
-               a->scale, a->out, a->H * D, a->bufs[who], a->bf16, a->amx, a->window);
+               a->scale, a->softcap, a->out, a->H * D, a->bufs[who], a->bf16, a->amx, a->window);
 #ifdef MB_AMX_BF16
     if (a->amx) _tile_release();
 #endif
@@ -2436,11 +2463,12 @@ static void chunk_attention_task(void *arg, int64_t t, int who) {
  * k, v: one layer's cache [slots, KVH, ctx, row], rows fp16 (kvq 0), q8_0 (kvq 1, D % 32 == 0), or fp16
  * with the keys in blocks (kvq 2: the bf16 attention's form, ctx a multiple of KB).
  * D % 16 == 0. bf16: multiply in bf16 pairs where this build can (mb_attention_bf16), else in fp32.
- * window > 0: each row attends to its last `window` positions (itself included) only. */
+ * window > 0: each row attends to its last `window` positions (itself included) only. softcap > 0: each
+ * score (after the scale) becomes softcap tanh(score / softcap) before the softmax (Gemma 2). */
 void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uint8_t *v, const int64_t *rows,
                         const int64_t *ns, const int64_t *slots, const int64_t *starts, float *out, int64_t R,
                         int64_t H, int64_t KVH, int64_t D, int64_t ctx, float scale, int64_t bf16, int64_t kvq,
-                        int64_t window) {
+                        int64_t window, float softcap) {
     int64_t G = H / KVH, longest = 1, threads = omp_get_max_threads(), work = 0;
     for (int64_t c = 0; c < R; c++) {
         longest = ns[c] > longest ? ns[c] : longest;
@@ -2453,7 +2481,7 @@ void mb_chunk_attention(const float *q, int64_t ldq, const uint8_t *k, const uin
     amx = bf16 && D % 32 == 0 && amx_allowed();
 #endif
     int64_t blocks = (longest + span - 1) / span, Mp = amx ? (span * G + 15) / 16 * 16 : (span * G + 3) / 4 * 4;
-    struct chunks a = {q, ldq, k, v, kvq, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, span, blocks,
+    struct chunks a = {q, ldq, k, v, kvq, rows, ns, slots, starts, out, H, KVH, D, ctx, scale, softcap, span, blocks,
                        Mp * D * 2 + D * KB * 2 + Mp * KB * 3 / 2 + Mp * 2, window, bf16 != 0, amx, {0}};
     pool_run(chunk_attention_task, &a, R * KVH * blocks, work);
     for (int i = 0; i < MAX_THREADS; i++) free(a.bufs[i]);
@@ -2582,7 +2610,8 @@ static void scale_rows(float *x, int64_t n, float s) {
  * at its slot and position; it attends over positions 0..pos (the last `window` of them where window > 0).
  * Optional (NULL: none): per-head norms of queries and keys before the rotary, norms of the attention's
  * and the MLP's outputs (Gemma); gelu: GELU (tanh form) in the MLP, else SiLU; residual: what those outputs
- * are multiplied by before they are added (Granite's; 1 for the others). Rows of one slot at consecutive
+ * are multiplied by before they are added (Granite's; 1 for the others); softcap > 0: attention scores are
+ * capped softly to it (Gemma 2's). Rows of one slot at consecutive
  * positions attend as one prompt chunk (mb_chunk_attention, which gives a row the same result in
  * any chunk; one-token rows are chunks of one, as in mb_decode_attention); where HD % 16 != 0
  * each row attends alone (mb_decode_attention's fp32 heads). */
@@ -2592,7 +2621,7 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
               const struct weight *gu_w, const struct weight *down_w, const int64_t *slots, const int64_t *positions, const float *cos, const float *sin,
               uint8_t *kcache, uint8_t *vcache, int64_t ctx, int64_t bf16, int64_t kvq, int64_t window,
               const float *q_norm, const float *k_norm, const float *post_attn, const float *post_mlp, int64_t gelu,
-              float residual) {
+              float residual, float softcap) {
     int64_t ld = (H + 2 * KVH) * HD, wide = D > I ? D : I, n = 0; /* chunks */
     float *h = malloc(sizeof(float) * M * wide), *qkv = malloc(sizeof(float) * M * ld);
     float *attn = malloc(sizeof(float) * M * H * HD), *gu = malloc(sizeof(float) * M * (2 * I > D ? 2 * I : D));
@@ -2618,14 +2647,14 @@ void mb_layer(float *x, int64_t M, int64_t D, int64_t I, int64_t H, int64_t KVH,
     }
     if (HD % 16 == 0) {
         mb_chunk_attention(qkv, ld, kcache, vcache, rows, ns, cslots, starts, attn, n, H, KVH, HD, ctx, scale, bf16, kvq,
-                           window);
+                           window, softcap);
     } else { /* each row over its position + 1 keys */
         for (int64_t m = 0; m < M; m++) {
             rows[m] = m;
             starts[m] = positions[m] + 1;
         }
         mb_decode_attention(qkv, ld, kcache, vcache, rows, slots, starts, attn, M, H, KVH, HD, ctx, scale, bf16, kvq,
-                            window);
+                            window, softcap);
     }
     mb_matmul(attn, o_w, h, M, H * HD);
     if (post_attn) mb_rms_norm(h, post_attn, h, M, D, eps);

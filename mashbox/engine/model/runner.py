@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from mashbox.engine.load.checkpoint import Checkpoint
+from mashbox.engine.load.checkpoint import Checkpoint, Spec
 from mashbox.engine.model import ops, sampler
 from mashbox.engine.model.form import Form
 from mashbox.engine.model.graphs import DecodeGraphs
@@ -122,7 +122,9 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.weights
         logits = w.lm_head(self.ops.rms_norm(hidden, w.norm, w.spec.eps))
-        return logits if w.logit_scale == 1.0 else logits.div_(w.logit_scale)
+        if w.logit_scale != 1.0:
+            logits.div_(w.logit_scale)
+        return logits if not w.logit_softcap else capped(logits, w.logit_softcap)
 
     def _padded_step(self, inputs: torch.Tensor, longest: int) -> torch.Tensor:
         """The forward of a step of one-token rows as ``DecodeGraphs`` pads them: ``inputs`` [5, rows]
@@ -183,7 +185,7 @@ class ModelRunner:
         spec, keys, values = self.weights.spec, self.kv.keys[layer], self.kv.values[layer]
         window = self.weights.layers[layer].window
         shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, keys.shape[2], spec.scale, self._bf16, self.kv.kvq,
-                 window)
+                 window, spec.softcap)
         if batch.single.shape[1] and not self._native_rows:
             self._rows_attention(layer, batch, q, out, window)
         elif batch.single.shape[1]:
@@ -205,10 +207,7 @@ class ModelRunner:
             end = item.position + n
             mask = self._causal_mask(item, window) if window else mask
             query = q[start : start + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                query, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0), attn_mask=mask, enable_gqa=True,
-                scale=spec.scale,
-            )
+            o = attend(query, keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0), mask, spec)
             out[start : start + n] = o.squeeze(0).transpose(0, 1).reshape(n, -1)
         return out
 
@@ -221,8 +220,7 @@ class ModelRunner:
         mask = mask[:, None, None, :]
         keys, values = (t[layer, :, :, :longest][slots].to(q.dtype).masked_fill(~mask.transpose(-1, -2), 0)
                         for t in (self.kv.keys, self.kv.values))  # a masked NaN never written still gives NaN
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True,
-                                           scale=spec.scale)
+        o = attend(q[rows].unsqueeze(2), keys, values, mask, spec)
         out[rows] = o.reshape(rows.shape[0], -1)
 
     def _batch(self, plan: Plan) -> Batch:
@@ -254,6 +252,25 @@ class ModelRunner:
         rows = torch.arange(item.position, item.position + n, device=self.device)[:, None]
         offset = rows - torch.arange(item.position + n, device=self.device)[None, :]
         return (offset >= 0) & (offset < window) if window else offset >= 0
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           spec: Spec) -> torch.Tensor:
+    """SDPA (query heads grouped over the key heads), or where the model caps its scores (Gemma 2) the
+    same steps written out: scaled scores capped, masked, softmax, values."""
+    if not spec.softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=spec.scale)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = capped(q @ keys.transpose(-1, -2) * spec.scale, spec.softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
+def capped(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap tanh(x / cap), as transformers writes Gemma 2's soft caps."""
+    return torch.tanh(x / cap) * cap
 
 
 def _output(item: Work, row: int) -> list[int]:
@@ -295,7 +312,7 @@ class FusedLayers:
         s = weights.spec
         self.fn = lib.mb_layer
         self.kv = kv
-        self.residual = weights.residual_scale
+        self.residual, self.softcap = weights.residual_scale, s.softcap
         self.layers = [self._args(layer, i) for i, layer in enumerate(weights.layers)]
         self.shape = (s.num_heads, s.num_kv_heads, s.head_dim, s.eps, s.scale)
         self.bf16 = bf16
@@ -310,7 +327,7 @@ class FusedLayers:
         return (*layer.down.shape, p(layer.ln_attn), layer.qkv_proj.address, p(layer.qkv_bias), layer.o.address,
                 p(layer.ln_mlp), layer.gate_up.address, layer.down.address, p(layer.cos), p(layer.sin),
                 p(self.kv.keys[i]), p(self.kv.values[i]), layer.window, p(layer.q_norm), p(layer.k_norm),
-                p(layer.post_attn), p(layer.post_mlp), int(layer.act != "silu"), self.residual)
+                p(layer.post_attn), p(layer.post_mlp), int(layer.act != "silu"), self.residual, self.softcap)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale = self.shape
@@ -319,5 +336,5 @@ class FusedLayers:
         for dim, inter, ln_attn, qkv, bias, o, ln_mlp, gate_up, down, cos, sin, k, v, window, *rest in self.layers:
             self.fn(x.data_ptr(), rows, dim, inter, heads, kv_heads, head_dim, eps, scale, ln_attn, qkv, bias, o,
                     ln_mlp, gate_up, down, slots, positions, cos, sin, k, v, ctx, self.bf16, self.kv.kvq, window,
-                    *rest)  # Gemma's norms, the activation, Granite's residual scale
+                    *rest)  # Gemma's norms, the activation, Granite's residual scale, Gemma 2's score cap
         return x

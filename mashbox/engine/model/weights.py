@@ -204,6 +204,7 @@ class Weights:
     embed_scale: float = 1.0  # the embedding's rows are multiplied by it
     residual_scale: float = 1.0  # each layer's attention and MLP outputs are multiplied by it before they are added
     logit_scale: float = 1.0  # the logits are divided by it
+    logit_softcap: float = 0.0  # then each becomes logit_softcap tanh(logit / logit_softcap) (Gemma 2); 0: not
 
     @property
     def linears(self) -> list[Linear]:
@@ -248,6 +249,7 @@ class Weights:
             embed_scale=ckpt.embed_scale,
             residual_scale=ckpt.residual_scale,
             logit_scale=ckpt.logit_scale,
+            logit_softcap=ckpt.logit_softcap,
         )
         if packer is not None:
             packer.save()

@@ -34,7 +34,7 @@ from mashbox.errors import InvalidRequestError
 
 # Gemma's turns, for a GGUF of that architecture that holds no template (the pretrained Gemma 3 270M): it
 # knows no system role, so the system text opens the first turn; every role but the assistant's is "user".
-FALLBACKS = {"gemma3": r"""{{- bos_token -}}
+GEMMA_TURNS = r"""{{- bos_token -}}
 {%- if messages and messages[0].role == 'system' -%}
 {%- set system = messages[0].content + '\n\n' -%}{%- set turns = messages[1:] -%}
 {%- else -%}{%- set system = '' -%}{%- set turns = messages -%}{%- endif -%}
@@ -42,7 +42,8 @@ FALLBACKS = {"gemma3": r"""{{- bos_token -}}
 {{- '<start_of_turn>' + ('model' if m.role == 'assistant' else 'user') + '\n' + (system if loop.first else '')
     + ((m.content or '') | trim) + '<end_of_turn>\n' -}}
 {%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""
+FALLBACKS = {"gemma2": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
 TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # tokens a template closes a turn with
 
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
