@@ -46,6 +46,34 @@ def test_a_page_is_written_in_the_background_and_read_back_exactly(tmp_path: Pat
     assert again.read(keys, [7] + prompt[1:]) is None  # tokens that are not the page's are refused
 
 
+@pytest.mark.parametrize("gone", ["before it opens", "after it read"])
+def test_a_page_another_process_trims_as_it_is_read_is_no_error(tmp_path: Path, caplog, monkeypatch, gone):
+    """Removed (and written again) by another process between the index and the read: a quiet miss,
+    the new file left alone; removed just after it was read: the page it read is kept."""
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(4))
+    keys = store.keys(prompt, "")
+    first = page()
+    store.save(keys[0], prompt, *first)
+    store.close()
+    again = PageStore(tmp_path, 2**20, "ns", page=4)
+    assert again.stored(keys) == 1
+    import mashbox.engine.sched.disk_cache as disk_cache
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("removed by another process")
+
+    monkeypatch.setattr(disk_cache.os, "utime", missing)
+    if gone == "before it opens":
+        import safetensors
+
+        monkeypatch.setattr(safetensors, "safe_open", missing)
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        got = again.read(keys, prompt)
+    assert caplog.records == [] and (tmp_path / f"{keys[0]}.safetensors").is_file()
+    assert (got is None) if gone == "before it opens" else torch.equal(got[0], first[0])
+
+
 @pytest.mark.parametrize("damage", [b"", b"not a safetensors file at all", None])
 def test_a_page_that_does_not_read_is_skipped_with_a_log_line_and_removed(tmp_path: Path, caplog, damage):
     store = PageStore(tmp_path, 2**20, "ns", page=4)

@@ -17,6 +17,7 @@ touches its file).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -98,14 +99,18 @@ class PageStore:
                     if tokens != list(prompt[i * self.page: (i + 1) * self.page]):
                         raise ValueError("its tokens are not the prompt's")
                     parts.append((file.get_tensor("keys"), file.get_tensor("values")))
-                os.utime(path)
-            except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
+            except FileNotFoundError:  # removed by another process's trim (maybe written again since): a miss
+                self._forget(key)
+                break
+            except Exception as err:  # a file cut short, overwritten, foreign
                 if path.exists():
                     log.warning("skipped the cached prompt page %s (%s: %s); removed it", path, type(err).__name__, err)
                     self._remove(key)
                 else:  # by another process's trim: a miss
                     self._forget(key)
                 break
+            with contextlib.suppress(FileNotFoundError):  # read; another process may have trimmed it since
+                os.utime(path)
             with self._lock:
                 self._files.move_to_end(key)
         if not parts:
