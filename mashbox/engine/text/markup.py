@@ -257,8 +257,8 @@ class Markup:
 class BareCall:
     """A call written without tags, as some models (Qwen2.5-Coder) answer a tool
     request: a JSON object or a ```json block that is only a call to a known tool,
-    or a JSON list of such calls (Mistral and Granite write one after a special
-    token, which the text no longer holds). Such text is held from the start of an
+    or a JSON list of such calls (Mistral writes one after its [TOOL_CALLS] token,
+    which the text no longer holds). Such text is held from the start of an
     answer (or right after a call) until it is known to be a call or not; anything
     else is released as text."""
 
