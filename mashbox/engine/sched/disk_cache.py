@@ -99,14 +99,11 @@ class PageStore:
                     if tokens != list(prompt[i * self.page: (i + 1) * self.page]):
                         raise ValueError("its tokens are not the prompt's")
                     parts.append((file.get_tensor("keys"), file.get_tensor("values")))
-            except FileNotFoundError:  # removed by another process's trim (maybe written again since): a miss
-                self._forget(key)
-                break
-            except Exception as err:  # a file cut short, overwritten, foreign
-                if path.exists():
+            except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
+                if path.exists() and not isinstance(err, FileNotFoundError):
                     log.warning("skipped the cached prompt page %s (%s: %s); removed it", path, type(err).__name__, err)
                     self._remove(key)
-                else:  # by another process's trim: a miss
+                else:  # by another process's trim (and maybe written again since): a miss
                     self._forget(key)
                 break
             with contextlib.suppress(FileNotFoundError):  # read; another process may have trimmed it since

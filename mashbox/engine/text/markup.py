@@ -41,9 +41,13 @@ class CallFormat:
     def parse(self, body: str) -> tuple[str, str] | None:
         """``(name, arguments JSON)`` of a call body, or None if it is not a call."""
         try:
-            call = json.loads(body)
+            return self.call(json.loads(body))
         except json.JSONDecodeError:
             return None
+
+    @staticmethod
+    def call(call: Any) -> tuple[str, str] | None:
+        """``(name, arguments JSON)`` of a call's JSON value, or None if it is not a call."""
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
@@ -310,11 +314,8 @@ class BareCall:
 
 def _calls(body: str) -> list[tuple[str, str]] | None:
     """The calls in a bare call's JSON: one call, or a list of calls; None if it is neither."""
-    if not body.startswith("["):
-        call = HERMES.parse(body)
-        return [call] if call else None
-    items = _loads(body)
-    calls = [HERMES.parse(json.dumps(item)) for item in items] if isinstance(items, list) else []
+    value = _loads(body)
+    calls = [HERMES.call(item) for item in (value if isinstance(value, list) else [value])]
     return calls if calls and all(calls) else None
 
 
