@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tiny import greedy
+from tiny import generate, greedy, last_logits, logits
 
 from mashbox.engine.load.catalog import resolve
 from mashbox.engine.load.checkpoint import rotary
@@ -161,6 +161,26 @@ def random_prompts(lengths: tuple[int, ...], seed: int = 3) -> list[list[int]]:
     """Prompts of these lengths, random ids of the SmolLM2 vocabulary (past its first specials)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = (70, 130, 300, 90, 65, 200)  # prompt lengths of exact_gguf's answers
+
+
+def exact_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str], lib) -> tuple[
+        list[list[int]], list[list[int]], torch.Tensor]:
+    """``model`` written as a GGUF at ``path`` (``tiny_gguf``), and checked: dequantized (the plain form)
+    it answers random prompts of ``PROMPTS``'s lengths as transformers does, each answer its own, and
+    gives its logits after the first prompt's first 40 tokens. Returns (prompts, transformers'
+    answers, those logits)."""
+    tiny_gguf(path, model, arch, formats)
+    prompts = random_prompts(PROMPTS)
+    expected = [generate(model, p) for p in prompts]
+    assert len({tuple(e) for e in expected}) == len(prompts)
+    plain = gguf_runner(path, lib, "plain")
+    assert greedy(plain, prompts) == expected
+    exact = logits(model, prompts[0][:40])
+    assert torch.allclose(last_logits(plain, prompts[0][:40]), exact, rtol=1e-4, atol=1e-4)
+    return prompts, expected, exact
 
 
 def gguf_runner(path: Path, lib, form: str) -> ModelRunner:

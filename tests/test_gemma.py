@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
-from tiny import generate, greedy
+from tiny import generate, greedy, random_norms
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from mashbox import Engine
@@ -29,10 +29,7 @@ def tiny_gemma(**config) -> Gemma3ForCausalLM:
     before, which would hide a wrong window)."""
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**{**SHAPE, **config})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0, 0.3)
+    random_norms(model)
     assert model.config.layer_types.count("full_attention") == 1
     return model
 

@@ -10,12 +10,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
-from tiny import generate, greedy, last_logits, logits
+from quants import blocks_agree, exact_gguf, gguf_runner, random_prompts
+from tiny import answers_as_transformers, last_logits, logits, plain_runner, random_norms
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from mashbox import Engine
-from mashbox.engine.load.checkpoint import Checkpoint
 from mashbox.engine.load.gguf_file import checkpoint, open_model
 from mashbox.engine.model.runner import ModelRunner
 
@@ -32,23 +30,13 @@ def tiny_gemma2(**config) -> Gemma2ForCausalLM:
     norm read without its shift), its lm_head its own."""
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(**{**SHAPE, **config})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0, 0.3)
+    random_norms(model)
     assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
     return model
 
 
 def test_a_saved_gemma2_answers_as_transformers_does(tmp_path, smol_tokenizer):
-    model = tiny_gemma2()
-    model.save_pretrained(tmp_path)
-    smol_tokenizer.save_pretrained(tmp_path)
-    with Engine(str(tmp_path), dtype="float32", ctx=256, slots=2, quiet=True) as engine:
-        for prompt in (WORDS, WORDS[30:] + " and"):
-            ids = smol_tokenizer.encode(prompt)
-            expected = smol_tokenizer.decode(generate(model, ids, 10), skip_special_tokens=True)
-            assert engine.complete(prompt=prompt, max_tokens=10, temperature=0).choices[0].text == expected
+    answers_as_transformers(tmp_path, tiny_gemma2(), smol_tokenizer, [WORDS, WORDS[30:] + " and"])
 
 
 @pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
@@ -57,10 +45,8 @@ def test_each_soft_cap_reaches_the_logits(cap):
     model = tiny_gemma2()
     prompt = random_prompts((40,))[0]
     expected = logits(model, prompt)
-    got = last_logits(ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form="plain"), prompt)
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
-    loose = tiny_gemma2(**{cap: None})
-    other = last_logits(ModelRunner(Checkpoint.from_model(loose), num_slots=4, ctx=512, form="plain"), prompt)
+    assert torch.allclose(last_logits(plain_runner(model), prompt), expected, rtol=1e-4, atol=1e-4)
+    other = last_logits(plain_runner(tiny_gemma2(**{cap: None})), prompt)
     assert not torch.allclose(other, expected, rtol=1e-2, atol=1e-2)
 
 
@@ -69,15 +55,8 @@ def test_a_gemma2_gguf_runs_from_its_blocks(tmp_path, lib):
     fields): dequantized it answers and scores as transformers does; as blocks it runs in the fused
     layers (their logits moved by the scores' cap, and equal to the general path's), every answer the
     same alone and batched, and mostly the exact one."""
-    model = tiny_gemma2()
-    path = tiny_gguf(tmp_path / "gemma2.gguf", model, "gemma2", ["Q6_K", "Q8_0"])
-    prompts = random_prompts((70, 130, 300, 90, 65, 200))
-    expected = [generate(model, p) for p in prompts]
-    assert len({tuple(e) for e in expected}) == len(prompts)
-    plain = gguf_runner(path, lib, "plain")
-    assert greedy(plain, prompts) == expected
-    exact = logits(model, prompts[0][:40])
-    assert torch.allclose(last_logits(plain, prompts[0][:40]), exact, rtol=1e-4, atol=1e-4)
+    path = tmp_path / "gemma2.gguf"
+    prompts, expected, _ = exact_gguf(path, tiny_gemma2(), "gemma2", ["Q6_K", "Q8_0"], lib)
     runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere
     fused = last_logits(runner, prompts[0][:40])

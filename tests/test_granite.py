@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
-from tiny import generate, greedy, last_logits, logits
+from quants import blocks_agree, exact_gguf, gguf_runner, random_prompts
+from tiny import answers_as_transformers, last_logits, logits, plain_runner
 from transformers import GraniteConfig, GraniteForCausalLM
-
-from mashbox import Engine
-from mashbox.engine.load.checkpoint import Checkpoint
-from mashbox.engine.model.runner import ModelRunner
 
 SHAPE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -29,14 +25,7 @@ def tiny_granite(**config) -> GraniteForCausalLM:
 
 
 def test_a_saved_granite_answers_as_transformers_does(tmp_path, smol_tokenizer):
-    model = tiny_granite()
-    model.save_pretrained(tmp_path)
-    smol_tokenizer.save_pretrained(tmp_path)
-    with Engine(str(tmp_path), dtype="float32", ctx=256, slots=2, quiet=True) as engine:
-        for prompt in (WORDS, WORDS[30:] + " and"):
-            ids = smol_tokenizer.encode(prompt)
-            expected = smol_tokenizer.decode(generate(model, ids, 10), skip_special_tokens=True)
-            assert engine.complete(prompt=prompt, max_tokens=10, temperature=0).choices[0].text == expected
+    answers_as_transformers(tmp_path, tiny_granite(), smol_tokenizer, [WORDS, WORDS[30:] + " and"])
 
 
 @pytest.mark.parametrize("scaled", ["embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -47,10 +36,8 @@ def test_each_multiplier_reaches_the_logits(scaled):
     model = tiny_granite()
     prompt = random_prompts((24,))[0]
     expected = logits(model, prompt)
-    got = last_logits(ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form="plain"), prompt)
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
-    plain = tiny_granite(**{scaled: GraniteConfig().to_dict()[scaled]})
-    other = last_logits(ModelRunner(Checkpoint.from_model(plain), num_slots=4, ctx=512, form="plain"), prompt)
+    assert torch.allclose(last_logits(plain_runner(model), prompt), expected, rtol=1e-4, atol=1e-4)
+    other = last_logits(plain_runner(tiny_granite(**{scaled: GraniteConfig().to_dict()[scaled]})), prompt)
     assert not torch.allclose(other, expected, rtol=1e-2, atol=1e-2)
 
 
@@ -60,15 +47,8 @@ def test_a_granite_gguf_runs_from_its_blocks(tmp_path, lib):
     scores as transformers does; as blocks it runs in the fused layers (their logits within the
     int8 activations' error of the exact ones, and equal to the general path's), every answer the
     same alone and batched, through the general path too, and mostly the exact one."""
-    model = tiny_granite()
-    path = tiny_gguf(tmp_path / "granite.gguf", model, "granite", ["Q4_K", "Q6_K", "Q8_0"])
-    prompts = random_prompts((70, 130, 300, 90, 65, 200))
-    expected = [generate(model, p) for p in prompts]
-    assert len({tuple(e) for e in expected}) == len(prompts)
-    plain = gguf_runner(path, lib, "plain")
-    assert greedy(plain, prompts) == expected
-    exact = logits(model, prompts[0][:40])
-    assert torch.allclose(last_logits(plain, prompts[0][:40]), exact, rtol=1e-4, atol=1e-4)
+    path = tmp_path / "granite.gguf"
+    prompts, expected, exact = exact_gguf(path, tiny_granite(), "granite", ["Q4_K", "Q6_K", "Q8_0"], lib)
     runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere
     fused = last_logits(runner, prompts[0][:40])

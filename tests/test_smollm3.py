@@ -6,8 +6,8 @@ kernels every answer is the same alone and batched."""
 from __future__ import annotations
 
 import torch
-from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
-from tiny import generate, greedy, last_logits, logits
+from quants import blocks_agree, exact_gguf, gguf_runner, tiny_gguf
+from tiny import answers_as_transformers, greedy
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 from mashbox import Engine
@@ -26,14 +26,7 @@ def tiny_smollm3() -> SmolLM3ForCausalLM:
 
 
 def test_a_saved_smollm3_answers_as_transformers_does(tmp_path, smol_tokenizer):
-    model = tiny_smollm3()
-    model.save_pretrained(tmp_path)
-    smol_tokenizer.save_pretrained(tmp_path)
-    with Engine(str(tmp_path), dtype="float32", ctx=256, slots=2, quiet=True) as engine:
-        for prompt in (WORDS, WORDS[30:] + " and"):
-            ids = smol_tokenizer.encode(prompt)
-            expected = smol_tokenizer.decode(generate(model, ids, 10), skip_special_tokens=True)
-            assert engine.complete(prompt=prompt, max_tokens=10, temperature=0).choices[0].text == expected
+    answers_as_transformers(tmp_path, tiny_smollm3(), smol_tokenizer, [WORDS, WORDS[30:] + " and"])
 
 
 def test_a_smollm3_gguf_runs_from_its_blocks(tmp_path, lib):
@@ -41,14 +34,8 @@ def test_a_smollm3_gguf_runs_from_its_blocks(tmp_path, lib):
     layers): dequantized it answers and scores as transformers does; as blocks it runs in the fused
     layers, every answer the same alone and batched, through the general path too, and mostly the
     exact one."""
-    model = tiny_smollm3()
-    path = tiny_gguf(tmp_path / "smollm3.gguf", model, "smollm3", ["Q4_K", "Q5_0", "Q8_0"])
-    prompts = random_prompts((70, 130, 300, 90, 65, 200))
-    expected = [generate(model, p) for p in prompts]
-    assert len({tuple(e) for e in expected}) == len(prompts)
-    plain = gguf_runner(path, lib, "plain")
-    assert greedy(plain, prompts) == expected
-    assert torch.allclose(last_logits(plain, prompts[0][:40]), logits(model, prompts[0][:40]), rtol=1e-4, atol=1e-4)
+    path = tmp_path / "smollm3.gguf"
+    prompts, expected, _ = exact_gguf(path, tiny_smollm3(), "smollm3", ["Q4_K", "Q5_0", "Q8_0"], lib)
     runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere
     blocks_agree(runner, prompts, expected)

@@ -1,10 +1,14 @@
-"""A tiny random Llama config for tests that need a model but not a good one, greedy answers of a
-runner without an engine around it, and transformers' own greedy answers."""
+"""A tiny random Llama config for tests that need a model but not a good one, greedy answers and
+logits of a runner without an engine around it, transformers' own, and a saved model's answers
+through an Engine against transformers'."""
+
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 
-from mashbox import SamplingParams
+from mashbox import Engine, SamplingParams
+from mashbox.engine.load.checkpoint import Checkpoint
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
@@ -43,6 +47,20 @@ def last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
         return runner._logits(runner.forward(batch).index_select(0, batch.sample_rows))[0]
 
 
+def random_norms(model) -> None:
+    """Set a Gemma model's norm weights at random: transformers starts them at 0, a weight of 1 + 0,
+    which would hide a norm read without its shift."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+
+
+def plain_runner(model) -> ModelRunner:
+    """A runner of a transformers model's own tensors, in the exact float form (4 slots of 512)."""
+    return ModelRunner(Checkpoint.from_model(model), num_slots=4, ctx=512, form="plain")
+
+
 def logits(model, prompt: list[int]) -> torch.Tensor:
     """transformers' logits after ``prompt`` (ids)."""
     with torch.inference_mode():
@@ -55,3 +73,14 @@ def generate(model, prompt: list[int], n: int = 12) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def answers_as_transformers(folder: Path, model, tokenizer, prompts: list[str], n: int = 10) -> None:
+    """``model`` and ``tokenizer`` saved in ``folder``: an Engine on it answers each prompt greedily with
+    transformers' text."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with Engine(str(folder), dtype="float32", ctx=256, slots=2, quiet=True) as engine:
+        for prompt in prompts:
+            expected = tokenizer.decode(generate(model, tokenizer.encode(prompt), n), skip_special_tokens=True)
+            assert engine.complete(prompt=prompt, max_tokens=n, temperature=0).choices[0].text == expected
