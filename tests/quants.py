@@ -58,7 +58,7 @@ def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks],
                numbers: dict[str, int] | None = None) -> Path:
     """A GGUF model file: ``matrices`` (GGUF names) as their blocks, ``floats`` (norms, biases) as fp32,
     the metadata of ``config`` (a transformers config), ``numbers`` (more fields: uint32, float32 for
-    floats) and the SmolLM2 tokenizer's fields."""
+    floats; None: left out) and the SmolLM2 tokenizer's fields."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
@@ -72,6 +72,8 @@ def write_gguf(path: Path, arch: str, config, matrices: dict[str, quant.Blocks],
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or rope.get("full_attention", rope)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     for key, value in (numbers or {}).items():
+        if value is None:  # a field the model has not: left out, as a converter leaves it
+            continue
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
     source = GGUFReader(str(resolve("smollm2-135m").path))
     for key, field in source.fields.items():
@@ -118,13 +120,15 @@ def tiny_gguf(path: Path, model: torch.nn.Module, arch: str, formats: list[str],
     """Write ``model`` (a tiny transformers model of one of the families, its matrices a multiple of 256 wide)
     as a GGUF whose matrices are random blocks, cycling through ``formats`` (the embedding in Q8_0), and
     set the model's own weights to what those blocks hold, so that it is the reference for the file.
-    Gemma's norms are written as llama.cpp's converter writes them (1 + weight), with its head size and
-    sliding window; Phi-3's rotated dimensions and LongRoPE factors as its converter writes them."""
+    Gemma's norms are written as llama.cpp's converter writes them (1 + weight), with its head size,
+    sliding window and (Gemma 3) the window layers' rotary base; Phi-3's rotated dimensions and LongRoPE factors as its converter writes them."""
     matrices, floats, turn = {}, {}, 0
     config, numbers = model.config, {}
     if arch in ("gemma2", "gemma3"):
         numbers = {f"{arch}.attention.key_length": config.head_dim, f"{arch}.attention.value_length": config.head_dim,
                    f"{arch}.attention.sliding_window": config.sliding_window}
+    if arch == "gemma3":  # its window layers' rotary base, as the converter writes it
+        numbers[f"{arch}.rope.freq_base_swa"] = float(config.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "gemma2":  # its soft caps, where it has them
         numbers |= {f"gemma2.{cap}": float(getattr(config, cap)) for cap in ("attn_logit_softcapping",
                     "final_logit_softcapping") if getattr(config, cap)}
@@ -204,7 +208,7 @@ def blocks_agree(runner: ModelRunner, prompts: list[list[int]], expected: list[l
 def _phi3_fields(model, floats: dict[str, torch.Tensor]) -> dict[str, int | float]:
     """Phi-3's rotated dimensions and, for LongRoPE, its factors (into ``floats``), attention factor and
     original context, as llama.cpp's converter writes them."""
-    config, rope = model.config, model.config.rope_parameters
+    rope = model.config.rope_parameters
     numbers: dict[str, int | float] = {"phi3.rope.dimension_count": 2 * model.model.rotary_emb.inv_freq.numel()}
     if rope.get("rope_type") == "longrope":
         floats["rope_factors_long.weight"] = torch.tensor(rope["long_factor"])

@@ -6,9 +6,11 @@ Gemma 3 270M (the catalog's gemma3-270m) answers a question."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from quants import blocks_agree, gguf_runner, random_prompts, tiny_gguf
+from quants import blocks_agree, exact_gguf, gguf_runner, random_prompts, tiny_gguf
 from tiny import generate, greedy, random_norms
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -53,6 +55,27 @@ def test_a_saved_gemma3_answers_as_transformers_does(tmp_path, smol_tokenizer):
     assert len(smol_tokenizer.encode(WORDS)) > 4 * SHAPE["sliding_window"]
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 8.0}])
+def test_a_config_written_before_layer_types_answers_the_same(tmp_path, smol_tokenizer, scaling):
+    """config.json as the Gemma 3 checkpoints on the hub have it (gemma-3-1b-it, 4b-it and 270m were saved
+    before transformers wrote ``layer_types`` and ``rope_parameters``): the window's layers from
+    ``sliding_window_pattern``, their rotary base from ``rope_local_base_freq``, the global layers'
+    scaling (4B's linear 8) from ``rope_scaling``; transformers reads it as the model it saved."""
+    model = tiny_gemma(query_pre_attn_scalar=48, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6, **(scaling or {})},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    model.save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"], config["rope_parameters"]
+    config.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6, rope_scaling=scaling)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with Engine(str(tmp_path), dtype="float32", ctx=256, slots=2, quiet=True) as engine:
+        for prompt in (WORDS, WORDS[:90]):
+            expected = smol_tokenizer.decode(generate(model, smol_tokenizer.encode(prompt), 10))
+            assert engine.complete(prompt=prompt, max_tokens=10, temperature=0).choices[0].text == expected
+
+
 @pytest.mark.parametrize("formats", [["Q4_K", "Q6_K", "Q5_0", "Q8_0"], ["Q4_0", "Q5_K", "Q4_1"]])
 def test_a_gemma3_gguf_runs_from_its_blocks(tmp_path, lib, formats):
     """The GGUF llama.cpp's converter would write (norms as 1 + weight, head size and window in the
@@ -69,6 +92,15 @@ def test_a_gemma3_gguf_runs_from_its_blocks(tmp_path, lib, formats):
     runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere  # the window runs in the attention kernels
     blocks_agree(runner, prompts, expected)
+
+
+def test_a_gemma3_gguf_keeps_its_window_layers_rotary_base(tmp_path, lib):
+    """The base the converter writes for the window layers (``rope.freq_base_swa``), not llama.cpp's
+    10000 for a file without one."""
+    model = tiny_gemma(query_pre_attn_scalar=64, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
+    exact_gguf(tmp_path / "gemma.gguf", model, "gemma3", ["Q8_0"], lib)
 
 
 def test_a_cached_prefix_longer_than_the_window_gives_the_same_answer(tmp_path, smol_tokenizer):

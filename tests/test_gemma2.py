@@ -6,11 +6,12 @@ batched, and the fused layers' logits are the general path's."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
-from quants import blocks_agree, exact_gguf, gguf_runner, random_prompts
+from quants import blocks_agree, exact_gguf, gguf_runner, random_prompts, tiny_gguf
 from tiny import answers_as_transformers, last_logits, logits, plain_runner, random_norms
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -31,12 +32,25 @@ def tiny_gemma2(**config) -> Gemma2ForCausalLM:
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(**{**SHAPE, **config})).eval()
     random_norms(model)
-    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert model.config.layer_types[:4] == ["sliding_attention", "full_attention"] * 2
     return model
 
 
 def test_a_saved_gemma2_answers_as_transformers_does(tmp_path, smol_tokenizer):
     answers_as_transformers(tmp_path, tiny_gemma2(), smol_tokenizer, [WORDS, WORDS[30:] + " and"])
+
+
+def test_a_config_without_layer_types_has_its_windows(tmp_path, smol_tokenizer):
+    """config.json as gemma-2-2b-it's on the hub (written before transformers had ``layer_types``):
+    every other layer still attends to the window."""
+    model = tiny_gemma2()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [WORDS, WORDS[30:] + " and"]
+    assert all(len(smol_tokenizer.encode(p)) > 2 * SHAPE["sliding_window"] for p in prompts)
+    answers_as_transformers(tmp_path, model, smol_tokenizer, prompts, save=False)
 
 
 @pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
@@ -65,3 +79,18 @@ def test_a_gemma2_gguf_runs_from_its_blocks(tmp_path, lib):
     assert (last_logits(uncapped, prompts[0][:40]) - fused).abs().max() > 0.05  # the kernels cap the scores
     blocks_agree(runner, prompts, expected)  # leaves the general path on
     assert torch.equal(last_logits(runner, prompts[0][:40]), fused)
+
+
+def test_a_gemma2_gguf_without_a_window_gets_llama_cpps(tmp_path, lib):
+    """A file without ``attention.sliding_window`` (as converters before it wrote) attends on every
+    other layer to llama.cpp's default window, Gemma 2's 4096."""
+    path = tiny_gguf(tmp_path / "gemma2.gguf", tiny_gemma2(sliding_window=None), "gemma2", ["Q8_0"])
+    assert checkpoint(open_model(path), torch.device("cpu"), torch.float32, lib).windows == (4096, 0) * 2
+
+
+def test_the_27b_shape_scales_scores_as_llama_cpp_does(tmp_path, lib):
+    """At 27B's 46 layers llama.cpp scales the scores by n_embd / n_head (27B's query_pre_attn_scalar,
+    144 there), not by the head size, and the GGUF does not hold it: the file answers as transformers
+    does with it."""
+    model = tiny_gemma2(num_hidden_layers=46, head_dim=128, query_pre_attn_scalar=64)  # 256 / 4 heads
+    exact_gguf(tmp_path / "gemma2.gguf", model, "gemma2", ["Q8_0"], lib)

@@ -75,10 +75,12 @@ def generate(model, prompt: list[int], n: int = 12) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def answers_as_transformers(folder: Path, model, tokenizer, prompts: list[str], n: int = 10) -> None:
-    """``model`` and ``tokenizer`` saved in ``folder``: an Engine on it answers each prompt greedily with
-    transformers' text."""
-    model.save_pretrained(folder)
+def answers_as_transformers(folder: Path, model, tokenizer, prompts: list[str], n: int = 10,
+                            save: bool = True) -> None:
+    """``model`` and ``tokenizer`` saved in ``folder`` (``save=False``: the model is there already): an
+    Engine on it answers each prompt greedily with transformers' text."""
+    if save:
+        model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     with Engine(str(folder), dtype="float32", ctx=256, slots=2, quiet=True) as engine:
         for prompt in prompts:

@@ -24,6 +24,7 @@ from mashbox.engine.model import quant
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite")
 TYPES = {"gemma3_text": "gemma3"}  # transformers' model type -> the GGUF architecture it is
+GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends to all positions, the others to a window
 _NEEDED = ("model.embed_tokens.weight", "model.norm.weight")
 _QUERIES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight")  # one of them
 
@@ -126,7 +127,7 @@ def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | N
     config = json.loads((path / "config.json").read_text())
     layered = "full_attention" in (config.get("rope_parameters") or {})  # a rotary per layer type
     inv_freq, scale, long = _rope(path, config, device, "full_attention" if layered else None)
-    local = _rope(path, config, device, "sliding_attention")[0] if layered else None
+    local = _rope(path, config, device, "sliding_attention")[0] if layered else _local_rope(config, device)
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
     return _build(config, tensors, inv_freq, scale, _ids(eos), local, long)
@@ -158,8 +159,7 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
         softcap=config.get("attn_logit_softcapping") or 0.0,
     )
     window = config.get("sliding_window") or 0
-    kinds = config.get("layer_types") or (["sliding_attention"] * spec.num_layers if model_type == "phi3" else ())
-    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in _layer_types(config, model_type))
     embed_scale = config["hidden_size"] ** 0.5 if gemma else config.get("embedding_multiplier") or 1.0
     return Checkpoint(model_type, spec, config.get("hidden_act") or config.get("hidden_activation") or "silu",
                       config.get("max_position_embeddings"), inv_freq, scale, eos_ids, tensors,
@@ -170,6 +170,19 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
                       residual_scale=config.get("residual_multiplier") or 1.0,
                       logit_scale=config.get("logits_scaling") or 1.0,
                       logit_softcap=config.get("final_logit_softcapping") or 0.0)
+
+
+def _layer_types(config: dict[str, Any], model_type: str) -> list[str]:
+    """Each layer's attention: the config's list, else (Gemma configs written before transformers had
+    one: its ``sliding_window_pattern``) the family's pattern, every n-th layer global; Phi-3's all
+    sliding (its window unused, as in llama.cpp)."""
+    layers = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        return config["layer_types"]
+    if model_type == "phi3":
+        return ["sliding_attention"] * layers
+    every = config.get("sliding_window_pattern") or GEMMA_PATTERNS.get(model_type)
+    return [("sliding_attention" if (i + 1) % every else "full_attention") for i in range(layers)] if every else []
 
 
 def _rope(path: Path, config: dict[str, Any], device: torch.device,
@@ -188,9 +201,20 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device,
         return rotary(theta, int(dim * partial)).to(device), 1.0, None
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf, by_type = _hf_config(path), {"layer_type": layer_type} if layer_type else {}
+    hf = _hf_config(path)
+    if layer_type is None and "full_attention" in (getattr(hf, "rope_parameters", None) or {}):
+        layer_type = "full_attention"  # an older config.json's one scaling, which transformers gives its global layers
+    by_type = {"layer_type": layer_type} if layer_type else {}
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, device, **by_type)
     return inv_freq.float(), float(scale), _long(hf, config, device)
+
+
+def _local_rope(config: dict[str, Any], device: torch.device) -> torch.Tensor | None:
+    """The sliding-window layers' rotary where a config written before ``rope_parameters`` names its
+    base (Gemma 3's ``rope_local_base_freq``); None: theirs is the global one."""
+    base = config.get("rope_local_base_freq")
+    return rotary(base, config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]).to(
+        device) if base else None
 
 
 def _kind(params: dict[str, Any]) -> str:

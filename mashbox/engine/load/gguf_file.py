@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mashbox.engine.load.checkpoint import SUPPORTED, Checkpoint, Spec, Tensors, rotary
+from mashbox.engine.load.checkpoint import GEMMA_PATTERNS, SUPPORTED, Checkpoint, Spec, Tensors, rotary
 from mashbox.engine.model import quant
 from mashbox.errors import ModelLoadError
 
@@ -46,8 +46,10 @@ PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's converter interleaves 
 UNMAPPED = ("smollm3", "granite")  # families transformers' GGUF reader has no config for: the loader reads
 # their tokenizer as the file's vocabulary alone
 NOPE_STEP = 4  # SmolLM3: every fourth layer turns neither q nor k (llama.cpp's step, not in the file)
-GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6}  # every n-th layer attends to all positions, the others to a window
-GEMMA3_LOCAL_BASE = 10000.0  # the sliding-window layers' rotary base (llama.cpp's, not in the file)
+GEMMA3_LOCAL_BASE = 10000.0  # the sliding-window layers' rotary base where the file has none (llama.cpp's)
+GEMMA2_WINDOW = 4096  # Gemma 2's window where the file has none (llama.cpp's)
+GEMMA_27B = {"gemma2": 46, "gemma3": 62}  # layers of the 27B models, whose scores llama.cpp scales by
+# n_embd / n_head (their query_pre_attn_scalar), not by the head size
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,17 +233,19 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
     without them)."""
     arch = _supported(gguf)
     meta = lambda key, default=None: gguf.fields.get(f"{arch}.{key}", default)
-    heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", int(meta("embedding_length")) // heads))
-    spec = Spec(num_layers=int(meta("block_count")), num_heads=heads,
+    heads, layers, width = int(meta("attention.head_count")), int(meta("block_count")), int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", width // heads))
+    spec = Spec(num_layers=layers, num_heads=heads,
                 num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
                 eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+                scale_dim=width // heads if GEMMA_27B.get(arch) == layers else 0,
                 attn_scale=float(meta("attention.scale", 0.0)), softcap=float(meta("attn_logit_softcapping", 0.0)))
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
     gemma = arch in GEMMA_PATTERNS  # its norms' weights were written as 1 + weight, as they multiply
-    windows = _windows(meta, spec.num_layers, GEMMA_PATTERNS[arch]) if gemma else ()  # Phi-3's: unused, as in llama.cpp
-    local = rotary(GEMMA3_LOCAL_BASE, head_dim).to(device) if arch == "gemma3" and windows else None
+    windows = _windows(meta, arch, spec.num_layers) if gemma else ()  # Phi-3's: unused, as in llama.cpp
+    local_base = meta("rope.freq_base_swa", GEMMA3_LOCAL_BASE if arch == "gemma3" else None)
+    local = rotary(float(local_base), head_dim).to(device) if windows and local_base else None
     inv_freq, long, original = _rotary(gguf, arch, meta, head_dim)
     rotated = tuple((i + 1) % NOPE_STEP != 0 for i in range(spec.num_layers)) if arch == "smollm3" else ()
     embed_scale = float(meta("embedding_length")) ** 0.5 if gemma else float(meta("embedding_scale", 1.0))
@@ -255,12 +259,14 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                       logit_softcap=float(meta("final_logit_softcapping", 0.0)))
 
 
-def _windows(meta, layers: int, every: int) -> tuple[int, ...]:
-    """Each layer's sliding window (0: none): the file's pattern where it has one (true: sliding), else
-    the family's, every ``every``-th layer global."""
-    window = int(meta("attention.sliding_window", 0))
-    pattern = meta("attention.sliding_window_pattern")
-    sliding = pattern if isinstance(pattern, list) else [i % every < every - 1 for i in range(layers)]
+def _windows(meta, arch: str, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none) of a Gemma: the file's window (Gemma 2's 4096 where it has
+    none; a Gemma 3 without one has none) and pattern where it has one (a list, true: sliding; or n: every
+    n-th layer global, 0: all sliding), else the family's n."""
+    window = int(meta("attention.sliding_window", GEMMA2_WINDOW if arch == "gemma2" else 0))
+    pattern = meta("attention.sliding_window_pattern", GEMMA_PATTERNS[arch])
+    every = 0 if isinstance(pattern, list) else int(pattern)
+    sliding = pattern if isinstance(pattern, list) else [every == 0 or i % every < every - 1 for i in range(layers)]
     return tuple(window if s else 0 for s in sliding) if window else ()
 
 
