@@ -214,9 +214,11 @@ class MaskedScriptRunner(ScriptedRunner):
         return tokens
 
 
-@pytest.mark.parametrize("opening, closing", [("<tool_call>\n", "\n</tool_call>"), ("", ""), ("```json\n", "\n```")])
+@pytest.mark.parametrize("opening, closing", [("<tool_call>\n", "\n</tool_call>"), ("", ""), ("```json\n", "\n```"),
+                                              ("[", "]"), ("```json\n[ ", " ]\n```")])
 def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, smol_tokenizer, opening, closing):
-    """Auto mode: free text stays free; once a call begins (tags, bare JSON or a ```json block),
+    """Auto mode: free text stays free; once a call begins (tags, bare JSON or a ```json block, either
+    of them maybe a list of calls as Mistral writes them),
     every token up to its end is masked to the declared tools' names and schemas, so the invented
     tool name the script goes on to write is refused at its first token; after the call, free again."""
     tok = smol_tokenizer
@@ -240,6 +242,26 @@ def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, sm
     in_call = enumerate(runner.allowed[first_masked:call_end + 1], first_masked)
     assert all(a is not None and script[i] in a for i, a in in_call)
     assert all(a is None for a in runner.allowed[call_end + 1:]), "text after the call is free again"
+
+
+def test_a_list_of_calls_is_guarded_to_its_end(tiny_engine, smol_tokenizer):
+    """Auto mode: a list of two calls (Mistral's form) is masked call after call, each token of it
+    allowed, and gives both calls; a third name in it could only be a declared tool."""
+    tok = smol_tokenizer
+    written = ('[{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}, '
+               '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
+    runner = MaskedScriptRunner(script, len(tok))
+    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
+    markup = Markup(names=frozenset(t.name for t in tools))
+    events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["get_weather", "get_time"]
+    texts = [tok.decode(script[: i + 1]) for i in range(len(script) - 1)]
+    second = next(i for i, text in enumerate(texts) if text.endswith('{"name": "'))
+    second = next(i for i, text in enumerate(texts) if i > second and text.endswith('{"name": "'))
+    assert tok.encode("read", add_special_tokens=False)[0] not in runner.allowed[second + 1]
+    first_masked = next(i for i, allowed in enumerate(runner.allowed) if allowed is not None)
+    assert all(a is not None and script[i] in a for i, a in enumerate(runner.allowed[first_masked:-1], first_masked))
 
 
 def test_a_call_that_cannot_name_a_declared_tool_stays_free_and_ends_as_text(tiny_engine, smol_tokenizer):

@@ -102,10 +102,15 @@ class CallGuard:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], fmt: CallFormat = HERMES) -> None:
         close = re.escape(fmt.close).replace("/", "\\/")
+        blank = "BLANK: /[ \\t\\r\\n]+/\n"
+        listed = 'list: "[" BLANK? body (BLANK? "," BLANK? body)* BLANK? "]"\n' + blank  # Mistral's calls
+        fence = "END: /[ \\t\\r\\n]*```/\n"
         self.starts = {  # each form's rest of a call, up to the ``body`` rule
-            "tag": f"start: BLANK? body END\nBLANK: /[ \\t\\r\\n]+/\nEND: /[ \\t\\r\\n]*{close}/\n",
-            "fenced": "start: body END\nEND: /[ \\t\\r\\n]*```/\n",
+            "tag": f"start: BLANK? body END\n{blank}END: /[ \\t\\r\\n]*{close}/\n",
+            "fenced": f"start: body END\n{fence}",
             "bare": "start: body\n",
+            "fenced list": f"start: list END\n{fence}{listed}",
+            "bare list": f"start: list\n{listed}",
         }
         self.tools = tools
         self.tokenizer = tokenizer

@@ -64,7 +64,8 @@ BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
 LOOP_TURNS = 3  # turns in a row of one call with one result, after which that call is a loop
 NUMBERS = re.compile(r"\d+")
-BARE_START = re.compile(r'\s*(```json\s*)?(\{\s*"name")')  # held text that is a call begun without tags
+BARE_START = re.compile(r'\s*(```json\s*)?((\[\s*)?\{\s*"name")')  # held text that is a call (or a list of
+# calls) begun without tags
 BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -99,14 +100,16 @@ class Markup:
         return events
 
     def open_call(self) -> tuple[str, str] | None:
-        """The call the model is writing, if any: its form (``tag``, ``fenced`` or ``bare``) and its
-        text so far (after the opening tag; from the ``{`` of a call written without tags)."""
+        """The call the model is writing, if any: its form (``tag``, or ``bare`` or ``fenced`` with
+        `` list`` where a list of calls begins) and its text so far (after the opening tag; from the
+        ``{`` or ``[`` of calls written without tags)."""
         if self.state == "call":
             return "tag", self.body + self.held
         begun = BARE_START.match(self.bare.text) if self.bare else None
         if begun is None:
             return None
-        return "fenced" if begun.group(1) else "bare", self.bare.text[begun.start(2):]
+        form = ("fenced" if begun.group(1) else "bare") + (" list" if begun.group(3) else "")
+        return form, self.bare.text[begun.start(2):]
 
     def flush(self) -> list[Event]:
         """End of the stream: what is held back, and an unclosed call if it parses."""
