@@ -2,8 +2,10 @@
 exactly as the start that packed them; a file that does not follow the model is packed again and
 replaced; the files of weights that changed or went away are removed."""
 
+import ctypes
 import json
 import logging
+import mmap
 import os
 import time
 
@@ -83,6 +85,26 @@ def test_the_mapped_file_asks_for_huge_pages(tmp_path, lib, gguf):
     assert ("hg" in flags) == huge_pages_allowed()
 
 
+def test_matrices_packed_in_memory_ask_for_huge_pages(lib, gguf):
+    """The start that packs runs from its own copies: fresh memory asked for in 2 MB pages (transparent
+    huge pages are often given only when asked), as the mapped file is."""
+    first = runner(gguf, lib, Packer(lib))
+    for p in matrices(first):
+        flags = vm_flags(p.data.data_ptr())
+        assert flags and ("hg" in flags) == huge_pages_allowed()
+
+
+def test_the_saved_file_leaves_the_page_cache_to_be_read_anew(tmp_path, lib, gguf):
+    """Written a matrix at a time, the file's cached pages would be mostly of 4 KB, and a later start's
+    mapping would use them as they are: once saved the file is on the disk and none of it cached, so that
+    the next start's mapping reads it anew (in 2 MB pages where the kernel has them)."""
+    runner(gguf, lib, Packer.kept(lib, tmp_path, gguf, "gguf"))
+    (path,) = tmp_path.glob("*.mbpack")
+    assert os.path.getsize(path) > 100_000 and cached_pages(path) == 0
+    path.read_bytes()
+    assert cached_pages(path) > 0  # the count sees pages that are cached
+
+
 @pytest.mark.parametrize("damage", ["truncated", "another order", "empty"])
 def test_a_file_that_does_not_follow_the_model_is_packed_again_and_replaced(tmp_path, lib, gguf, caplog, damage):
     first = runner(gguf, lib, Packer.kept(lib, tmp_path, gguf, "gguf"))
@@ -159,3 +181,18 @@ def test_a_disk_nearly_full_gets_no_file(tmp_path, lib, gguf, caplog, monkeypatc
     r = runner(gguf, lib, Packer.kept(lib, tmp_path / "packed", gguf, "gguf"))
     assert "not saved" in caplog.text and not list((tmp_path / "packed").iterdir())
     assert greedy(r, random_prompts((5,)))
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages the page cache holds (mincore over a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        pages = -(-len(m) // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        view = ctypes.c_char.from_buffer(m)
+        try:
+            assert libc.mincore(ctypes.addressof(view), len(m), vector) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            del view
+        return sum(v & 1 for v in vector)

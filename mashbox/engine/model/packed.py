@@ -98,6 +98,7 @@ class Packer:
             try:
                 with os.fdopen(fd, "wb") as f:
                     _write(f, self._made, self.source)
+                    _let_go(f)
                 os.replace(tmp, self.path)
             finally:
                 Path(tmp).unlink(missing_ok=True)
@@ -123,6 +124,17 @@ def _write(f, made: list[quant.Blocks], source: Path) -> None:
     at = f.tell()
     f.write(json.dumps({"source": str(source), "matrices": entries}).encode())
     f.write(TAIL.pack(at, MAGIC))
+
+
+def _let_go(f) -> None:
+    """Put the written file on the disk and out of the page cache. Written a matrix at a time, its cached
+    pages are mostly of 4 KB (a 2 MB page needs one write to fill it), and a later start's mapping would
+    use them as they are: read anew, the mapping brings the file in 2 MB pages (qwen2.5-coder-0.5b's layers
+    at one row: 14.1 -> 12.3 ms a step, fewer misses of the TLB)."""
+    f.flush()
+    os.fsync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _index(path: Path) -> tuple[list[list[int]], torch.Tensor | None]:

@@ -11,7 +11,9 @@ numpy code): the embedding's rows for a step, or whole matrices where a device o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,9 +87,20 @@ def pack(blocks: Blocks, lib: ctypes.CDLL) -> Blocks:
     size = packed_bytes(blocks, lib)
     if not size:
         return blocks
-    out = torch.empty(size, dtype=torch.uint8)
+    out = _huge(size)
     lib.mb_pack(blocks.data.data_ptr(), blocks.fmt, blocks.rows, blocks.k, out.data_ptr())
     return as_packed(blocks, out, lib)
+
+
+def _huge(size: int) -> torch.Tensor:
+    """``size`` bytes of fresh memory in 2 MB pages where the kernel gives them (Linux's transparent huge
+    pages, asked for: often only given when asked): a decode step reading the weights misses the TLB less
+    (qwen2.5-coder-0.5b's layers at one row, the start that packs them: 13.8 -> 12 ms a step)."""
+    pages = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without them
+            pages.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8)  # which keeps the mapping
 
 
 def packed_bytes(blocks: Blocks, lib: ctypes.CDLL) -> int:
