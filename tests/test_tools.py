@@ -244,6 +244,22 @@ def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, sm
     assert all(a is None for a in runner.allowed[call_end + 1:]), "text after the call is free again"
 
 
+def test_a_call_begun_with_llama_3s_parameters_key_is_guarded_as_written(tiny_engine, smol_tokenizer):
+    """Llama 3's templates ask for {"name": ..., "parameters": ...}: the guard lets the model write that key
+    (each token of the call allowed), and the call comes out with its arguments."""
+    tok = smol_tokenizer
+    written = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
+    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
+    runner = MaskedScriptRunner(script, len(tok))
+    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
+    markup = Markup(names=frozenset(t.name for t in tools))
+    events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [e.name for e in starts] == ["get_weather"]
+    first_masked = next(i for i, allowed in enumerate(runner.allowed) if allowed is not None)
+    assert all(a is not None and script[i] in a for i, a in enumerate(runner.allowed[first_masked:-1], first_masked))
+
+
 def test_a_list_of_calls_is_guarded_to_its_end(tiny_engine, smol_tokenizer):
     """Auto mode: a list of two calls (Mistral's form) is masked call after call, each token of it
     allowed, and gives both calls; a third name in it could only be a declared tool."""

@@ -29,21 +29,23 @@ from mashbox.errors import InvalidRequestError
 STRICT_JSON = {"whitespace_flexible": False}
 TOOL_JSON = {**STRICT_JSON, "lenient": True}  # keywords llguidance lacks (propertyNames) ignored in tool schemas
 FLEXIBLE_JSON = {**TOOL_JSON, "whitespace_flexible": True}  # a call the model began, as it lays it out
+KEYS = ("arguments", "parameters")  # where a call the model began holds its arguments (Llama 3's: parameters)
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
+def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
     parameters = tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, key: parameters},
+        "required": ["name", key],
         "additionalProperties": False,
     }
 
 
-def calls_body(tools: Iterable[Tool], guidance: dict[str, Any]) -> str:
-    """The grammar rule ``body``: one call to any of ``tools`` as JSON, read with ``guidance``."""
-    schemas = [call_schema(t) for t in tools]
+def calls_body(tools: Iterable[Tool], guidance: dict[str, Any], keys: tuple[str, ...] = ("arguments",)) -> str:
+    """The grammar rule ``body``: one call to any of ``tools`` as JSON, its arguments under one of ``keys``,
+    read with ``guidance``."""
+    schemas = [call_schema(t, key) for t in tools for key in keys]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     return f"body: %json {json.dumps({**schema, 'x-guidance': guidance})}\n"
 
@@ -133,7 +135,7 @@ class CallGuard:
         if at < 0:
             return None
         try:
-            constraint = Constraint(self.tokenizer, self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON))
+            constraint = Constraint(self.tokenizer, self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON, KEYS))
         except InvalidRequestError:  # a schema llguidance cannot enforce: the call stays free
             return None
         ids = self.tokenizer.tokenize_bytes(written[at:])
