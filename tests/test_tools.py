@@ -342,34 +342,15 @@ def test_a_call_made_and_answered_alike_three_turns_running_is_a_loop():
     assert looping_call((*_turns("walrus", "walrus"), *_turns("walrus", call=other)[1:])) is None
 
 
-def test_after_a_looping_call_the_answer_is_text_in_auto_mode_only(tiny_engine, smol_tokenizer):
-    """After three identical reads with identical results the answer is text (the result is in the
-    prompt): no call is parsed, and it cannot begin one, nor be empty (agents got an empty answer and
-    stopped, before); two such turns are not yet a loop; with tool_choice required the grammar still rules."""
+def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_tokenizer):
+    """The fourth identical read after three identical results ends the answer with no call (the
+    agent gets an empty answer and stops); with tool_choice required the grammar still rules."""
     tools = (Tool("read", "", {"type": "object", "properties": {"path": {"type": "string"}}}),)
-    looping = tiny_engine._job(EngineRequest(messages=_turns("walrus", "walrus", "walrus"), tools=tools))
-    assert looping.markup.calls is None and looping.guard is None
-    row = torch.zeros(len(smol_tokenizer))
-    looping.seq.constraint.mask(row)
-    first = {smol_tokenizer.decode([i]) for i in (row == 0).nonzero().flatten().tolist()}
-    assert "The" in first and not any(t[0] in "{[` \t\r\n" for t in first if t)
-    assert smol_tokenizer.eos_token_id not in (row == 0).nonzero().flatten().tolist(), "not empty"
-    fresh = tiny_engine._job(EngineRequest(messages=_turns("walrus", "walrus"), tools=tools))
-    assert fresh.markup.calls is not None and fresh.seq.constraint is None
-    required = tiny_engine._job(EngineRequest(messages=_turns("walrus", "walrus", "walrus"), tools=tools,
-                                              tool_choice="required"))
-    assert required.markup.calls is not None and not required.markup.made
-
-
-def test_a_looping_conversation_gets_a_text_answer(tiny_engine):
-    """Through Chat Completions: the fourth turn after three identical calls and results is text."""
-    call = {"id": "c", "type": "function", "function": {"name": "read", "arguments": '{"path": "secret.txt"}'}}
-    messages = [{"role": "user", "content": "What is the secret word?"}]
-    for _ in range(3):
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": "c", "content": "walrus"}]
-    tool = {"type": "function", "function": {"name": "read", "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}}}}
-    answer = tiny_engine.chat(messages=messages, tools=[tool], max_tokens=8, temperature=0).choices[0]
-    assert answer.message.tool_calls in (None, []) and answer.message.content
-    assert answer.message.content[0] not in "{[` \t\r\n"
+    looping = EngineRequest(messages=_turns("walrus", "walrus", "walrus"), tools=tools)
+    markup = tiny_engine._job(looping).markup
+    call = '<tool_call>\n{"name": "read", "arguments": {"path": "secret.txt"}}\n</tool_call>'
+    assert markup.push(call) + markup.flush() == [] and markup.repeated
+    fresh = tiny_engine._job(EngineRequest(messages=_turns("walrus", "walrus"), tools=tools)).markup
+    assert [type(e) for e in fresh.push(call) + fresh.flush()] == [ToolCallStart, ToolCallDelta, ToolCallEnd]
+    required = tiny_engine._job(EngineRequest(messages=looping.messages, tools=tools, tool_choice="required"))
+    assert not required.markup.made

@@ -153,26 +153,23 @@ class Runtime:
             seq.drafts = Drafts([*ids, *predicted])  # the latest occurrence wins: a prediction over the prompt
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
-        think = self.template.knows_thinking and request.enable_thinking is not False
-        auto = bool(request.tools) and request.tool_choice == "auto"
-        loop = looping_call(request.messages) if auto else None
-        if loop and not think:  # the call again would loop: this answer is text (the result is in the prompt)
-            seq.constraint = self.grammars.text_only()
-            return Job(seq, Markup(calls=None), self._budget(request))
         seq.constraint = self.grammars.for_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
         seq.constraint = seq.constraint or self.grammars.for_schema(request.response_schema)
         guard = None
-        if auto and seq.constraint is None and self.config.constrain_calls:
+        if request.tools and request.tool_choice == "auto" and seq.constraint is None and self.config.constrain_calls:
             guard = self.grammars.guard(request.tools)
-        return Job(seq, self._markup(request, ids, think, loop), self._budget(request), guard)
+        return Job(seq, self._markup(request, ids), self._budget(request), guard)
 
-    def _markup(self, request: EngineRequest, ids: list[int], think: bool, loop: tuple[str, str] | None) -> Markup:
+    def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
         calls = HERMES if request.tools and request.tool_choice != "none" else None
+        think = self.template.knows_thinking and request.enable_thinking is not False
         in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
         names = frozenset(t.name for t in request.tools) if calls else frozenset()
         forced = calls is not None and request.tool_choice != "auto"  # the grammar writes only calls
+        loop = looping_call(request.messages) if calls and request.tool_choice == "auto" else None
+        made = frozenset([loop] if loop else [])
         return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced,
-                      made=frozenset([loop] if loop else []))
+                      made=made)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:

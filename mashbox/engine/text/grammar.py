@@ -86,12 +86,6 @@ class Grammars:
         """Auto mode's guard of the calls the model begins (see ``CallGuard``)."""
         return CallGuard(self.tokenizer, tools)
 
-    def text_only(self) -> Constraint:
-        """The constraint of an answer that is text and begins no call: not empty, its first character
-        none that starts a call the markup reads (``{``, ``[``, a fence), the call tags' special tokens
-        never (llguidance allows no special token a grammar does not name)."""
-        return Constraint(self.tokenizer, "start: TEXT\nTEXT: /[^{\\[`\\s][\\s\\S]*/\n")
-
     def for_schema(self, schema: dict[str, Any] | None) -> Constraint | None:
         """The constraint of an answer that is one JSON value valid under ``schema``."""
         if schema is None:
