@@ -251,9 +251,14 @@ def test_a_thinking_budget_ends_thinking_where_it_would_without_speculation(tiny
     runs = {}
     for on in (False, True):
         with Engine(str(path), ctx=512, slots=2, quiet=True, speculation=on) as engine:
-            events = [e for e in engine.stream(request) if isinstance(e, (ReasoningDelta, TextDelta, Finish))]
-            usage = events[-1].usage
-            runs[on] = [(type(e).__name__, e.text) for e in events[:-1]], (usage.completion_tokens, usage.reasoning_tokens)
+            for _ in range(3 if on else 1):  # proposals wait until the steps' times say they pay: a busy
+                # machine's first steps can say otherwise for a whole short answer
+                events = [e for e in engine.stream(request) if isinstance(e, (ReasoningDelta, TextDelta, Finish))]
+                usage = events[-1].usage
+                runs[on] = ([(type(e).__name__, e.text) for e in events[:-1]],
+                            (usage.completion_tokens, usage.reasoning_tokens))
+                assert runs[on] == runs[False]
+                if engine.stats().draft_tokens:
+                    break
             drafted = engine.stats().draft_tokens
-    assert runs[True] == runs[False]
-    assert drafted > 0  # proposals were made (the tiny model repeats itself)
+    assert drafted > 0  # proposals were made (the tiny model repeats itself), and taken back where forced
