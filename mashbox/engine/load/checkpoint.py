@@ -152,7 +152,7 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
         num_layers=config["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        head_dim=_head_dim(config),
         eps=config.get("rms_norm_eps", 1e-6),
         scale_dim=config.get("query_pre_attn_scalar") or 0,
         attn_scale=config.get("attention_multiplier") or 0.0,
@@ -182,7 +182,13 @@ def _layer_types(config: dict[str, Any], model_type: str) -> list[str]:
     if model_type == "phi3":
         return ["sliding_attention"] * layers
     every = config.get("sliding_window_pattern") or GEMMA_PATTERNS.get(model_type)
-    return [("sliding_attention" if (i + 1) % every else "full_attention") for i in range(layers)] if every else []
+    return ["sliding_attention" if s else "full_attention" for s in sliding(layers, every)] if every else []
+
+
+def sliding(layers: int, every: int) -> list[bool]:
+    """Whether each layer attends to a window where every ``every``-th one attends to all positions (0:
+    none does)."""
+    return [every == 0 or (i + 1) % every != 0 for i in range(layers)]
 
 
 def _rope(path: Path, config: dict[str, Any], device: torch.device,
@@ -196,7 +202,7 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device,
     kind = _kind(params)
     if kind == "default":
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        dim = _head_dim(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         return rotary(theta, int(dim * partial)).to(device), 1.0, None
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -213,8 +219,11 @@ def _local_rope(config: dict[str, Any], device: torch.device) -> torch.Tensor | 
     """The sliding-window layers' rotary where a config written before ``rope_parameters`` names its
     base (Gemma 3's ``rope_local_base_freq``); None: theirs is the global one."""
     base = config.get("rope_local_base_freq")
-    return rotary(base, config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]).to(
-        device) if base else None
+    return rotary(base, _head_dim(config)).to(device) if base else None
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 def _kind(params: dict[str, Any]) -> str:

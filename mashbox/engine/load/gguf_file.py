@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mashbox.engine.load.checkpoint import GEMMA_PATTERNS, SUPPORTED, Checkpoint, Spec, Tensors, rotary
+from mashbox.engine.load.checkpoint import GEMMA_PATTERNS, SUPPORTED, Checkpoint, Spec, Tensors, rotary, sliding
 from mashbox.engine.model import quant
 from mashbox.errors import ModelLoadError
 
@@ -265,9 +265,8 @@ def _windows(meta, arch: str, layers: int) -> tuple[int, ...]:
     n-th layer global, 0: all sliding), else the family's n."""
     window = int(meta("attention.sliding_window", GEMMA2_WINDOW if arch == "gemma2" else 0))
     pattern = meta("attention.sliding_window_pattern", GEMMA_PATTERNS[arch])
-    every = 0 if isinstance(pattern, list) else int(pattern)
-    sliding = pattern if isinstance(pattern, list) else [every == 0 or i % every < every - 1 for i in range(layers)]
-    return tuple(window if s else 0 for s in sliding) if window else ()
+    kinds = pattern if isinstance(pattern, list) else sliding(layers, int(pattern))
+    return tuple(window if s else 0 for s in kinds) if window else ()
 
 
 def _tensors(gguf: GGUFFile, arch: str, spec: Spec) -> tuple[dict[str, torch.Tensor], dict[str, quant.Blocks]]:
