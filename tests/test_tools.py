@@ -1,6 +1,7 @@
 """Tool calls and thinking through the Engine on the tiny random model:
 constrained decoding makes even random weights produce valid calls."""
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,9 @@ from mashbox.engine.events import Finish, ToolCallDelta, ToolCallEnd, ToolCallSt
 from mashbox.engine.request import ToolCall
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
+from mashbox.engine.text.grammar import Grammars
 from mashbox.engine.text.markup import Markup, looping_call
+from mashbox.engine.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -148,6 +151,34 @@ def test_required_lets_the_model_end_after_any_call_and_one_call_only_without_pa
         constraint.mask(row)
         assert set((row == 0).nonzero().flatten().tolist()) == expected
 
+
+
+def test_calls_whose_tags_are_single_tokens_are_followed_to_their_end(smol_tokenizer):
+    """Where the vocabulary holds ``<tool_call>`` and ``</tool_call>`` as tokens of their own (Qwen's),
+    which llguidance takes for special tokens, a forced call and a guarded one accept them and end: the
+    grammar once matched the tags as text only, so the model's own tag token broke the constraint and a
+    forced call came out as an empty answer (qwen2.5-coder-0.5b, tool_choice required)."""
+    hf = copy.deepcopy(smol_tokenizer)
+    hf.add_tokens(["<tool_call>", "</tool_call>"])
+    tok = Tokenizer.of(hf)
+    grammars = Grammars(tok, [tok.eos_token_id])
+    tool = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}})
+    body = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+    ids = tok.encode(f"<tool_call>\n{body}\n</tool_call>", add_special_tokens=False)
+    assert ids[0] == tok.backend_tokenizer.token_to_id("<tool_call>") and len(ids) > 3
+
+    def follow(constraint, tokens):
+        for token in tokens:
+            row = torch.zeros(len(tok))
+            constraint.mask(row)
+            assert row[token] == 0, f"{tok.decode([token])!r} refused"
+            constraint.accept(token)
+        assert not constraint.matcher.is_error(), constraint.matcher.get_error()
+        return constraint
+
+    assert follow(grammars.for_tools((tool,), "required", False), ids).matcher.is_accepting()
+    guard = grammars.guard((tool,)).follow(("tag", tok.decode(ids[1:3])), ids[:3])  # the call begun: tag, 2 tokens
+    assert follow(guard, ids[3:]).matcher.is_accepting()
 
 class ScriptedRunner:
     """Stands in for the model: each sampled token is the next of ``script``."""

@@ -13,7 +13,6 @@ valid under that tool's schema. Works on CPU and GPU.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,11 +49,18 @@ def calls_body(tools: Iterable[Tool], guidance: dict[str, Any], keys: tuple[str,
     return f"body: %json {json.dumps({**schema, 'x-guidance': guidance})}\n"
 
 
-def tool_grammar(tools: Iterable[Tool], many: bool, fmt: CallFormat = HERMES) -> str:
-    """A Lark grammar (llguidance dialect) for one call, or one or more calls."""
+def tool_grammar(tools: Iterable[Tool], many: bool, tags: tuple[str, str]) -> str:
+    """A Lark grammar (llguidance dialect) for one call, or one or more calls, between ``tags`` (open
+    and close, as ``tag`` writes them)."""
     start = 'start: call ("\\n" call)*' if many else "start: call"
-    call = f"call: {json.dumps(fmt.open + chr(10))} body {json.dumps(chr(10) + fmt.close)}\n"
+    call = f'call: {tags[0]} "\\n" body "\\n" {tags[1]}\n'
     return f"{start}\n{call}{calls_body(tools, TOOL_JSON)}"
+
+
+def tag(text: str, token: int | None) -> str:
+    """``text`` as a grammar matches it: as text, or as the one token the tokenizer has for it (Qwen's
+    ``<tool_call>``), which llguidance matches by its id alone since it holds it for a special token."""
+    return json.dumps(text) if token is None else f"({json.dumps(text)} | <[{token}]>)"
 
 
 class Grammars:
@@ -80,11 +86,16 @@ class Grammars:
             tools = tuple(t for t in tools if t.name == choice)
             if not tools:
                 raise InvalidRequestError("tool_choice", f"names a tool that is not in tools: {choice!r}")
-        return Constraint(self.tokenizer, tool_grammar(tools, many=choice == "required" and parallel))
+        return Constraint(self.tokenizer, tool_grammar(tools, choice == "required" and parallel, self.tags()))
 
     def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
         """Auto mode's guard of the calls the model begins (see ``CallGuard``)."""
-        return CallGuard(self.tokenizer, tools)
+        return CallGuard(self.tokenizer, tools, self.tags()[1])
+
+    def tags(self, fmt: CallFormat = HERMES) -> tuple[str, str]:
+        """The open and close tags of ``fmt``'s calls in a grammar (see ``tag``)."""
+        vocab = self._source.backend_tokenizer
+        return tag(fmt.open, vocab.token_to_id(fmt.open)), tag(fmt.close, vocab.token_to_id(fmt.close))
 
     def for_schema(self, schema: dict[str, Any] | None) -> Constraint | None:
         """The constraint of an answer that is one JSON value valid under ``schema``."""
@@ -102,13 +113,12 @@ class CallGuard:
     character, and drops it once the markup has the call (or gives up on a call whose start no
     declared tool fits: that one stays free, and ends as text)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], fmt: CallFormat = HERMES) -> None:
-        close = re.escape(fmt.close).replace("/", "\\/")
+    def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], close: str) -> None:
         blank = "BLANK: /[ \\t\\r\\n]+/\n"
         listed = 'list: "[" BLANK? body (BLANK? "," BLANK? body)* BLANK? "]"\n' + blank  # Mistral's calls
         fence = "END: /[ \\t\\r\\n]*```/\n"
         self.starts = {  # each form's rest of a call, up to the ``body`` rule
-            "tag": f"start: BLANK? body END\n{blank}END: /[ \\t\\r\\n]*{close}/\n",
+            "tag": f"start: BLANK? body BLANK? {close}\n{blank}",
             "fenced": f"start: body END\n{fence}",
             "bare": "start: body\n",
             "fenced list": f"start: list END\n{fence}{listed}",
