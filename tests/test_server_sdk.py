@@ -7,6 +7,8 @@ import openai
 import pytest
 from server import OpenResponses
 
+from mashbox.engine.request import Message
+
 USER = [{"role": "user", "content": "Name three planets."}]
 
 
@@ -76,6 +78,24 @@ def test_messages_stream(claude):
     assert text and final.content[0].text == text
     assert final.usage.output_tokens == 8
 
+
+
+def test_messages_continue_a_prefilled_answer(claude, oai, smol_engine):
+    """A conversation that ends with an assistant message of text is continued from that text
+    (Anthropic's prefill): the answer is what a plain completion of the prompt up to the prefill
+    writes next, not a new turn that says the prefill again."""
+    prefill = "The capital of France is"
+    ask = [{"role": "user", "content": "Tell me the capital of France."}, {"role": "assistant", "content": prefill}]
+    message = claude.messages.create(model="x", max_tokens=8, messages=ask)
+    prompt = smol_engine.template.render((Message("user", ask[0]["content"]), Message("assistant", prefill)),
+                                         continue_final=True)
+    assert prompt.endswith("assistant\n" + prefill)
+    plain = oai.completions.create(model=smol_engine.model_id, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    assert message.content[0].text == plain and not plain.lstrip().startswith(prefill)
+    counted = claude.messages.count_tokens(model="x", messages=ask).input_tokens
+    assert counted == len(smol_engine.tokenizer.encode(prompt, add_special_tokens=False))
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude.messages.create(model="x", max_tokens=8, messages=[ask[0], {"role": "assistant", "content": prefill + " "}])
 
 def test_count_tokens_and_models(claude, smol_server):
     assert claude.messages.count_tokens(model="x", messages=USER).input_tokens > 5

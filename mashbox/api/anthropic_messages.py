@@ -53,6 +53,7 @@ from mashbox.api.base import (
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.engine.events import Event, Finish
 from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
+from mashbox.errors import InvalidRequestError
 
 __all__ = [
     "AnthropicMessage",
@@ -187,8 +188,10 @@ class MessagesRequest(CountTokensRequest, SamplingFields):
 
 def to_engine(req: CountTokensRequest) -> EngineRequest:
     thinking = req.thinking
+    messages = (*_system(req.system), *(m for msg in req.messages for m in _messages(msg)))
     return engine_request(
-        messages=(*_system(req.system), *(m for msg in req.messages for m in _messages(msg))),
+        messages=messages,
+        continue_final=_prefilled(messages[-1]),
         sampling=req.sampling() if isinstance(req, SamplingFields) else SamplingParams(),
         tools=tuple(
             Tool(t.name, t.description or "", t.input_schema or {}) for t in req.tools or () if t.usable()
@@ -198,6 +201,16 @@ def to_engine(req: CountTokensRequest) -> EngineRequest:
         enable_thinking=thinking.enabled() if thinking is not None else None,
         thinking_budget=thinking.budget_tokens if thinking is not None and thinking.enabled() else None,
     )
+
+
+def _prefilled(final: Message) -> bool:
+    """Whether the conversation ends with the start of the answer (an assistant message of text, which
+    the answer continues), as Anthropic's prefill: without trailing whitespace, as Anthropic requires."""
+    if final.role != "assistant" or final.tool_calls or not final.content:
+        return False
+    if final.content != final.content.rstrip():
+        raise InvalidRequestError("messages", "final assistant content cannot end with trailing whitespace")
+    return True
 
 
 def _system(system: str | list[TextBlock] | None) -> tuple[Message, ...]:

@@ -105,6 +105,7 @@ class EngineRequest:
     session: str | None = None  # the client's session (an agent's): its conversation's prefix is kept warm
     response_schema: dict[str, Any] | None = None  # the answer is JSON valid under this schema (no tool calls)
     prediction: str | None = None  # text the answer should resemble: a source of proposals (speed only)
+    continue_final: bool = False  # the answer continues the last (assistant) message's text: a prefill
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:

@@ -113,9 +113,12 @@ class Runtime:
                 tokens=floor, ctx=self.ctx)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        return self.tokenizer.encode(self._rendered(request), add_special_tokens=False)
+
+    def _rendered(self, request: EngineRequest) -> str:
+        """A chat request's prompt text, after the chat template."""
         tools = request.tools if request.tool_choice != "none" else ()
-        text = self.template.render(request.messages, tools, request.enable_thinking)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.template.render(request.messages, tools, request.enable_thinking, request.continue_final)
 
     def stream(self, request: EngineRequest) -> Iterator[Event]:
         """Submit ``request``; iterate its events: ``Queued`` at once, ``Started`` once it has a slot,
@@ -182,10 +185,9 @@ class Runtime:
         the conversation that token lies in."""
         if not isinstance(event, Started) or event.differs is None or request.messages is None:
             return event
-        tools = request.tools if request.tool_choice != "none" else ()
-        rendered = self.template.render(request.messages, tools, request.enable_thinking)
         at = len(self.tokenizer.decode(ids[: event.differs]))
-        return replace(event, part=part_at(rendered, at, request.messages, tools))
+        tools = request.tools if request.tool_choice != "none" else ()
+        return replace(event, part=part_at(self._rendered(request), at, request.messages, tools))
 
     def _events(self, job: Job, request: EngineRequest) -> Iterator[Event]:
         channel = self._core.submit(*job)

@@ -64,8 +64,16 @@ class ChatTemplate:
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
         self.verbatim = verbatim
 
-    def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None) -> str:
-        kwargs: dict[str, Any] = {**self.specials, "tools": None, "documents": None, "add_generation_prompt": True}
+    def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None,
+               continue_final: bool = False) -> str:
+        """The prompt: ``messages`` and ``tools`` through the template, ending where the answer begins (a
+        new assistant turn; with ``continue_final``, right after the last message's text)."""
+        rendered = self._rendered(messages, tools, enable_thinking, not continue_final)
+        return _continued(rendered, messages[-1]) if continue_final else rendered
+
+    def _rendered(self, messages: tuple[Message, ...], tools: tuple[Tool, ...], enable_thinking: bool | None,
+                  new_turn: bool) -> str:
+        kwargs: dict[str, Any] = {**self.specials, "tools": None, "documents": None, "add_generation_prompt": new_turn}
         if tools and self.knows_tools:
             kwargs["tools"] = [_tool(t) for t in tools]
         if enable_thinking is not None:
@@ -123,6 +131,17 @@ class ChatTemplate:
         if m.role == "tool" and not self.knows_tools:
             turn["content"] = f"<tool_response>\n{m.content}\n</tool_response>"
         return turn
+
+
+def _continued(rendered: str, final: Message) -> str:
+    """``rendered`` cut right after the text of ``final``, the last message (the template's own end of
+    that turn dropped), so that the answer goes on from it."""
+    text = final.content.strip()
+    at = rendered.rfind(text) if final.role == "assistant" and text else -1
+    if at < 0:
+        raise InvalidRequestError("messages", "the last message cannot be continued: it is not an assistant "
+                                  "message whose text the chat template shows")
+    return rendered[: at + len(text)]
 
 
 def turn_ends(tokenizer: Tokenizer) -> set[int]:
