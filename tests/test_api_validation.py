@@ -130,6 +130,14 @@ def test_accepted_edge_values(route, change):
     parse(model_cls, {**body, **change})
 
 
+
+@pytest.mark.parametrize("route", ["chat", "completions", "messages", "responses"])
+def test_stream_null_is_an_answer_not_streamed(route):
+    """``"stream": null`` (OpenAI's schema has it nullable; proxies send explicit nulls) is false."""
+    model_cls, body = BASE[route]
+    assert parse(model_cls, {**body, "stream": None}).stream is False
+    assert parse(model_cls, {**body, "stream": True}).stream is True
+
 def test_unsupported_part_message_says_why():
     with pytest.raises(InvalidRequestError, match="text-only model"):
         parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})

@@ -44,6 +44,7 @@ from mashbox.api.base import (
     Part,
     RequestModel,
     SamplingFields,
+    Stream,
     UnsupportedPart,
     engine_request,
     json_object,
@@ -176,7 +177,7 @@ class MessagesRequest(CountTokensRequest, SamplingFields):
 
     accepted_ignored = ("metadata",)
 
-    stream: bool = False
+    stream: Stream = False
     prompt_cache_key: str | None = None
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -90,6 +91,7 @@ class UnsupportedPart(Part):
 Temperature = Annotated[float, Field(ge=0, le=4, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
+Stream = Annotated[bool, BeforeValidator(lambda v: False if v is None else v)]  # null: not streamed, as OpenAI's
 
 
 class SamplingFields(BaseModel):

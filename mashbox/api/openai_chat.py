@@ -12,11 +12,12 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from mashbox.api.base import (
-    ErrorBody,
     STRUCTURED,
+    ErrorBody,
     Part,
     RequestModel,
     SamplingFields,
+    Stream,
     UnsupportedPart,
     engine_request,
     new_id,
@@ -135,7 +136,7 @@ class ChatRequest(RequestModel, SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    stream: bool = False
+    stream: Stream = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None

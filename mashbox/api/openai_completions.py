@@ -14,9 +14,10 @@ from pydantic import field_validator
 from mashbox.api.base import (
     ErrorBody,
     OutModel,
-    at_a_glance,
     RequestModel,
     SamplingFields,
+    Stream,
+    at_a_glance,
     engine_request,
     new_id,
     now,
@@ -32,7 +33,7 @@ class CompletionRequest(RequestModel, SamplingFields):
 
     model: str | None = None
     prompt: str | list[str]
-    stream: bool = False
+    stream: Stream = False
     merge: bool | None = None
     prompt_cache_key: str | None = None
     logprobs: int | None = None

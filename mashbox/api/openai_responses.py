@@ -28,6 +28,7 @@ from mashbox.api.base import (
     Part,
     RequestModel,
     SamplingFields,
+    Stream,
     engine_request,
     json_object,
     new_id,
@@ -115,7 +116,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
-    stream: bool = False
+    stream: Stream = False
     prompt_cache_key: str | None = None
     store: bool | None = None
     client_metadata: dict[str, Any] | None = None
