@@ -286,6 +286,24 @@ def test_metrics(http):
     assert any('protocol="chat"' in line and 'finished_reason="length"' in line for line in finished)
 
 
+
+def test_metrics_count_answers_not_bad_requests(http):
+    """A request the engine refuses (an empty prompt, one over the context, an unknown tool to force) is
+    a 400, not a request answered: no finish reason counts it (it once counted as an abort)."""
+    def finished() -> float:
+        lines = http.get("/metrics").text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("mashbox:request_finished_total{"))
+
+    before = finished()
+    for body in ({"prompt": "", "max_tokens": 5}, {"prompt": "word " * 40000, "max_tokens": 5}):
+        assert http.post("/v1/completions", json=body).status_code == 400
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    forced = {**CHAT, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}}
+    assert http.post("/v1/chat/completions", json=forced).status_code == 400
+    assert finished() == before
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert finished() == before + 1
+
 def test_openapi_is_valid_3_1_and_names_the_model(http, tiny_server):
     doc = http.get("/openapi.json").json()
     validate(doc)

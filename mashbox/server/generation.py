@@ -29,7 +29,7 @@ from mashbox.api.base import RequestModel
 from mashbox.api.protocols import Protocol, prepare
 from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.request import EngineRequest
-from mashbox.errors import ContextLengthError
+from mashbox.errors import ContextLengthError, InvalidRequestError
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
@@ -134,6 +134,7 @@ class Run:
         self._pending: asyncio.Future[Event] | None = None  # a stream's next event, asked for before it began
         self._events: AsyncIterator[Event] | None = None
         self._closed = False
+        self._refused = False  # a bad request, answered 400: not counted among the requests answered
         log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session, tag.tenant)
 
     async def whole(self, receive: Receive) -> dict[str, Any] | None:
@@ -250,8 +251,10 @@ class Run:
         self._events = self._ctx.backend.astream(self._engine)
         try:
             return await self._next()
-        except ContextLengthError as err:  # named as the protocol names the conversation (Responses: input)
-            err.param = self._protocol.turns or err.param
+        except InvalidRequestError as err:
+            self._refused = True
+            if isinstance(err, ContextLengthError):  # named as the protocol names the conversation (Responses: input)
+                err.param = self._protocol.turns or err.param
             raise
 
     async def _next(self) -> Event:
@@ -299,6 +302,8 @@ class Run:
 
     def _record(self) -> None:
         finish, e2e = self._finish, time.monotonic() - self._t0
+        if self._refused:
+            return
         if finish is None:
             log.info("%s stopped before it finished, after %.2f s", self._tag.request_id, e2e)
             self._ctx.metrics.request_finished(self._protocol.name, "abort", None, self._ttft, e2e)
