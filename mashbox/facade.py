@@ -37,7 +37,7 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS, counting, prepare
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.events import Event, Finish
+from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import GenerationError, InvalidRequestError, MashboxError
@@ -203,8 +203,10 @@ def _check(method: str, event: Event) -> None:
 
 
 def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
-    yield from translator.start()
     try:
+        first = next(events)  # Queued: the prompt's length, before any output
+        yield from translator.start(_prompt(first))
+        yield from translator.feed(first)
         for event in events:
             yield from translator.feed(event)
     finally:
@@ -212,14 +214,19 @@ def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
 
 
 async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIterator[Any]:
-    for item in translator.start():
-        yield item
     try:
+        first = await anext(events)
+        for item in [*translator.start(_prompt(first)), *translator.feed(first)]:
+            yield item
         async for event in events:
             for item in translator.feed(event):
                 yield item
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def _prompt(first: Event) -> Usage | None:
+    return Usage(first.prompt_tokens, 0) if isinstance(first, Queued) else None
 
 
 def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Any:

@@ -71,12 +71,18 @@ def test_messages(claude):
     assert message.model == "local-model"
 
 
-def test_messages_stream(claude):
+def test_messages_stream(claude, smol_engine):
     with claude.messages.stream(model="local-model", max_tokens=8, messages=USER) as stream:
-        text = "".join(stream.text_stream)
+        events = list(stream)
         final = stream.get_final_message()
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
     assert text and final.content[0].text == text
     assert final.usage.output_tokens == 8
+    start = events[0].message.usage  # message_start tells the prompt's tokens, as Anthropic's does
+    prompt = claude.messages.count_tokens(model="x", messages=USER).input_tokens
+    assert start.input_tokens + (start.cache_read_input_tokens or 0) == prompt > 0
+    (start,) = [e for e in smol_engine.message(messages=USER, max_tokens=2, stream=True) if e.type == "message_start"]
+    assert start.message.usage.input_tokens == prompt
 
 
 

@@ -52,7 +52,7 @@ from mashbox.api.base import (
     prefixed,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
-from mashbox.engine.events import Event, Finish
+from mashbox.engine.events import Event, Finish, Usage
 from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
 from mashbox.errors import InvalidRequestError
 
@@ -288,8 +288,10 @@ class Translator:
         self._id = new_id("msg_")
         self._blocks = BlockTracker()
 
-    def start(self) -> list[StreamEvent]:
-        message = self._message([], None, None, MessageUsage(input_tokens=0, output_tokens=0))
+    def start(self, prompt: Usage | None = None) -> list[StreamEvent]:
+        """``message_start`` (with the prompt's tokens, where known, as Anthropic's has them) and a ping."""
+        usage = MessageUsage.of(prompt) if prompt else MessageUsage(input_tokens=0, output_tokens=0)
+        message = self._message([], None, None, usage)
         return [MessageStart(message=message), Ping()]
 
     def feed(self, event: Event) -> list[StreamEvent]:

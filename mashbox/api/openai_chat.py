@@ -40,7 +40,7 @@ from mashbox.api.chat_output import (
     ToolCallDeltaOut,
     ToolCallOut,
 )
-from mashbox.engine.events import Event, Finish
+from mashbox.engine.events import Event, Finish, Usage
 from mashbox.engine.request import EngineRequest, Message, Role, Tool, ToolCall
 from mashbox.errors import InvalidRequestError
 
@@ -235,7 +235,7 @@ class Translator:
         self._created = now()
         self._blocks = BlockTracker()
 
-    def start(self) -> list[ChatCompletionChunk]:
+    def start(self, prompt: Usage | None = None) -> list[ChatCompletionChunk]:
         return [self._chunk(ChunkDelta(role="assistant", content=""))]
 
     def feed(self, event: Event) -> list[ChatCompletionChunk]:

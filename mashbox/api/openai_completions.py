@@ -110,7 +110,7 @@ class Translator:
         self._fingerprint = None if request.seed is None else f"seed-{request.seed}"
         self._blocks = BlockTracker()
 
-    def start(self) -> list[Completion]:
+    def start(self, prompt: Usage | None = None) -> list[Completion]:
         return []
 
     def feed(self, event: Event) -> list[Completion]:

@@ -77,7 +77,7 @@ from mashbox.api.responses_tools import (
     engine_tool_choice,
     skipped,
 )
-from mashbox.engine.events import Event
+from mashbox.engine.events import Event, Usage
 from mashbox.engine.request import EngineRequest, Message
 from mashbox.errors import InvalidRequestError
 
@@ -212,7 +212,7 @@ class Translator:
         self._output: dict[int, Any] = {}
         self._blocks = BlockTracker()
 
-    def start(self) -> list[EventBase]:
+    def start(self, prompt: Usage | None = None) -> list[EventBase]:
         return [self._life("response.created"), self._life("response.in_progress")]
 
     def feed(self, event: Event) -> list[EventBase]:
