@@ -71,7 +71,7 @@ def test_more_messages_than_the_context_has_tokens_are_refused_unread(http, rout
     assert 200_000 > ctx
     message = error_message(route, http.post(path, json=hostile))
     if route in ANTHROPIC:  # the words Claude Code matches to compact its history
-        assert message == f"prompt is too long: 200000 tokens > {ctx} maximum"
+        assert message == f"prompt is too long: 200000 tokens > {ctx - 1} maximum"
     else:
         assert "at least 200000 tokens" in message and str(ctx) in message
 
@@ -85,7 +85,7 @@ def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(ht
     message = error_message(route, http.post(path, json=hostile))
     ctx = tiny_server.backend.info.ctx
     if route in ANTHROPIC:
-        assert re.fullmatch(rf"prompt is too long: \d+ tokens > {ctx} maximum", message), message
+        assert re.fullmatch(rf"prompt is too long: \d+ tokens > {ctx - 1} maximum", message), message
     else:
         assert "the prompt is at least" in message and str(ctx) in message
 

@@ -194,8 +194,22 @@ def test_context_length_is_400_in_the_words_agents_match(http, words):
         assert error["code"] == "context_length_exceeded" and "context holds 32768" in error["message"]
     message = anthropic_error(http.post("/v1/messages", json={**MESSAGE, "messages": turn}), 400,
                               "invalid_request_error")
-    assert re.fullmatch(r"prompt is too long: (\d+) tokens > 32768 maximum", message), message
+    assert re.fullmatch(r"prompt is too long: (\d+) tokens > 32767 maximum", message), message
     assert int(message.split()[4]) > 32768
+
+
+def test_a_prompt_that_fills_the_context_is_too_long_by_one(http):
+    """A prompt of exactly the context's tokens leaves no room for an answer: refused, in numbers that
+    hold (Claude Code computes how much to compact from them)."""
+    count = lambda n: http.post("/v1/messages/count_tokens", json={"messages": [
+        {"role": "user", "content": "hello " * n}]}).json()["input_tokens"]
+    fixed = count(1000) - 1000
+    assert count(1001) == fixed + 1001, "one token a word"
+    turn = [{"role": "user", "content": "hello " * (32768 - fixed)}]
+    message = anthropic_error(http.post("/v1/messages", json={**MESSAGE, "messages": turn}), 400, "invalid_request_error")
+    assert message == "prompt is too long: 32768 tokens > 32767 maximum"
+    turn = [{"role": "user", "content": "hello " * (32767 - fixed)}]
+    assert http.post("/v1/messages/count_tokens", json={"messages": turn}).json()["input_tokens"] == 32767
 
 
 def test_ignored_fields_header(http):

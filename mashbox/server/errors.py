@@ -77,9 +77,10 @@ def api_error(exc: Exception, retry_after: int) -> ApiError:
     """The answer an exception raised while handling a request deserves."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, ContextLengthError):  # the code and wording agents look for to compact their history
+    if isinstance(exc, ContextLengthError):  # the code and wording agents look for to compact their history (a
+        # prompt may take all the context but the one token its answer needs)
         return ApiError(400, exc.message, param=exc.param, code="context_length_exceeded",
-                        anthropic_message=f"prompt is too long: {exc.tokens} tokens > {exc.ctx} maximum")
+                        anthropic_message=f"prompt is too long: {exc.tokens} tokens > {exc.ctx - 1} maximum")
     if isinstance(exc, ModelNotFoundError):
         return ApiError(404, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequestError):
