@@ -102,7 +102,8 @@ def test_tools_skip_server_tools():
      ({"type": "tool", "name": "Read"}, "Read"), ({"type": "none"}, "none")],
 )
 def test_tool_choice(choice, expected):
-    assert to_engine(_request(tool_choice=choice)).tool_choice == expected
+    read = {"name": "Read", "input_schema": {"type": "object"}}
+    assert to_engine(_request(tool_choice=choice, tools=[read])).tool_choice == expected
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ def test_tools_and_tool_choice():
     assert [(t.name, t.description, t.parameters) for t in engine.tools] == [("f", "d", {"type": "object"})]
     assert engine.tool_choice == "f"
     assert request.ignored_fields() == ["tools[web_search]"]
-    assert to_engine(_request(tool_choice="required")).tool_choice == "required"
+    assert to_engine(_request(tools=tools, tool_choice="required")).tool_choice == "required"
     assert to_engine(_request()).tool_choice == "auto"
 
 

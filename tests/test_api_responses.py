@@ -105,7 +105,7 @@ def test_tools_map_namespaces_custom_and_local_shell():
      ({"type": "function", "name": "spawn"}, "spawn"),
      ({"type": "function", "function": {"name": "exec_command"}}, "exec_command"),
      ({"type": "custom", "name": "apply_patch"}, "apply_patch"),
-     ({"type": "allowed_tools", "mode": "required", "tools": []}, "required")],
+     ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "spawn"}]}, "required")],
 )
 def test_tool_choice(choice, expected):
     assert to_engine(_request(tools=TOOLS, tool_choice=choice)).tool_choice == expected

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from translation import USER
 
@@ -99,6 +101,14 @@ ROWS = [
     ("responses", {"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input.0.role"),
     ("responses", {"tools": [{"type": "function"}]}, "tools.0.name"),
     ("responses", {"reasoning": {"effort": 3}}, "reasoning.effort"),
+    ("messages", {"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+    ("count", {"tools": [{"name": "f", "type": "custom"}]}, "tools.0.input_schema"),
+]
+TO_ENGINE = [  # refused when the request becomes the engine's
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("messages", {"tool_choice": {"type": "any"}}, "tool_choice"),
+    ("responses", {"tool_choice": "required"}, "tool_choice"),
 ]
 
 
@@ -115,6 +125,16 @@ def test_refused_request_names_the_field(row):
         parse(model_cls, {**body, **change})
     assert err.value.param == param, err.value.message
     assert err.value.message and "Value error" not in err.value.message
+
+
+@pytest.mark.parametrize("row", TO_ENGINE, ids=[_id(r) for r in TO_ENGINE])
+def test_a_call_asked_for_with_no_tools_is_refused(row):
+    route, change, param = row
+    model_cls, body = BASE[route]
+    module = sys.modules[model_cls.__module__]
+    with pytest.raises(InvalidRequestError) as err:
+        module.to_engine(parse(model_cls, {**body, **change}))
+    assert err.value.param == param and "no tools" in err.value.message
 
 
 @pytest.mark.parametrize(

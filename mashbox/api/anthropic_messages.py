@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mashbox.api.anthropic_output import (
     SIGNATURE,
@@ -130,6 +130,12 @@ class AnthropicTool(Part):
 
     def usable(self) -> bool:
         return self.type in (None, "custom")
+
+    @model_validator(mode="after")
+    def _schema(self) -> AnthropicTool:
+        if self.usable() and self.input_schema is None:  # a server tool (web_search, ...) has none
+            raise InvalidRequestError("input_schema", "is required for a custom tool (a JSON schema of its input)")
+        return self
 
 
 class ToolChoice(Part):

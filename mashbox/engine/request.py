@@ -113,3 +113,5 @@ class EngineRequest:
             raise ValueError("messages: give either messages or prompt, not both or neither")
         if self.messages is not None and not self.messages:
             raise ValueError("messages: must not be empty")
+        if self.tool_choice not in ("auto", "none") and not self.tools:
+            raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
