@@ -3,8 +3,9 @@
 In a terminal: line editing and history (readline; kept in the mashbox cache), Ctrl-C stops the
 answer being written (not the program), Ctrl-D or ``/exit`` quits, ``/reset`` starts over,
 ``/system TEXT`` sets the system prompt. When the conversation outgrows the context, its oldest
-turns are dropped, with a notice. Piped in, each line is one question; its answer is followed by a
-separator line.
+turns are dropped, with a notice; an answer cut by ``--max-tokens`` says so, and a question the
+engine refuses is said and the chat goes on. Piped in, each line is one question; its answer is
+followed by a separator line.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from mashbox.errors import ContextLengthError
+from mashbox.errors import ContextLengthError, MashboxError
 
 HELP = "/reset starts over, /system TEXT sets the system prompt, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
 SEPARATOR = "---"
@@ -95,13 +96,18 @@ def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) ->
     text: list[str] = []
     try:
         for chunk in stream:
-            piece = chunk.choices[0].delta.content if chunk.choices else None
-            if piece:
-                text.append(piece)
-                print(piece, end="", flush=True)
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice and choice.delta.content:
+                text.append(choice.delta.content)
+                print(choice.delta.content, end="", flush=True)
+            if choice and choice.finish_reason == "length" and options.get("max_tokens"):
+                print(f" [cut: --max-tokens {options['max_tokens']}]", end="")
     except KeyboardInterrupt:
         stream.close()  # the request stops and its slot is freed
         print(" [stopped]", end="")
+    except MashboxError as err:  # the answer failed: said, and the chat goes on
+        print(flush=True)
+        _say(f"the answer failed: {err}")
     print(flush=True)
     return "".join(text)
 
@@ -117,6 +123,10 @@ def _fitting(engine: Any, conversation: Conversation, options: dict[str, Any]) -
                 _say(f"this question does not fit the context: {err.message}")
                 return None
             _say("the conversation outgrew the context: dropped its oldest turn")
+        except MashboxError as err:  # refused (the template's rules, say): said, and the chat goes on
+            conversation.turns.pop()
+            _say(f"this question was refused: {err}")
+            return None
 
 
 def _line_editing() -> None:

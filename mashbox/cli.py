@@ -274,10 +274,18 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 def chat(args: argparse.Namespace) -> int:
     from mashbox.chat import run
+    from mashbox.engine.config import EngineConfig
+    from mashbox.engine.request import SamplingParams
     from mashbox.facade import Engine  # torch loads only when needed
 
     interactive = sys.stdin.isatty()
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    with Engine(args.model, ctx=args.ctx, slots=args.slots, allow_long_context=args.allow_long_context,
-                quiet=not interactive) as engine:
+    engine_options = {"ctx": args.ctx, "slots": args.slots, "allow_long_context": args.allow_long_context}
+    try:  # bad values fail here, before loading, as run's do
+        EngineConfig(model=args.model, **engine_options)
+        SamplingParams(**options)
+    except ValueError as err:
+        print(f"mashbox: {err}", file=sys.stderr)
+        return 2
+    with Engine(args.model, **engine_options, quiet=not interactive) as engine:
         return run(engine, args.system, options, interactive)

@@ -81,3 +81,16 @@ def test_a_question_too_long_alone_is_said_and_the_chat_goes_on(tiny_engine, mon
     assert chat.run(tiny_engine, None, {"max_tokens": 4}, interactive=False) == 0
     out, err = capsys.readouterr()
     assert "mashbox: this question does not fit the context" in err and out.count(chat.SEPARATOR) == 2
+
+
+def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkeypatch, capsys):
+    """A question the engine refuses (here a temperature the protocol does not take) does not end the
+    chat; an answer that ran out of max_tokens is marked."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4, "temperature": 9}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "mashbox: this question was refused: temperature" in err and out.count(chat.SEPARATOR) == 1
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhello\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 3}, interactive=False) == 0
+    out, _ = capsys.readouterr()
+    assert out.count("[cut: --max-tokens 3]") == 2 and out.count(chat.SEPARATOR) == 2

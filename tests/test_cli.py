@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 PLANETS = ("mercury", "venus", "earth", "mars", "jupiter", "saturn", "uranus", "neptune")
 
 
@@ -23,6 +25,18 @@ def test_unknown_model_is_one_clear_error():
     assert done.returncode == 1
     assert "Unknown model 'no-such-model'" in done.stderr and "smollm2-135m" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--slots", "0"], "mashbox: slots: must be between 1 and 1024 (got 0)"),
+    (["--ctx", "8"], "mashbox: ctx: must be >= 16 (got 8)"),
+    (["--temperature", "9"], "mashbox: temperature: must be between 0 and 4"),
+    (["--max-tokens", "0"], "mashbox: max_tokens: must be >= 1 (got 0)"),
+])
+def test_a_bad_chat_setting_is_one_line_and_exit_2_before_loading(flags, words):
+    done = mashbox("chat", *flags, stdin="hi\n")
+    assert done.returncode == 2 and done.stderr.startswith(words), done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
 def test_models_lists_the_catalog_with_file_sizes_and_what_is_installed():
