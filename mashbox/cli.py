@@ -7,6 +7,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 from mashbox.engine.load.catalog import catalog
 from mashbox.errors import ConfigError, MashboxError
@@ -221,9 +222,12 @@ def _gib(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mashbox.server import task_store
     from mashbox.server.launch import Launch, serve  # litestar and uvicorn load only here
 
     try:
+        if args.tasks_db:
+            task_store.check(Path(args.tasks_db))
         launch = Launch(args.model, _settings(args), _engine_options(args), args.in_process)
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)

@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+from mashbox.server import task_store
+
 FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
          "--allow-origin", "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process", "--kv-dtype",
          "--verbatim-template", "--free-calls", "--sampling", "--max-waiting", "--max-waiting-per-tenant")
@@ -204,6 +206,20 @@ def _worker_pid_if_loading(port):
     except httpx.TransportError:
         return None
     return health.get("worker_pid") if health["status"] == "loading" else None
+
+
+def test_a_tasks_db_that_cannot_hold_the_tasks_is_one_line_and_exit_2(tmp_path):
+    """Refused at start, not a 500 on every /v1/tasks call later."""
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("not a database")
+    for path in ("/proc/no-such-folder/tasks.sqlite3", str(not_a_db)):
+        process = mashbox("--port", str(free_port()), "--tasks-db", path)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 2 and err.startswith(f"mashbox: tasks_db: {path} cannot hold the tasks"), err
+        assert len(err.splitlines()) == 1
+    fresh = tmp_path / "new" / "tasks.sqlite3"
+    task_store.check(fresh)
+    assert fresh.parent.is_dir() and not fresh.exists(), "the folder is made, the file comes on first use"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20"])

@@ -7,7 +7,9 @@ that were running when the server stopped become ``failed``. ``sweep`` ends task
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -26,6 +28,21 @@ CREATE INDEX IF NOT EXISTS tasks_updated ON tasks (updated_at)"""
 RUNNING = ("created", "queued", "working", "paused")
 STOPPED = {"code": -32001, "message": "the server stopped while this task was running; create it again"}
 EXPIRED = {"code": EXPIRED_CODE, "message": "the task expired: nothing happened to it for the tasks' time to live"}
+
+
+def check(path: Path) -> None:
+    """Raise ValueError where ``path`` cannot hold the tasks: its folder cannot be made or written in,
+    or it is a file but no SQLite database. Makes nothing but the folder (the file comes on first use)."""
+    try:
+        if path.exists():
+            with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True)) as db:
+                db.execute("PRAGMA schema_version")
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(f"cannot write in {path.parent}")
+    except (OSError, sqlite3.Error) as err:
+        raise ValueError(f"tasks_db: {path} cannot hold the tasks ({err})") from None
 
 
 class TaskStore:
