@@ -252,6 +252,14 @@ def test_a_prompt_longer_than_the_context_shows_the_servers_message(smol, tab):
     expect(page.locator(".msg.assistant .note.error")).to_contain_text("context", timeout=WAIT_MS)
 
 
+def test_a_setting_the_server_refuses_is_named(smol, tab):
+    page = tab.open(smol)
+    page.get_by_role("button", name="Settings").click()
+    page.locator("#temperature").fill("9")
+    ask(page, "Hi")
+    expect(page.locator(".msg.assistant .note.error")).to_contain_text("(Settings: temperature)", timeout=WAIT_MS)
+
+
 def test_model_output_never_becomes_html(smol, tab):
     page = tab.open(smol)
     hostile = ("Look: <img src=x onerror=\"window.pwned=1\"> and <script>window.pwned=2</script>\n\n"
@@ -337,6 +345,35 @@ def test_turns_regenerate_edit_new_chat_delete_and_export(smol, tab):
     page.get_by_role("button", name="Delete “Hello”").click()
     expect(page.locator("#chats li")).to_have_count(1)
     expect(page.locator(".msg.user .content").first).to_have_text("My name is Ada.")
+
+
+def test_conversations_of_two_tabs_are_all_kept_and_a_delete_holds(smol, tab):
+    """Two tabs share one list in localStorage: each saves the others' conversations with its own (it
+    once wrote back the list it read at load, so the last tab to save lost the first's), and a
+    conversation deleted in one is not saved back by another."""
+    first = tab.open(smol)
+    second = tab.context.new_page()
+    second.goto(smol + "/")
+    for page, text in ((first, "Alpha."), (second, "Beta.")):
+        fixed(page, answer_with(text))
+    first.get_by_role("button", name="New chat").click()
+    ask(first, "Conversation ALPHA")
+    answered(first)
+    second.get_by_role("button", name="New chat").click()
+    ask(second, "Conversation BETA")
+    answered(second)
+    expect(first.locator("#chats li")).to_have_count(2)  # told by the other tab's save
+    third = tab.context.new_page()
+    third.goto(smol + "/")
+    expect(third.locator("#chats li")).to_have_count(2)
+    first.get_by_role("button", name="Delete “Conversation BETA”").click()
+    expect(second.locator("#chats li")).to_have_count(1)  # and BETA, shown there, gives way
+    expect(second.locator(".msg.user .content")).to_have_text(["Conversation ALPHA"])
+    ask(second, "And again")
+    answered(second, 2)
+    third.reload()
+    expect(third.locator("#chats li")).to_have_count(1)
+    expect(third.locator(".msg.user .content")).to_have_text(["Conversation ALPHA", "And again"])
 
 
 def test_a_full_queue_is_said_and_the_request_sent_again(smol, tab):

@@ -2,7 +2,11 @@
 // v1/models, and POST v1/chat/completions streamed as server-sent events. Model text never becomes
 // HTML: the Markdown renderer below builds DOM nodes and puts all text in text nodes.
 
-const STORE = { settings: "mashbox.settings", chats: "mashbox.chats", current: "mashbox.current", key: "mashbox.key" };
+const STORE = {
+  settings: "mashbox.settings", chats: "mashbox.chats", current: "mashbox.current", key: "mashbox.key",
+  removed: "mashbox.removed", // ids of deleted conversations, so that no other tab saves them back
+};
+const REMOVED_KEPT = 1000;
 const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "thinking"];
 const POLL_MS = { ready: 10000, waiting: 1000 };
 const PANELS = { settings: ["settings", "settings-toggle", "system"], sidebar: ["sidebar", "menu", "new-chat"] };
@@ -36,8 +40,10 @@ function number(text) {
 
 async function errorMessage(response) {
   try {
-    const body = await response.json();
-    return body.error?.message ?? `HTTP ${response.status}`;
+    const { message, param } = (await response.json()).error ?? {};
+    if (!message) return `HTTP ${response.status}`;
+    const setting = SETTINGS.includes(param) ? ` (Settings: ${param})` : ""; // one the page sent
+    return param && !setting ? `${param}: ${message}` : message + setting;
   } catch {
     return `HTTP ${response.status}`;
   }
@@ -389,6 +395,13 @@ class ChatPage {
     ui.log.addEventListener("click", (event) => copyCode(event.target));
     ui["key-dialog"].addEventListener("cancel", (event) => event.preventDefault()); // nothing works without it
     for (const name of SETTINGS) ui[name].addEventListener("input", () => this.saveSettings());
+    window.addEventListener("storage", (event) => { // another tab saved or deleted conversations
+      if (event.key !== STORE.chats && event.key !== STORE.removed) return;
+      this.merge(load(STORE.chats, []));
+      if (this.running) this.renderList();
+      else if (this.chat.messages.length && !this.chats.includes(this.chat)) this.open(this.chats[0] ?? this.fresh());
+      else this.render();
+    });
     document.addEventListener("keydown", (event) => {
       if (event.key === "Escape") for (const name in PANELS) this.panel(name, false);
     });
@@ -536,7 +549,7 @@ class ChatPage {
       reply.pending = false;
       this.running = null;
       this.busy(false);
-      this.save();
+      this.save(chat);
       if (chat === this.chat) this.render();
       this.wake();
     }
@@ -629,21 +642,35 @@ class ChatPage {
   }
 
   remove(chat) {
+    localStorage.setItem(STORE.removed, JSON.stringify([...load(STORE.removed, []), chat.id].slice(-REMOVED_KEPT)));
     this.chats = this.chats.filter((other) => other !== chat);
     if (chat === this.chat) this.open(this.chats[0] ?? this.fresh());
     this.save();
     this.renderList();
   }
 
-  save() {
-    const chat = this.chat;
+  save(chat = this.chat) {
+    chat.updated = Date.now();
     if (chat.messages.length && !this.chats.includes(chat)) this.chats.unshift(chat);
-    localStorage.setItem(STORE.current, chat.id);
+    localStorage.setItem(STORE.current, this.chat.id);
+    this.merge(load(STORE.chats, []));
     try {
       localStorage.setItem(STORE.chats, JSON.stringify(this.chats));
     } catch (err) {
       this.banner(`Conversations could not be saved in this browser: ${err.message}`);
     }
+  }
+
+  merge(stored) {
+    // Tabs share one list: each conversation as it was saved last, by whichever tab; none that a tab deleted.
+    const removed = new Set(load(STORE.removed, []));
+    const chats = new Map(stored.map((chat) => [chat.id, chat]));
+    for (const chat of this.chats) {
+      if ((chat.updated ?? 0) >= (chats.get(chat.id)?.updated ?? 0)) chats.set(chat.id, chat);
+    }
+    for (const id of removed) chats.delete(id);
+    this.chats = [...chats.values()].sort((a, b) => b.created.localeCompare(a.created));
+    this.chat = chats.get(this.chat.id) ?? this.chat;
   }
 
   exportChats() {
