@@ -122,6 +122,33 @@ def test_sigterm_lets_answers_end_then_ends_the_rest_with_the_error_event():
     assert process.returncode == 0 and "Traceback" not in err and "Exception in ASGI" not in err, err
 
 
+def test_sigterm_to_the_process_group_stops_it_as_the_server_alone_would(tiny_model_dir):
+    """systemd, ``timeout`` and a shell's kill of a job signal the whole group: the worker leaves the
+    stop to the server, so an answer under way ends and no worker restart is tried (it once died at
+    once, was said to be killed and loaded again while the server stopped)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "mashbox", "run", str(tiny_model_dir), "--port", str(port),
+                                "--ctx", "512", "--slots", "2"], stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        poll_health(url, process)
+        pid = httpx.get(f"{url}/health").json()["worker_pid"]
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 60, "stream": True}) as answer:
+            lines = answer.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.killpg(process.pid, signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0 and "again" not in err and "restart" not in err, err
+    assert gone(pid)
+
+
 def test_ctrl_c_stops_the_server_and_its_worker(tiny_model_dir):
     port = free_port()
     process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4")

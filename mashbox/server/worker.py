@@ -347,10 +347,9 @@ def _exit(code: int | None) -> str:
 
 
 def _stop(process: BaseProcess, timeout: float) -> None:
+    """Wait ``timeout`` s for the worker to end after Stop, then kill it (it ignores SIGTERM: see
+    ``worker_child.serve``)."""
     process.join(timeout)
-    if process.is_alive():
-        process.terminate()
-        process.join(2)
     if process.is_alive():
         process.kill()
         process.join()

@@ -52,7 +52,10 @@ if TYPE_CHECKING:
 
 def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
     """The worker process's entry point: load the model, then answer commands."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which sends Stop
+    # Ctrl-C, or a stop sent to the whole process group (systemd, timeout), reaches the server as well: it
+    # lets its answers end, then sends Stop
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
     engine = _load(conn, model, options)
     if engine is not None:
         Worker(engine, conn).run()
