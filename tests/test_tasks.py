@@ -281,7 +281,8 @@ def test_bad_input(url, tasks):
             ({"structured_output": PERSON, "stream": True}, "structured_output"),
             ({"client_tools": [WEATHER], "inference_args": {"tool_choice": {"name": "nope"}}},
              "inference_args.tool_choice"),
-            ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type")]):
+            ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type"),
+            ({"stream": "yes"}, "stream"), ({"stream": None}, "stream")]):
         response = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False,
                                                        "task_id": f"bad-{n}", **body})
         assert response.status_code == 400, response.text
@@ -296,10 +297,13 @@ def test_bad_input(url, tasks):
         tasks.cancel("task_nope")
     done = raw.parse().result.id
     for response in (httpx.post(url + f"/v1/tasks/{done}/pause"),  # a completed task cannot be paused
-                     httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "task_id": done})):
+                     httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False,
+                                                         "task_id": done})):
         assert response.status_code == 409 and response.json()["error"]["code"] == -32009, response.text
         assert response.json()["error"]["data"]["param"] == "task_id"
     assert tasks.info(done).result.status == "completed"
+    missing = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi."})  # the spec requires stream
+    assert missing.status_code == 400 and missing.json()["error"]["data"]["param"] == "stream", missing.text
 
 
 def test_tenants(backend, tmp_path):

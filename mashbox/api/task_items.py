@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 
 from mashbox.api.base import OutModel, Part, RequestModel, SamplingFields, UnsupportedPart, type_of
 from mashbox.engine.request import Message, Tool, ToolCall
@@ -109,7 +109,7 @@ class CreateTask(RequestModel):
                         "return_rollout", "include_compress_model_rollout", "include_subagent_rollout")
 
     user_message_content: Content
-    stream: bool = False
+    stream: StrictBool  # required, as the spec has it (the in-process Engine.task defaults it to false)
     structured_output: dict[str, Any] | None = None
     client_id: str | None = None
     request_id: str | int | None = None
