@@ -252,6 +252,21 @@ def test_a_prompt_longer_than_the_context_shows_the_servers_message(smol, tab):
     expect(page.locator(".msg.assistant .note.error")).to_contain_text("context", timeout=WAIT_MS)
 
 
+def test_a_conversation_that_outgrew_the_context_goes_on_without_its_oldest_turns(smol, tab):
+    page = tab.open(smol)
+    page.get_by_role("button", name="Settings").click()
+    page.locator("#max_tokens").fill("4")
+    sent: list[dict] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    ask(page, "planet " * 1200)  # ~1,200 of the 2,048 tokens: two of them do not fit
+    answered(page)
+    ask(page, "moon " * 1200)
+    second = answered(page, 2)
+    expect(second.locator(".note")).to_contain_text("its 1 oldest turn was left out")
+    assert [len(body["messages"]) for body in sent] == [1, 3, 1]  # the second request refused, sent again
+    expect(page.locator(".msg")).to_have_count(4)  # the conversation itself keeps every turn
+
+
 def test_a_setting_the_server_refuses_is_named(smol, tab):
     page = tab.open(smol)
     page.get_by_role("button", name="Settings").click()

@@ -38,15 +38,30 @@ function number(text) {
   return Number.isFinite(value) ? value : undefined;
 }
 
-async function errorMessage(response) {
+async function errorOf(response) {
+  // The error an answer carries: its message (naming the field), and its code.
   try {
-    const { message, param } = (await response.json()).error ?? {};
-    if (!message) return `HTTP ${response.status}`;
+    const { message, param, code } = (await response.json()).error ?? {};
+    if (!message) return { message: `HTTP ${response.status}` };
     const setting = SETTINGS.includes(param) ? ` (Settings: ${param})` : ""; // one the page sent
-    return param && !setting ? `${param}: ${message}` : message + setting;
+    return { message: param && !setting ? `${param}: ${message}` : message + setting, code };
   } catch {
-    return `HTTP ${response.status}`;
+    return { message: `HTTP ${response.status}` };
   }
+}
+
+async function errorMessage(response) {
+  return (await errorOf(response)).message;
+}
+
+function dropOldest(messages) {
+  // Leave the oldest question and its answer out of a request that does not fit; false when only the
+  // last question is left.
+  const first = messages.findIndex((m) => m.role === "user");
+  const next = messages.findIndex((m, i) => i > first && m.role === "user");
+  if (first < 0 || next < 0) return false;
+  messages.splice(first, next - first);
+  return true;
 }
 
 // -- server-sent events -------------------------------------------------------------------------
@@ -290,11 +305,13 @@ function facts(m) {
 
 function note(m) {
   if (m.error) return m.error;
-  if (m.stopped) return "Stopped.";
+  const dropped = m.dropped ? `The conversation outgrew the context: its ${m.dropped} oldest turn${
+    m.dropped > 1 ? "s were" : " was"} left out of this answer's request. ` : "";
+  if (m.stopped) return `${dropped}Stopped.`;
   if (m.finish === "length") {
-    return m.limit ? `Cut by max tokens (${m.limit}).` : "Cut: the answer reached the end of the context.";
+    return dropped + (m.limit ? `Cut by max tokens (${m.limit}).` : "Cut: the answer reached the end of the context.");
   }
-  return "";
+  return dropped.trim();
 }
 
 class MessageView {
@@ -556,11 +573,17 @@ class ChatPage {
   }
 
   async stream(body, reply, view, signal) {
-    const init = { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) };
-    const response = await this.call("v1/chat/completions", init, signal);
-    if (!response.ok) {
-      reply.error = await errorMessage(response);
-      return;
+    let response;
+    for (;;) { // a conversation that outgrew the context goes on without its oldest turns, as `mashbox chat`'s
+      const init = { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) };
+      response = await this.call("v1/chat/completions", init, signal);
+      if (response.ok) break;
+      const error = await errorOf(response);
+      if (error.code !== "context_length_exceeded" || !dropOldest(body.messages)) {
+        reply.error = error.message;
+        return;
+      }
+      reply.dropped = (reply.dropped ?? 0) + 1;
     }
     for await (const chunk of events(response.body, signal)) {
       if (chunk.error) reply.error = chunk.error.message;
