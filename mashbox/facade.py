@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from mashbox.api import anthropic_messages, local_tasks
 from mashbox.api.anthropic_messages import AnthropicMessage, TokenCount
 from mashbox.api.anthropic_messages import StreamEvent as MessageEvent
+from mashbox.api.base import parse
 from mashbox.api.chat_output import ChatCompletion, ChatCompletionChunk
 from mashbox.api.openai_completions import Completion
 from mashbox.api.openai_responses import Response
@@ -35,12 +36,12 @@ from mashbox.api.params import (
     MessagesParams,
     ResponsesParams,
 )
-from mashbox.api.protocols import PROTOCOLS, counting, prepare
+from mashbox.api.protocols import PROTOCOLS, prepare
 from mashbox.api.task_items import CreateTask
 from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
-from mashbox.errors import GenerationError, InvalidRequestError, MashboxError
+from mashbox.errors import ContextLengthError, GenerationError, InvalidRequestError, MashboxError
 
 Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model
 
@@ -155,16 +156,21 @@ class Engine(Runtime):
     def count_tokens(self, request: Any = None, /, **fields: Any) -> TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
         self._check_open()
-        body = _merge(request, fields, anthropic_messages.CountTokensRequest, "count_tokens")
-        return TokenCount(input_tokens=len(self.encode(counting(body))))
+        req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields, anthropic_messages.CountTokensRequest,
+                                                                  "count_tokens"))
+        _warn_ignored(req.ignored_fields(), stacklevel=3)
+        return TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 
     def _prepare(self, name: str, request: Any, fields: dict[str, Any]) -> tuple[Any, Any, EngineRequest, Job]:
         protocol = PROTOCOLS[name]
         prepared = prepare(protocol, _merge(request, fields, protocol.request, name), self.model_id)
-        if prepared.ignored:  # stacklevel: the caller's line, past _prepare, _call and chat
-            warnings.warn(f"ignored fields: {', '.join(prepared.ignored)}", IgnoredFieldsWarning, stacklevel=4)
+        _warn_ignored(prepared.ignored, stacklevel=5)  # the caller's line, past _prepare, _call and chat
         translator = protocol.module.Translator(prepared.req, self.model_id)
-        return prepared.req, translator, prepared.engine, self._job(prepared.engine)
+        try:
+            job = self._job(prepared.engine)
+        except ContextLengthError as err:  # named as the protocol names the conversation (Responses: input)
+            raise ContextLengthError(protocol.turns or err.param, err.message, tokens=err.tokens, ctx=err.ctx) from None
+        return prepared.req, translator, prepared.engine, job
 
     def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:
         req, translator, engine, job = self._prepare(name, request, fields)
@@ -190,10 +196,15 @@ class Engine(Runtime):
         """Agent Tasks (docs/tasks.md): the agent loop over this engine. A ``TaskObject``, or its
         ``task.*`` events with stream=True. ``client_tools`` may hold Python functions: the loop
         calls them itself; a client tool given as a description stops the task ``input-required``."""
-        return local_tasks.run_sync(_merge(request, fields, CreateTask, "task"), self.astream, self.abort)
+        return local_tasks.run_sync(self._task_loop(request, fields, "task"))
 
     async def atask(self, request: Any = None, /, **fields: Any) -> Any:
-        return await local_tasks.run_async(_merge(request, fields, CreateTask, "atask"), self.astream, self.abort)
+        return await local_tasks.run_async(self._task_loop(request, fields, "atask"))
+
+    def _task_loop(self, request: Any, fields: dict[str, Any], name: str) -> local_tasks.TaskLoop:
+        loop = local_tasks.prepare(_merge(request, fields, CreateTask, name), self.astream, self.abort)
+        _warn_ignored(loop.req.ignored_fields(), stacklevel=4)  # the caller's line, past _task_loop and task
+        return loop
 
 
 def _check(method: str, event: Event) -> None:
@@ -229,15 +240,25 @@ def _prompt(first: Event) -> Usage | None:
     return Usage(first.prompt_tokens, 0) if isinstance(first, Queued) else None
 
 
-def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Any:
-    """The request: ``request`` (a dict or model, whose unknown fields are reported as over HTTP) or
-    the keyword ``fields``, where an unknown name is a mistake in the caller's code and an error."""
+def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Mapping[str, Any]:
+    """The request as a body: ``request`` (a dict, or a model given as its fields: unknown ones are
+    reported as over HTTP) or the keyword ``fields``, where an unknown name is a mistake in the
+    caller's code and an error."""
     if request is None:
         _check_names(fields, model, method)
         return fields
     if fields:
         raise MashboxError("pass a request object or keyword fields, not both")
+    if isinstance(request, BaseModel):
+        return request.model_dump(exclude_unset=True, by_alias=True)
+    if not isinstance(request, Mapping):
+        raise InvalidRequestError("request", f"must be a dict or a request model, not {type(request).__name__}")
     return request
+
+
+def _warn_ignored(ignored: list[str], stacklevel: int) -> None:
+    if ignored:
+        warnings.warn(f"ignored fields: {', '.join(ignored)}", IgnoredFieldsWarning, stacklevel=stacklevel)
 
 
 def _check_names(fields: dict[str, Any], model: type[BaseModel], method: str) -> None:

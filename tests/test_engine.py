@@ -124,6 +124,9 @@ def test_prompt_longer_than_context_is_refused_before_work(tiny_engine):
     with pytest.raises(ContextLengthError) as err:
         tiny_engine.chat(messages=[{"role": "user", "content": "word " * 600}])
     assert err.value.param == "messages"
+    with pytest.raises(ContextLengthError) as err:  # named as Responses names the conversation
+        tiny_engine.respond(input="word " * 600)
+    assert err.value.param == "input" and str(err.value).startswith("input: ")
 
 
 def test_dropped_stream_frees_its_slot(tiny_engine):
@@ -227,6 +230,31 @@ def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(t
         asyncio.run(notebook_cell())
     for warning, call in [(caught[0], "tiny_engine.chat(request)"), (async_caught[0], "await tiny_engine.arespond(")]:
         assert warning.filename == __file__ and call in linecache.getline(__file__, warning.lineno)
+    with pytest.warns(IgnoredFieldsWarning, match="zzz") as caught:
+        tiny_engine.count_tokens({"messages": [{"role": "user", "content": "hi"}], "zzz": 1})
+    with pytest.warns(IgnoredFieldsWarning, match="inference_args.max_new_tokens") as task_caught:
+        tiny_engine.task({"user_message_content": "hi", "inference_args": {"max_tokens": 2, "max_new_tokens": 1}})
+    for warning, call in [(caught[0], "tiny_engine.count_tokens("), (task_caught[0], "tiny_engine.task(")]:
+        assert warning.filename == __file__ and call in linecache.getline(__file__, warning.lineno)
+
+
+def test_a_request_model_is_taken_as_its_fields(tiny_engine):
+    """Each method takes its protocol's request as a dict, as its pydantic model, or as keywords."""
+    from mashbox.api.anthropic_messages import CountTokensRequest, MessagesRequest
+    from mashbox.api.openai_chat import ChatRequest
+    from mashbox.api.openai_completions import CompletionRequest
+    from mashbox.api.openai_responses import ResponsesRequest
+
+    user = [{"role": "user", "content": "hi"}]
+    assert tiny_engine.chat(ChatRequest(messages=user, max_tokens=2)).usage.completion_tokens == 2
+    assert tiny_engine.complete(CompletionRequest(prompt="a", max_tokens=2)).usage.completion_tokens == 2
+    assert tiny_engine.respond(ResponsesRequest(input="a", max_output_tokens=2)).usage.output_tokens == 2
+    assert tiny_engine.message(MessagesRequest(messages=user, max_tokens=2)).usage.output_tokens == 2
+    assert tiny_engine.count_tokens(CountTokensRequest(messages=user)).input_tokens > 0
+    chunks = list(tiny_engine.chat(ChatRequest(messages=user, max_tokens=2, stream=True)))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(InvalidRequestError, match="must be a dict or a request model"):
+        tiny_engine.chat([("messages", user)])
 
 
 @pytest.mark.parametrize(("method", "fields", "name", "meant"), [

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from server import frames, serve
 
-from mashbox.api.local_tasks import run_async
+from mashbox.api.local_tasks import prepare, run_async
 from mashbox.engine.events import (
     Finish,
     Queued,
@@ -499,8 +499,8 @@ def test_every_client_call_of_a_step_waits_for_the_client():
 
     generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_time", "{}"),
                           ("get_weather", '{"city": "Rome"}')], "tool_calls"))
-    task = asyncio.run(run_async({"user_message_content": "Weather and time?", "client_tools": [WEATHER, get_time]},
-                                 generate))
+    task = asyncio.run(run_async(prepare({"user_message_content": "Weather and time?", "client_tools": [WEATHER, get_time]},
+                                 generate)))
     assert task.status == "input-required" and task.input_required.call_id == "call_0"
     assert [(c.call_id, c.name) for c in task.input_required_calls] == [("call_0", "get_weather"),
                                                                         ("call_2", "get_weather")]
@@ -511,12 +511,12 @@ def test_every_client_call_of_a_step_waits_for_the_client():
 
 def test_a_call_cut_by_max_tokens_never_runs():
     generate = scripted(([("get_weather", '{"city": "Par')], "length"))
-    task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
+    task = asyncio.run(run_async(prepare({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate)))
     assert task.status == "failed" and task.input_required is None and "a call of get_weather" in task.error.message
     assert task.incomplete_details.reason == "max_output_tokens" and task.output[0].status == "incomplete"
     # a whole call before the cut one still counts: the task waits for it alone
     generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Ro')], "length"))
-    task = asyncio.run(run_async({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate))
+    task = asyncio.run(run_async(prepare({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate)))
     assert task.status == "input-required" and task.input_required.call_id == "call_0"
     assert [o.status for o in task.output] == ["completed", "incomplete"] and task.incomplete_details is None
 
@@ -575,8 +575,8 @@ def test_a_continuation_answers_every_client_call():
     calls, then each result under its call's id."""
     seen = []
     first = scripted(([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')], "tool_calls"))
-    task = asyncio.run(run_async({"user_message_content": "Weather in Paris and Rome?", "client_tools": [WEATHER]},
-                                 first))
+    task = asyncio.run(run_async(prepare({"user_message_content": "Weather in Paris and Rome?", "client_tools": [WEATHER]},
+                                 first)))
     assert task.status == "input-required" and [o.call_id for o in task.output] == ["call_0", "call_1"]
     assert [c.call_id for c in task.input_required_calls] == ["call_0", "call_1"]
     history = [{"type": "message", "role": "user", "message_content": "Weather in Paris and Rome?"},
@@ -590,8 +590,8 @@ def test_a_continuation_answers_every_client_call():
         async for event in answer(request):
             yield event
 
-    done = asyncio.run(run_async({"user_message_content": "", "history_messages": history,
-                                  "client_tools": [WEATHER]}, generate))
+    done = asyncio.run(run_async(prepare({"user_message_content": "", "history_messages": history,
+                                  "client_tools": [WEATHER]}, generate)))
     assert done.status == "completed"
     messages = seen[0].messages
     assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]

@@ -58,8 +58,8 @@ async def events(loop: TaskLoop) -> AsyncIterator[Any]:
         raise request_param(err) from None
 
 
-async def run_async(fields: Any, generate: Generate, abort: Abort | None = None) -> Any:
-    loop = prepare(fields, generate, abort)
+async def run_async(loop: TaskLoop) -> Any:
+    """The task when it stops, or its events (stream)."""
     if loop.req.stream:
         return events(loop)
     async for _ in events(loop):
@@ -67,10 +67,9 @@ async def run_async(fields: Any, generate: Generate, abort: Abort | None = None)
     return loop.task
 
 
-def run_sync(fields: Any, generate: Generate, abort: Abort | None = None) -> Any:
+def run_sync(loop: TaskLoop) -> Any:
     """``run_async`` from plain code or a notebook (whose own event loop may be running): the loop
     runs on a thread of its own."""
-    loop = prepare(fields, generate, abort)
     stream = _threaded(lambda: events(loop))
     if loop.req.stream:
         return stream
