@@ -38,10 +38,17 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS, prepare
 from mashbox.api.task_items import CreateTask
+from mashbox.engine.core import CLOSED
 from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
-from mashbox.errors import ContextLengthError, GenerationError, InvalidRequestError, MashboxError
+from mashbox.errors import (
+    ContextLengthError,
+    EngineClosedError,
+    GenerationError,
+    InvalidRequestError,
+    MashboxError,
+)
 
 Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model
 
@@ -209,8 +216,18 @@ class Engine(Runtime):
 
 def _check(method: str, event: Event) -> None:
     """A failed request raises, but where its protocol has a failed answer (a Response's status)."""
+    _stopped(event)
     if isinstance(event, Finish) and event.reason == "error" and method != "respond":
         raise GenerationError(f"the request failed: {event.error or 'generation failed'}")
+
+
+def _stopped(event: Event) -> None:
+    """A request stopped from outside while its caller still reads it (the engine closed, or ``abort``)
+    raises, streamed or not: its answer is not whole, and must not look finished."""
+    if isinstance(event, Finish) and event.reason == "abort":
+        if event.error == CLOSED:
+            raise EngineClosedError("the engine was closed before this request finished")
+        raise GenerationError("the request was aborted before it finished")
 
 
 def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
@@ -219,6 +236,7 @@ def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
         yield from translator.start(_prompt(first))
         yield from translator.feed(first)
         for event in events:
+            _stopped(event)
             yield from translator.feed(event)
     finally:
         events.close()  # type: ignore[attr-defined]
@@ -230,6 +248,7 @@ async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIt
         for item in [*translator.start(_prompt(first)), *translator.feed(first)]:
             yield item
         async for event in events:
+            _stopped(event)
             for item in translator.feed(event):
                 yield item
     finally:

@@ -11,6 +11,7 @@ import pytest
 from mashbox import (
     ContextLengthError,
     Engine,
+    EngineClosedError,
     EngineRequest,
     InvalidRequestError,
     Message,
@@ -421,6 +422,35 @@ def test_a_closed_engine_refuses_every_call_at_once(tiny_model_dir):
         assert isinstance(raised, EngineClosedError) and isinstance(raised, MashboxError), name
         assert "closed" in str(raised) and "Engine()" in str(raised), name
     engine.close()  # twice is fine
+
+
+def test_a_call_running_when_the_engine_closes_raises_rather_than_look_finished(tiny_model_dir):
+    """A close cuts the answers still being written: each call says so (EngineClosedError), streamed
+    or not, instead of returning a cut answer that reads as finished (finish_reason stop)."""
+    engine = Engine(str(tiny_model_dir), ctx=4096, slots=4, quiet=True, allow_long_context=True)
+    long = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 4000}
+    results: dict[str, object] = {}
+
+    def call(name, method, **fields):
+        try:
+            results[name] = method(**fields)
+        except Exception as err:  # noqa: BLE001 - the test reads which
+            results[name] = err
+
+    stream = engine.chat(**long, stream=True)
+    next(stream)
+    threads = [threading.Thread(target=call, args=("chat", engine.chat), kwargs=long),
+               threading.Thread(target=call, args=("respond", engine.respond),
+                                kwargs={"input": "Count", "max_output_tokens": 4000})]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)
+    engine.close()
+    for thread in threads:
+        thread.join(10)
+    assert isinstance(results["chat"], EngineClosedError) and isinstance(results["respond"], EngineClosedError)
+    with pytest.raises(EngineClosedError, match="closed before this request finished"):
+        list(stream)
 
 
 def test_a_stream_running_when_the_engine_closes_ends(tiny_model_dir):

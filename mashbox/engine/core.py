@@ -131,7 +131,7 @@ class EngineCore:
             self.scheduler.cache.disk.close()  # the pages computed so far reach the disk
 
     def _loop(self) -> None:
-        status, reason = Status.FINISHED_ABORT, "engine closed"
+        status, reason = Status.FINISHED_ABORT, CLOSED
         try:
             while self._drain(block=not self.scheduler.has_work):
                 if self.scheduler.has_work:
