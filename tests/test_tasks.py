@@ -9,6 +9,7 @@ import socket
 import sqlite3
 import threading
 import time
+from typing import Literal
 
 import agentlin_client
 import httpx
@@ -16,7 +17,7 @@ import jsonschema
 import pytest
 from server import frames, serve
 
-from mashbox.api.local_tasks import prepare, run_async
+from mashbox.api.local_tasks import function_tool, prepare, run_async
 from mashbox.engine.events import (
     Finish,
     Queued,
@@ -507,6 +508,25 @@ def test_every_client_call_of_a_step_waits_for_the_client():
     assert [(o.type, o.call_id) for o in task.output] == [("tool_call", "call_0"), ("tool_call", "call_1"),
                                                           ("tool_call", "call_2"), ("tool_result", "call_1")]
     assert task.output[3].message_content[0].text == "12:00"
+
+
+def test_a_python_tools_parameters_are_described_from_their_annotations_even_written_as_strings():
+    """``from __future__ import annotations`` (as in this module, or a notebook cell under it) leaves
+    annotations as strings: they are resolved, and typed as pydantic types them; the starred parameters
+    are no arguments."""
+    def add(a: int, b: float, *rest, tags: list[str] | None = None, mode: Literal["x", "y"] = "x",
+            **more) -> float:
+        """Add two numbers."""
+        return a + b
+
+    tool = function_tool(add)
+    assert tool.tool.description == "Add two numbers."
+    assert tool.tool.parameters == {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "number"},
+        "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        "mode": {"enum": ["x", "y"], "type": "string"}}}
+    assert tool.run({"a": 2, "b": 0.5, "other": 1}) == 2.5
+    assert function_tool(lambda city: city).tool.parameters["properties"] == {"city": {}}
 
 
 def test_a_call_cut_by_max_tokens_never_runs():

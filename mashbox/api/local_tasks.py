@@ -1,8 +1,10 @@
 """Agent tasks in this process (``Engine.task`` / ``atask``): the same loop the server runs, with
 Python callables as tools the loop calls itself.
 
-A callable's name, docstring and parameters (their annotations: str, int, float, bool, list,
-dict) describe it to the model; it is called with the model's arguments as keywords.
+A callable's name, docstring and parameters describe it to the model: each annotation as its JSON
+schema (pydantic's: ``int``, ``list[str]``, ``Literal[...]``, ``Optional``, a model; written as
+strings too, as ``from __future__ import annotations`` leaves them); it is called with the model's
+arguments as keywords.
 """
 
 from __future__ import annotations
@@ -15,26 +17,47 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from pydantic import TypeAdapter
+from pydantic.errors import PydanticInvalidForJsonSchema, PydanticSchemaGenerationError
+
 from mashbox.api.base import new_id, parse
 from mashbox.api.task_items import CreateTask, TaskObject
 from mashbox.api.task_loop import Abort, Generate, ServerTool, TaskLoop, request_param
 from mashbox.engine.request import Tool
 from mashbox.errors import InvalidRequestError
 
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+STARRED = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 def function_tool(fn: Callable[..., Any]) -> ServerTool:
     """A tool from a Python function's signature."""
-    params = inspect.signature(fn).parameters.values()
-    properties = {p.name: {"type": _JSON_TYPES[p.annotation]} if p.annotation in _JSON_TYPES else {}
-                  for p in params}
+    every = _parameters(fn)
+    params = [p for p in every if p.kind not in STARRED]
+    properties = {p.name: _schema(p.annotation) for p in params}
     required = [p.name for p in params if p.default is inspect.Parameter.empty]
     schema = {"type": "object", "properties": properties, "required": required}
     tool = Tool(fn.__name__, inspect.getdoc(fn) or "", schema)
     names = {p.name for p in params}
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in every)
     return ServerTool(tool, lambda arguments: fn(**{k: v for k, v in arguments.items() if takes_any or k in names}))
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """``fn``'s parameters, their annotations resolved where written as strings."""
+    try:
+        return list(inspect.signature(fn, eval_str=True).parameters.values())
+    except (NameError, SyntaxError, TypeError):  # a string naming what the function's module does not hold
+        return list(inspect.signature(fn).parameters.values())
+
+
+def _schema(annotation: Any) -> dict[str, Any]:
+    """An annotation's JSON schema; {} (any value) for none, or one pydantic cannot describe."""
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return {}
+    try:
+        return TypeAdapter(annotation).json_schema()
+    except (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, TypeError):
+        return {}
 
 
 def prepare(fields: Any, generate: Generate, abort: Abort | None = None) -> TaskLoop:
