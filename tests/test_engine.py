@@ -344,6 +344,20 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     assert err.value.param == "prompt"
 
 
+@pytest.mark.parametrize(("setting", "words"), [
+    ({"ctx": 0}, "ctx: must be >= 16"), ({"ctx": "4096"}, "ctx: must be a whole number"),
+    ({"slots": 0}, "slots: must be between 1 and 1024"), ({"slots": True}, "slots: must be a whole number"),
+    ({"kv_dtype": "q4"}, "kv_dtype: must be one of"), ({"device": "tpu"}, "device: must be cpu, cuda or cuda:N"),
+    ({"dtype": "int4"}, "dtype: 'int4' is not one mashbox knows; use one of .*int8"),
+])
+def test_every_bad_engine_setting_is_a_config_error_naming_it(setting, words):
+    """``except MashboxError`` catches them all (they were ValueError, TypeError or torch's RuntimeError)."""
+    from mashbox import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        Engine(quiet=True, **setting)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "nonsense"])
 def test_a_dtype_the_cpu_cannot_run_is_refused_before_loading(dtype):
     import torch

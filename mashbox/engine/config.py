@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from mashbox.errors import ConfigError
+
 KV_DTYPES = (None, "f16", "q8_0")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,18 +76,24 @@ class EngineConfig:
     speculation: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("ctx", "slots", "chunk_tokens", "step_tokens", "busy_tokens", "cache_ram_mib"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) or value is None and name == "ctx"):
+                raise ConfigError(f"{name}: must be a whole number (got {value!r})")
         if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype: must be one of {', '.join(map(str, KV_DTYPES[1:]))} (got {self.kv_dtype!r})")
+            raise ConfigError(f"kv_dtype: must be one of {', '.join(map(str, KV_DTYPES[1:]))} (got {self.kv_dtype!r})")
+        if self.device is not None and not DEVICE.fullmatch(str(self.device)):
+            raise ConfigError(f"device: must be cpu, cuda or cuda:N (got {self.device!r})")
         if self.ctx is not None and self.ctx < 16:
-            raise ValueError(f"ctx: must be >= 16 (got {self.ctx})")
+            raise ConfigError(f"ctx: must be >= 16 (got {self.ctx})")
         if not 1 <= self.slots <= 1024:
-            raise ValueError(f"slots: must be between 1 and 1024 (got {self.slots})")
-        if self.cache_disk_gib < 0:
-            raise ValueError(f"cache_disk_gib: must be >= 0 (got {self.cache_disk_gib})")
+            raise ConfigError(f"slots: must be between 1 and 1024 (got {self.slots})")
+        if not isinstance(self.cache_disk_gib, (int, float)) or self.cache_disk_gib < 0:
+            raise ConfigError(f"cache_disk_gib: must be >= 0 (got {self.cache_disk_gib!r})")
         if self.cache_ram_mib < 0:
-            raise ValueError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
+            raise ConfigError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
         if self.chunk_tokens < 16:
-            raise ValueError(f"chunk_tokens: must be >= 16 (got {self.chunk_tokens})")
+            raise ConfigError(f"chunk_tokens: must be >= 16 (got {self.chunk_tokens})")
         for name in ("step_tokens", "busy_tokens"):
             if getattr(self, name) < self.chunk_tokens:
-                raise ValueError(f"{name}: must be >= chunk_tokens ({self.chunk_tokens}), got {getattr(self, name)}")
+                raise ConfigError(f"{name}: must be >= chunk_tokens ({self.chunk_tokens}), got {getattr(self, name)}")

@@ -123,7 +123,7 @@ def _weights(device: torch.device, dtype: str | None, batch_invariant: bool) -> 
     if asked in (None, torch.float16) and fbgemm_available():
         return Form(device, torch.float32, "packed")
     if asked not in (None, torch.float16, torch.float32):
-        raise ValueError(f"dtype: {dtype!r} is not supported on CPU; use int8, float16 (packed) or float32")
+        raise ConfigError(f"dtype: {dtype!r} is not supported on CPU; use int8, float16 (packed) or float32")
     return Form(device, torch.float32, "tiled" if batch_invariant else "plain")
 
 
@@ -135,5 +135,5 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
         return dtype
     name = dtype.lower().removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"Unknown dtype '{dtype}'. Use one of: {', '.join(_DTYPES)}.")
+        raise ConfigError(f"dtype: {dtype!r} is not one mashbox knows; use one of {', '.join([*_DTYPES, *INT8])}")
     return _DTYPES[name]
