@@ -215,6 +215,15 @@ def test_bad_parameters_on_other_protocols_name_the_field(tiny_engine, method, r
     with pytest.raises(InvalidRequestError) as err:
         getattr(tiny_engine, method)(request_body)
     assert err.value.param.startswith(param)
+    with pytest.raises(InvalidRequestError) as err:  # as keywords too, with the same reason
+        getattr(tiny_engine, method)(**request_body)
+    assert err.value.param.startswith(param) and "is not a parameter" not in err.value.message
+
+
+def test_a_response_has_the_sdks_output_text(tiny_engine):
+    response = tiny_engine.respond(input="hi", max_output_tokens=4)
+    assert response.output_text == response.output[0].content[0].text != ""
+    assert "output_text" not in response.model_dump()  # a convenience, not a field of the protocol
 
 
 def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(tiny_engine):

@@ -125,6 +125,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
     top_logprobs: int | None = None
     text: TextConfig | None = None
     max_output_tokens: MaxTokens | None = None
+    previous_response_id: str | None = None  # refused unless null (STATELESS): known, so a keyword gets the reason
 
     _no_logprobs = field_validator("top_logprobs")(refuse_logprobs)
 

@@ -80,6 +80,7 @@ class ResponsesParams(SamplingKeywords, total=False):
     top_logprobs: int | None
     text: Object | None
     max_output_tokens: int | None
+    previous_response_id: str | None  # refused unless null: this server keeps no responses
 
 
 class CountTokensParams(TypedDict, total=False):

@@ -173,10 +173,14 @@ class Response(OutModel):
     safety_identifier: None = None
     prompt_cache_key: str | None = None
 
+    @property
+    def output_text(self) -> str:
+        """The text of every message in the output, joined (as the openai SDK's ``Response.output_text``)."""
+        return "".join(part.text for item in self.output if isinstance(item, MessageOut) for part in item.content)
+
     def _repr_markdown_(self) -> str:
-        text = "".join(part.text for item in self.output if isinstance(item, MessageOut) for part in item.content)
         usage = self.usage
-        return at_a_glance(text, self.status, usage and usage.input_tokens, usage and usage.output_tokens)
+        return at_a_glance(self.output_text, self.status, usage and usage.input_tokens, usage and usage.output_tokens)
 
 
 class EventBase(OutModel):
