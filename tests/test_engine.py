@@ -476,6 +476,30 @@ def test_a_call_running_when_the_engine_closes_raises_rather_than_look_finished(
         list(stream)
 
 
+def test_an_engine_dropped_without_close_lets_its_thread_and_memory_go(tiny_model_dir):
+    """A notebook cell ``engine = Engine(...)`` run again drops the last one unclosed: its thread stops
+    (and with it the model and KV cache it held), as close() would."""
+    import gc
+    import weakref
+
+    def engine_threads() -> int:
+        return sum(t.name == "mashbox-engine" and t.is_alive() for t in threading.enumerate())
+
+    before = engine_threads()
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    engine.complete(prompt="a", max_tokens=2)
+    core = weakref.ref(engine._core)
+    assert engine_threads() == before + 1
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while engine_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_threads() == before
+    gc.collect()
+    assert core() is None, "the core (model, KV cache) is gone with its thread"
+
+
 def test_a_stream_running_when_the_engine_closes_ends(tiny_model_dir):
     engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
     events = engine.stream(EngineRequest(prompt="Count", sampling=SamplingParams(max_tokens=200)))

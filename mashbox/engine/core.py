@@ -126,7 +126,8 @@ class EngineCore:
         with self._closing:
             self.closed = True
             self._inbox.put(("close", None))
-            self._thread.join(timeout=30)
+            if threading.current_thread() is not self._thread:  # a collection on the engine thread may close it
+                self._thread.join(timeout=30)
         if self.scheduler.cache.disk is not None:
             self.scheduler.cache.disk.close()  # the pages computed so far reach the disk
 

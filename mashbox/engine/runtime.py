@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path, PurePath
@@ -87,6 +88,7 @@ class Runtime:
                               _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
         self._speculate = config.speculation and runner.cut_anywhere  # a row's bits never depend on its batch
         self._core = EngineCore(scheduler, runner, self.tokenizer)
+        self._release = weakref.finalize(self, _release, self._core)  # also where the Engine is dropped unclosed
 
     @property
     def model_id(self) -> str:
@@ -227,14 +229,20 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the engine thread and release the model and its KV cache."""
-        self._core.close()
-        self._core.runner = None  # type: ignore[assignment]
+        self._release()
 
     def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(core: EngineCore) -> None:
+    """Stop an engine's thread and let its model and KV cache go: at ``close()``, or once the Engine is
+    dropped without it (a notebook cell that makes one, run again), which would otherwise keep them."""
+    core.close()
+    core.runner = None  # type: ignore[assignment]
 
 
 def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
