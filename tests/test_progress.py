@@ -58,6 +58,15 @@ def test_a_jupyter_cell_shows_each_step_as_it_begins_then_ready_with_times(kerne
     assert all(f"{step} " in shown[-1] for step in STEPS)
 
 
+def test_a_load_that_fails_in_a_cell_ends_its_output_saying_so(kernel, tiny_model_dir):
+    """The output does not stay on a step that never ends: its last line says the load failed, where."""
+    code = f"from mashbox import Engine\nEngine({str(tiny_model_dir)!r}, ctx=100000, slots=1)"
+    outputs = run_cell(kernel, code)
+    shown = [m["content"]["data"]["text/plain"] for m in outputs if "data" in m["content"]]
+    assert shown[-1].startswith(f"{tiny_model_dir.name}: not loaded while ") and "ctx: 100000" in shown[-1]
+    assert outputs[-1]["msg_type"] == "error" and outputs[-1]["content"]["ename"] == "ConfigError"
+
+
 def test_quiet_silences_the_cell(kernel, tiny_model_dir):
     code = f"from mashbox import Engine\nquiet = Engine({str(tiny_model_dir)!r}, ctx=256, slots=1, quiet=True)"
     assert run_cell(kernel, code) == []

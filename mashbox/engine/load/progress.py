@@ -4,7 +4,8 @@
 cell (an IPython kernel is running) gets one output that updates in place, listing the steps and
 their times (IPython's display updates: no widget, so no ipywidgets and no ``TqdmWarning``); a
 terminal (stderr is a tty) gets a transient rich line whose clock runs; anywhere else, or with
-``quiet``, nothing. Both views end on one line: the model ready, in how long, and what took it.
+``quiet``, nothing. Both views end on one line: the model ready, in how long, and what took it (in a
+cell, a load that fails ends on a line saying so, at which step).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class Steps:
     def summary(self) -> str:
         took = ", ".join(f"{what} {secs:.1f} s" for what, secs in self._done)
         return f"{self.model} ready in {time.perf_counter() - self._start:.1f} s ({took})"
+
+    def failed(self, err: BaseException) -> str:
+        where = f" while {self._current[0]}" if self._current else ""
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return f"{self.model}: not loaded{where}, after {time.perf_counter() - self._start:.1f} s: {why}"
 
     def _close(self) -> None:
         if self._current is not None:
@@ -92,7 +98,11 @@ def _cell(steps: Steps) -> Iterator[Callable[[], None]]:
     from IPython.display import display
 
     handle = display({"text/plain": steps.table()}, raw=True, display_id=True)
-    yield lambda: handle.update({"text/plain": steps.table()}, raw=True)
+    try:
+        yield lambda: handle.update({"text/plain": steps.table()}, raw=True)
+    except BaseException as err:  # the output says so, rather than stay on a step that never ends
+        handle.update({"text/plain": steps.failed(err)}, raw=True)
+        raise
     handle.update({"text/plain": steps.summary()}, raw=True)
 
 
