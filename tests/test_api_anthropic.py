@@ -25,6 +25,7 @@ from mashbox.engine.events import (
     Usage,
 )
 from mashbox.engine.request import Message, ToolCall
+from mashbox.errors import InvalidRequestError
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3)
 ANSWER = [
@@ -94,6 +95,14 @@ def test_tools_skip_server_tools():
     request = _request(tools=tools)
     assert [t.name for t in to_engine(request).tools] == ["Read", "Bash"]
     assert request.ignored_fields() == ["tools[web_search_20250305]"]
+
+
+def test_a_conversation_left_empty_is_refused_naming_messages():
+    """Content blocks that make no message (an empty list) leave nothing to answer or continue: a 400
+    (the fuzzer found a 500 once a last message was looked for, to continue it)."""
+    with pytest.raises(InvalidRequestError) as err:
+        to_engine(_request(messages=[{"role": "user", "content": []}]))
+    assert err.value.param == "messages"
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,7 @@ def to_engine(req: CountTokensRequest) -> EngineRequest:
     messages = (*_system(req.system), *(m for msg in req.messages for m in _messages(msg)))
     return engine_request(
         messages=messages,
-        continue_final=_prefilled(messages[-1]),
+        continue_final=bool(messages) and _prefilled(messages[-1]),
         sampling=req.sampling() if isinstance(req, SamplingFields) else SamplingParams(),
         tools=tuple(
             Tool(t.name, t.description or "", t.input_schema or {}) for t in req.tools or () if t.usable()
