@@ -26,6 +26,7 @@ What the configuration does:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -38,11 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mashbox.engine.load.catalog import cache_dir
+from mashbox.server.errors import ApiError, answer
 from mashbox.server.generation import SESSION_HEADERS  # as the server reads them; prompt_cache_key after them
 from mashbox.server.settings import is_loopback
 
 BUFFER = 256 * 1024  # HAProxy's buffer, so that prompt_cache_key is found in bodies up to its size
 RESTART_S = 2.0  # a replica that dies is started again, at most once in this many seconds
+NOT_UP = "no replica is up: their models are loading, or starting again; retry shortly"
 REFUSED = (1, 2)  # `mashbox run` exits with these when its model or its flags are refused: no restart
 
 
@@ -83,6 +86,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    option redispatch 1",  # and the retry goes to another replica
         "    option abortonclose",
         "    default-server inter 1s fall 1 rise 1 observe layer4 error-limit 1 on-error mark-down",
+        f"    http-error {_reply('/v1')}",  # HAProxy's own 503 (no replica answered) as a mashbox server's
         "",
         "frontend mashbox",
         f"    bind {bind}",
@@ -91,6 +95,9 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    http-request set-var(txn.session) req.body,json_query('$.prompt_cache_key') "
         "if !{ var(txn.session) -m found } { method POST }",
         "    http-response set-header x-mashbox-replica %[srv_name]",
+        *(f"    http-request return {_reply(path)} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {path} }}"
+          for path in ("/v1/messages", "/v1/tasks")),
+        f"    http-request return {_reply('/v1')} if {{ nbsrv(replicas) eq 0 }}",
         "    use_backend tasks if { path_beg /v1/tasks }",
         "    use_backend sessions if { var(txn.session) -m found }",
         "    default_backend replicas",
@@ -111,6 +118,15 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         *tracked,
         "",
     ])
+
+
+def _reply(path: str) -> str:
+    """HAProxy's arguments for the answer a mashbox server at ``path`` gives while it loads (the
+    protocol's error shape, 503, or Anthropic's 529 with x-should-retry; Retry-After), for the
+    moments no replica is up: the balancer's own page would be HTML."""
+    status, body, headers = answer(path, ApiError(503, NOT_UP, retry_after=1))
+    hdrs = "".join(f' hdr {name} "{value}"' for name, value in headers.items())
+    return f"status {status} content-type application/json string '{json.dumps(body)}'{hdrs}"
 
 
 @dataclass
@@ -135,7 +151,9 @@ class Cluster:
             try:
                 for member in self.members:
                     self._start(member)
-                balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)])
+                # a session of its own, as the replicas': a terminal's Ctrl-C reaches the cluster only, which
+                # stops HAProxy softly (it stopped at once, cutting every stream)
+                balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)], start_new_session=True)
                 _say(f"on http://{self.host}:{self.port}: HAProxy (pid {balancer.pid}) in front of "
                      + ", ".join(f"{r.name} on 127.0.0.1:{r.port}" for r in self.members))
                 return self._watch(balancer)

@@ -55,8 +55,9 @@ class Running:
                 "--first-port", str(first), "--haproxy", haproxy(), "--", "smollm2-135m", "--ctx", "2048",
                 "--slots", "2", "--cache-disk", "0", "--max-waiting", "2"]
         env = {**os.environ, "MASHBOX_CACHE": str(tmp / "cache")}
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        with self.log.open("w") as log:  # a process group of its own, as a terminal's job: Ctrl-C reaches it all
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                            start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -139,6 +140,35 @@ def test_deploy_config_is_the_generators_and_haproxy_accepts_it():
     check = subprocess.run([haproxy(), "-c", "-f", str(ROOT / "deploy" / "haproxy.cfg")], capture_output=True,
                            text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_with_no_replica_up_the_balancer_answers_as_a_loading_server_would(tmp_path):
+    """Before any replica is up (or once none is), HAProxy's own answers are a mashbox server's while it
+    loads, in the route's shape with Retry-After, not its HTML page: the SDKs and agents retry them."""
+    port, first = free_port(), free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(haproxy_config("127.0.0.1", port, replicas(2, first)))  # nothing listens there
+    balancer = subprocess.Popen([haproxy(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(url), timeout=10, every=0.1)
+        for path, status, shape in [("/v1/chat/completions", 503, "error"), ("/v1/messages", 529, "type"),
+                                    ("/v1/tasks", 503, "jsonrpc"), ("/health", 503, "error")]:
+            answer = httpx.post(url + path, json={}, timeout=10)
+            assert answer.status_code == status and answer.headers["content-type"] == "application/json", answer.text
+            assert answer.headers["retry-after"] == "1" and shape in answer.json()
+        assert httpx.post(url + "/v1/messages", json={}).headers["x-should-retry"] == "true"
+    finally:
+        balancer.terminate()
+        balancer.wait(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code > 0
+    except httpx.TransportError:
+        return False
 
 
 def test_each_replica_runs_on_cores_of_its_own(cluster):
@@ -317,13 +347,15 @@ def test_bad_cluster_flags_are_one_line_and_exit_2(flags, words):
 
 
 def test_stopping_the_cluster_ends_its_streams_with_the_error_event(cluster):
-    """Last: SIGTERM to the cluster. The replicas end what runs with the protocol's error event and
-    HAProxy passes it on before it goes (a soft stop), then all exit 0."""
+    """Last: Ctrl-C in the cluster's terminal (SIGINT to its whole process group; SIGTERM takes the same
+    way out). The replicas end what runs with the protocol's error event and HAProxy passes it on
+    before it goes (a soft stop: HAProxy, in a session of its own, once got the SIGINT itself and
+    cut every stream), then all exit 0."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_stream, cluster, "stopping", started)
         wait_until(started.is_set, timeout=60, every=0.05)
-        cluster.process.send_signal(signal.SIGTERM)
+        os.killpg(cluster.process.pid, signal.SIGINT)
         ended = stream.result(timeout=30)
     assert ended.startswith("error event:") and "shutting down" in ended, ended
     assert cluster.process.wait(timeout=60) == 0
