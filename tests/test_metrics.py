@@ -91,6 +91,10 @@ def test_token_counters_come_from_the_engine_and_survive_worker_restarts():
     assert value(text, "mashbox:prefix_cache_queries_total") == 100
     assert value(text, "mashbox:prefix_cache_hits_total") == 60
     assert value(text, "mashbox:worker_restarts_total") == 1
+    backend.worker_restarts = 2  # another restart, whose worker counts past the last one's before a scrape
+    backend.snapshot = engine_stats(prompt_tokens=500, generated_tokens=70, prefix_lookup_tokens=0, prefix_hit_tokens=0)
+    text = metrics.render(backend, 0)
+    assert value(text, "mashbox:prompt_tokens_total") == 680 and value(text, "mashbox:generation_tokens_total") == 125
 
 
 def test_finishes_by_reason_and_histograms():

@@ -68,9 +68,12 @@ class _Totals:
 
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
+        self._worker = 0  # the restarts so far: a new worker's counts start at 0, whatever they reached
         self.sums: dict[str, int] = dict.fromkeys(ENGINE_COUNTERS, 0)
 
-    def update(self, stats: EngineStats) -> None:
+    def update(self, stats: EngineStats, worker: int) -> None:
+        if worker != self._worker:
+            self._last, self._worker = {}, worker
         for name in ENGINE_COUNTERS:
             now, last = getattr(stats, name), self._last.get(name, 0)
             self.sums[name] += now - last if now >= last else now
@@ -180,7 +183,7 @@ class Metrics:
         scrape = _Scrape(self.model_name or backend.model_id, stats, waiting, backend.worker_restarts)
         with self._lock:
             if stats is not None:
-                self._totals.update(stats)
+                self._totals.update(stats, backend.worker_restarts)
             self._engine.scrape = scrape
             return generate_latest(self.registry)
 
