@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import NoReturn
 from pathlib import Path
 
 from mashbox.engine.load.catalog import catalog
@@ -24,9 +26,17 @@ exit status:
      --allow-long-context) or a --ctx x --slots KV cache larger than the memory free"""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's, but a bad flag or value is one line (exit 2) naming where the flags are told, not
+    the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mashbox", description="A local LLM engine for notebooks and agents.")
-    commands = parser.add_subparsers(dest="command")
+    parser = Parser(prog="mashbox", description="A local LLM engine for notebooks and agents.")
+    commands = parser.add_subparsers(dest="command", parser_class=Parser)
     chat = commands.add_parser("chat", help="chat with a model in the terminal (the default command)")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                       help="catalog id, HF model directory or .gguf file (default: %(default)s)")
@@ -216,9 +226,19 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1
-    if not value >= 0:
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of GiB, 0 or more (got {text!r})")
     return value
+
+
+def _folder(name: str, path: Path) -> None:
+    """Make ``path`` a folder this process can write in, or raise ValueError naming ``name``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{name}: {path} cannot be a folder here ({err.strerror or err})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: {path} is a folder this user cannot write in")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -228,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.tasks_db:
             task_store.check(Path(args.tasks_db))
+        if args.cache_dir:
+            _folder("cache_dir", Path(args.cache_dir))
         launch = Launch(args.model, _settings(args), _engine_options(args), args.in_process)
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)

@@ -235,6 +235,20 @@ def _worker_pid_if_loading(port):
     return health.get("worker_pid") if health["status"] == "loading" else None
 
 
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--cache-disk", "inf"], "mashbox run: argument --cache-disk: must be a number of GiB, 0 or more"),
+    (["--cache-dir", "/proc/no-such-folder"], "mashbox: cache_dir: /proc/no-such-folder cannot be a folder here"),
+    (["--cache-dir", "/dev/null"], "mashbox: cache_dir: /dev/null cannot be a folder here"),
+    (["--slots", "abc"], "mashbox run: argument --slots: invalid int value: 'abc' (see mashbox run --help)"),
+    (["--sampling", "top_p=2"], "mashbox run: argument --sampling: top_p: must be in (0, 1]"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2_before_loading(flags, words):
+    """Refused at once in one line (argparse's usage block is not printed), never after loading began."""
+    process = mashbox("--port", str(free_port()), *flags)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and err.startswith(words) and len(err.splitlines()) == 1, err
+
+
 def test_a_tasks_db_that_cannot_hold_the_tasks_is_one_line_and_exit_2(tmp_path):
     """Refused at start, not a 500 on every /v1/tasks call later."""
     not_a_db = tmp_path / "notes.txt"
