@@ -163,8 +163,8 @@ class Engine(Runtime):
     def count_tokens(self, request: Any = None, /, **fields: Any) -> TokenCount:
         """Anthropic count_tokens: prompt tokens a Messages request would use."""
         self._check_open()
-        req = parse(anthropic_messages.CountTokensRequest, _merge(request, fields, anthropic_messages.CountTokensRequest,
-                                                                  "count_tokens"))
+        model = anthropic_messages.CountTokensRequest
+        req = parse(model, _merge(request, fields, model, "count_tokens"))
         _warn_ignored(req.ignored_fields(), stacklevel=3)
         return TokenCount(input_tokens=len(self.encode(anthropic_messages.to_engine(req))))
 

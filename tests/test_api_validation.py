@@ -102,6 +102,7 @@ ROWS = [
     ("responses", {"tools": [{"type": "function"}]}, "tools.0.name"),
     ("responses", {"reasoning": {"effort": 3}}, "reasoning.effort"),
     ("messages", {"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+    ("messages", {"tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ("count", {"tools": [{"name": "f", "type": "custom"}]}, "tools.0.input_schema"),
 ]
 TO_ENGINE = [  # refused when the request becomes the engine's

@@ -143,6 +143,12 @@ class ToolChoice(Part):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise InvalidRequestError("name", "is required when type is tool: the tool to call")
+        return self
+
 
 class ThinkingConfig(Part):
     type: Literal["enabled", "disabled", "adaptive"]
@@ -229,8 +235,8 @@ def _system(system: str | list[TextBlock] | None) -> tuple[Message, ...]:
 def _tool_choice(choice: ToolChoice | None) -> str:
     if choice is None or choice.type == "auto":
         return "auto"
-    if choice.type == "tool":
-        return choice.name or "required"
+    if choice.type == "tool" and choice.name:
+        return choice.name
     return {"any": "required", "none": "none"}[choice.type]
 
 
