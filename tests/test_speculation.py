@@ -93,6 +93,41 @@ def test_speculation_gives_exactly_the_greedy_answer(plain_engine, spec_engine):
     assert plain_engine.stats().draft_tokens == 0
 
 
+BLOCK = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon\n"
+
+
+@pytest.mark.parametrize(("stop", "max_tokens"), [("kappa", 17), ("sigma", 27), ("theta iota", 15), ("\n", 31)])
+def test_a_stop_inside_a_step_that_reaches_max_tokens_is_a_stop(plain_engine, spec_engine, stop, max_tokens):
+    """A stop string met among a step's kept proposals, the last of which reaches max_tokens: the answer
+    ends at the stop (finish stop), as one token a step gives (it once ended as length: the limit was
+    judged on the proposals before the stop took them back)."""
+    def run(engine):
+        out = engine.complete(prompt=BLOCK * 3, max_tokens=max_tokens, stop=[stop])
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+
+    plain = run(plain_engine)
+    assert run(spec_engine) == run(spec_engine) == plain and plain[1] == "stop"
+
+
+def test_a_grammar_begun_mid_step_near_the_limit_gets_the_tokens_left():
+    """A step keeps proposals up to the limit, but the text takes back those after a call's start (its
+    grammar chooses the rest): the request is not ended at the limit it no longer reached."""
+    s = Scheduler(2, 512, 32)
+    seq = _speculating(Sequence("a", [1, 2, 3, 4, 5] * 3, SamplingParams(), 4))
+    s.add(seq)
+    s.update(s.schedule(), [1])  # the prompt and its first token: "... 4 5 1" occurred before
+    for rows, seconds in {1: 0.010, 17: 0.011}.items():
+        s.pace.record(rows, 0, seconds)
+    plan = s.schedule()
+    assert plan.work[0].draft == 2  # proposals up to the limit: 2 3, then the row's own next token
+    s.update(plan, [2, 3, 4], emit=lambda seq, new: seq.rewind(2))  # the text kept only the first
+    assert not seq.status.is_finished and seq.output_ids == [1, 2]
+    while not seq.status.is_finished:  # the grammar's steps, one token each, to the limit
+        plan = s.schedule()
+        s.update(plan, [9] * (1 + plan.work[0].draft))
+    assert seq.output_ids[:2] == [1, 2] and len(seq.output_ids) == 4 and seq.finish_reason == "length"
+
+
 def test_an_answer_that_copies_takes_several_tokens_a_step(spec_engine):
     before = spec_engine.stats()
     _, _, _, tokens = answer(spec_engine, *PROMPTS[1])  # the file again, one name changed

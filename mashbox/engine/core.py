@@ -1,8 +1,9 @@
 """The engine loop: one thread that owns the scheduler and the device.
 
 Each step is three verbs: ``plan = scheduler.schedule()``,
-``tokens = runner.run(plan)``, ``scheduler.update(plan, tokens)``; new
-tokens then pass through each request's text state machines into events.
+``tokens = runner.run(plan)``, ``scheduler.update(plan, tokens, emit=...)``; each
+request's new tokens pass through its text state machines into events (which may
+take some back) before the scheduler checks them against the limits.
 Requests and aborts arrive through an inbox and join at the next step.
 """
 
@@ -196,8 +197,7 @@ class EngineCore:
             for seq in {w.seq.id: w.seq for w in plan.work}.values():
                 self._end(self.streams[seq.id], Status.FINISHED_ERROR, f"device step failed: {exc}")
             return
-        for seq, new in self.scheduler.update(plan, tokens, seconds):
-            self._emit_all(self.streams[seq.id], new)
+        self.scheduler.update(plan, tokens, seconds, emit=lambda seq, new: self._emit_all(self.streams[seq.id], new))
         if pages := self.scheduler.persist:
             self.scheduler.persist = []
             self.runner.keep(pages, self.scheduler.cache.disk)

@@ -29,6 +29,7 @@ that differs, then that token: the same tokens one step each would give, several
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -157,10 +158,13 @@ class Scheduler:
             budget -= self._prefill(plan, seq, budget, unit, tail)
         return plan
 
-    def update(self, plan: Plan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, list[int]]]:
+    def update(self, plan: Plan, sampled: list[int], seconds: float | None = None,
+               emit: Callable[[Sequence, list[int]], None] | None = None) -> list[tuple[Sequence, list[int]]]:
         """Record what ran (in ``seconds``, if timed); ``sampled`` holds one token per sampling row (one
         per work item, 1 + its draft for a decode item with proposals). Returns each request's new
-        tokens. Prompt pages it completed are added to ``persist``."""
+        tokens, each first given to ``emit`` (which may take some back: a stop string, a grammar begun),
+        and only then checked against the end of text and the limits. Prompt pages it completed are
+        added to ``persist``."""
         if seconds is not None:
             self.pace.record(plan.decode_rows + plan.draft_rows, plan.prompt_tokens, seconds)
         tokens = iter(sampled)
@@ -173,7 +177,11 @@ class Scheduler:
                                                    min(w.seq.num_computed, len(prompt)))
             rows = [next(tokens) for _ in range(1 + w.draft)] if w.sample else []
             if rows and not w.seq.status.is_finished:
-                new.append((w.seq, self._accept(w, rows)))
+                kept = self._accept(w, rows)
+                if emit is not None:
+                    emit(w.seq, kept)
+                self._check_limits(w.seq)
+                new.append((w.seq, kept))
         return new
 
     def _accept(self, w: Work, rows: list[int]) -> list[int]:
@@ -190,8 +198,7 @@ class Scheduler:
         for token in rows[: accepted + 1]:
             seq.append(token)
             kept.append(token)
-            self._check_limits(seq, token)
-            if seq.status.is_finished:
+            if token in seq.eos_ids:
                 break
         return kept
 
@@ -223,8 +230,12 @@ class Scheduler:
         self.running.append(seq)
         return ops
 
-    def _check_limits(self, seq: Sequence, token: int) -> None:
-        if token in seq.eos_ids:
+    def _check_limits(self, seq: Sequence) -> None:
+        """End ``seq`` at an end of text, or once it used its tokens or the context: judged on the tokens
+        it kept (a step's later proposals taken back by a stop string, say, do not count)."""
+        if seq.status.is_finished or not seq.output_ids:
+            return
+        if seq.output_ids[-1] in seq.eos_ids:
             self.finish(seq, Status.FINISHED_STOP)
         elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.ctx:
             self.finish(seq, Status.FINISHED_LENGTH)
