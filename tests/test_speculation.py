@@ -272,7 +272,9 @@ def test_proposals_that_seemed_too_dear_are_checked_now_and_then():
 
 
 def test_a_thinking_budget_ends_thinking_where_it_would_without_speculation(tiny_model_dir, tmp_path):
-    """Forced tokens (the budget spent) take over mid-step: the proposals kept after them are taken back."""
+    """Forced tokens (the budget spent) take over mid-step: the proposals kept after them are taken back.
+    Every proposal is checked here, whatever the steps' times say (a busy machine's say none pay), and
+    budgets 1-12 put the budget's end inside a step (with the take-back undone, budget 5 differs)."""
     from test_tools import THINK_TEMPLATE
     from transformers import AutoTokenizer
 
@@ -281,19 +283,18 @@ def test_a_thinking_budget_ends_thinking_where_it_would_without_speculation(tiny
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = THINK_TEMPLATE
     tokenizer.save_pretrained(path)
-    request = EngineRequest(messages=(Message("user", "Think about it."),), enable_thinking=True, thinking_budget=6,
-                            sampling=SamplingParams(max_tokens=60))
-    runs = {}
+    runs: dict[tuple[bool, int], list] = {}
     for on in (False, True):
         with Engine(str(path), ctx=512, slots=2, quiet=True, speculation=on) as engine:
-            for _ in range(3 if on else 1):  # proposals wait until the steps' times say they pay: a busy
-                # machine's first steps can say otherwise for a whole short answer
+            scheduler = engine._core.scheduler
+            scheduler._afford = lambda decoding: [scheduler._draft(s) for s in decoding]
+            for budget in range(1, 13):
+                request = EngineRequest(messages=(Message("user", "Think about it."),), enable_thinking=True,
+                                        thinking_budget=budget, sampling=SamplingParams(max_tokens=60))
                 events = [e for e in engine.stream(request) if isinstance(e, (ReasoningDelta, TextDelta, Finish))]
                 usage = events[-1].usage
-                runs[on] = ([(type(e).__name__, e.text) for e in events[:-1]],
-                            (usage.completion_tokens, usage.reasoning_tokens))
-                assert runs[on] == runs[False]
-                if engine.stats().draft_tokens:
-                    break
+                runs[on, budget] = [[(type(e).__name__, e.text) for e in events[:-1]],
+                                    (usage.completion_tokens, usage.reasoning_tokens)]
             drafted = engine.stats().draft_tokens
+    assert all(runs[True, budget] == runs[False, budget] for budget in range(1, 13))
     assert drafted > 0  # proposals were made (the tiny model repeats itself), and taken back where forced
