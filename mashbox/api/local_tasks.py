@@ -10,6 +10,7 @@ arguments as keywords.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import queue
 import threading
@@ -118,12 +119,15 @@ def _threaded(make: Callable[[], AsyncIterator[Any]]) -> Iterator[Any]:
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), name="mashbox-task", daemon=True)
     thread.start()
+    ended = False
     try:
         while (got := out.get())[0] == "item":
             yield got[1]
+        ended = True
         if got[0] == "error" and not isinstance(got[1], asyncio.CancelledError):
             raise got[1]
     finally:
-        if thread.is_alive() and "loop" in running:
-            running["loop"].call_soon_threadsafe(running["task"].cancel)
+        if not ended and "loop" in running:  # left early: cancel it (a loop that ended meanwhile is closed)
+            with contextlib.suppress(RuntimeError):
+                running["loop"].call_soon_threadsafe(running["task"].cancel)
         thread.join()
