@@ -175,8 +175,8 @@ class Engine(Runtime):
         translator = protocol.module.Translator(prepared.req, self.model_id)
         try:
             job = self._job(prepared.engine)
-        except ContextLengthError as err:  # named as the protocol names the conversation (Responses: input)
-            raise ContextLengthError(protocol.turns or err.param, err.message, tokens=err.tokens, ctx=err.ctx) from None
+        except ContextLengthError as err:
+            raise protocol.too_long(err) from None
         return prepared.req, translator, prepared.engine, job
 
     def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:

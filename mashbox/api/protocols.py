@@ -24,7 +24,7 @@ from mashbox.api import (
 from mashbox.api.base import RequestModel, parse
 from mashbox.api.frames import COMMENT, DONE, PING, data_frame, event_frame
 from mashbox.engine.request import EngineRequest
-from mashbox.errors import ModelNotFoundError
+from mashbox.errors import ContextLengthError, ModelNotFoundError
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,10 @@ class Protocol:
     keepalive: bytes = COMMENT
     any_model: bool = False  # Anthropic requests may name any model; the answer names it back
     turns: str | None = "messages"  # the body's list of conversation items
+
+    def too_long(self, err: ContextLengthError) -> ContextLengthError:
+        """``err`` naming the field as this protocol names the conversation (Responses: input)."""
+        return ContextLengthError(self.turns or err.param, err.message, tokens=err.tokens, ctx=err.ctx)
 
 
 CHAT = Protocol("chat", "chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)

@@ -251,10 +251,11 @@ class Run:
         self._events = self._ctx.backend.astream(self._engine)
         try:
             return await self._next()
-        except InvalidRequestError as err:
+        except ContextLengthError as err:
             self._refused = True
-            if isinstance(err, ContextLengthError):  # named as the protocol names the conversation (Responses: input)
-                err.param = self._protocol.turns or err.param
+            raise self._protocol.too_long(err) from None
+        except InvalidRequestError:
+            self._refused = True
             raise
 
     async def _next(self) -> Event:
