@@ -39,10 +39,18 @@ PROMPTS = [  # (messages, extra request fields)
 ]
 
 
+def eager(engine: Engine) -> Engine:
+    """``engine`` checking every proposal, whatever its steps' times say: a busy machine's say none pay,
+    which would leave these tests with nothing proposed (the choice itself is tested below)."""
+    scheduler = engine._core.scheduler
+    scheduler._afford = lambda decoding: [scheduler._draft(s) for s in decoding]
+    return engine
+
+
 @pytest.fixture(scope="module")
 def spec_engine():
     with Engine("smollm2-135m", ctx=2048, slots=4, quiet=True) as engine:  # on by default
-        yield engine
+        yield eager(engine)
 
 
 @pytest.fixture(scope="module")
@@ -202,19 +210,14 @@ def test_chat_usage_says_how_many_proposed_tokens_were_kept(spec_engine):
     assert details.accepted_prediction_tokens < out.usage.completion_tokens  # each step gives one of its own
 
 
-def test_a_predicted_output_is_proposed_and_changes_nothing_but_speed(plain_engine):
+def test_a_predicted_output_is_proposed_and_changes_nothing_but_speed(plain_engine, spec_engine):
     """OpenAI's ``prediction``: the text expected back (here the answer itself, as an edit tool would
-    know most of it) is a source of proposals; the answer is the greedy one with or without it. (An
-    engine of its own: how many proposals a step checks follows the step times it measured, which the
-    other tests' concurrent requests, on a busy machine, would leave as they found them.)"""
+    know most of it) is a source of proposals; the answer is the greedy one with or without it."""
     messages = ask("Write a short poem about the sea, with a title.")
     plain = plain_engine.chat(messages=messages, max_tokens=60)
     expected = plain.choices[0].message.content
-    with Engine("smollm2-135m", ctx=2048, slots=4, quiet=True) as spec_engine:
-        predicted = spec_engine.chat(messages=messages, max_tokens=60,
-                                     prediction={"type": "content", "content": expected})
-        wrong = spec_engine.chat(messages=messages, max_tokens=60,
-                                 prediction={"type": "content", "content": "x y z " * 20})
+    predicted = spec_engine.chat(messages=messages, max_tokens=60, prediction={"type": "content", "content": expected})
+    wrong = spec_engine.chat(messages=messages, max_tokens=60, prediction={"type": "content", "content": "x y z " * 20})
     assert predicted.choices[0].message.content == wrong.choices[0].message.content == expected
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 30
 
@@ -286,8 +289,7 @@ def test_a_thinking_budget_ends_thinking_where_it_would_without_speculation(tiny
     runs: dict[tuple[bool, int], list] = {}
     for on in (False, True):
         with Engine(str(path), ctx=512, slots=2, quiet=True, speculation=on) as engine:
-            scheduler = engine._core.scheduler
-            scheduler._afford = lambda decoding: [scheduler._draft(s) for s in decoding]
+            eager(engine)
             for budget in range(1, 13):
                 request = EngineRequest(messages=(Message("user", "Think about it."),), enable_thinking=True,
                                         thinking_budget=budget, sampling=SamplingParams(max_tokens=60))
