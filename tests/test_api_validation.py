@@ -39,6 +39,12 @@ SAMPLING = [
     ({"stop": 3}, "stop"),
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"seed": "x"}, "seed"),
+    ({"max_tokens": "5"}, "max_tokens"),  # strict types, as OpenAI's and Anthropic's: no guessing
+    ({"max_tokens": 5.5}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"seed": True}, "seed"),
+    ({"stream": 1}, "stream"),
+    ({"stream": "true"}, "stream"),
 ]
 ROWS = [
     *[(route, change, param) for route in ("chat", "completions", "messages", "responses")
@@ -144,7 +150,9 @@ def test_a_call_asked_for_with_no_tools_is_refused(row):
      ("chat", {"n": 1, "stop": ["a"], "max_tokens": 1}), ("completions", {"logprobs": None}),
      ("responses", {"text": {"format": {"type": "text"}}, "include": ["reasoning.encrypted_content"]}),
      ("responses", {"previous_response_id": None}), ("messages", {"output_config": {"effort": "low"}}),
-     ("messages", {"temperature": 0, "top_p": 1, "min_p": 0, "top_k": 0})],
+     ("messages", {"temperature": 0, "top_p": 1, "min_p": 0, "top_k": 0}),
+     ("chat", {"temperature": 1, "top_p": 1, "frequency_penalty": 0}),  # a whole number is a number
+     ("responses", {"temperature": 1, "top_p": 1, "max_output_tokens": 7})],
 )
 def test_accepted_edge_values(route, change):
     model_cls, body = BASE[route]

@@ -34,9 +34,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Part(BaseModel):
-    """A nested object of a request: unknown keys are kept, not reported."""
+    """A nested object of a request: unknown keys are kept, not reported. Types are strict, as OpenAI's and
+    Anthropic's APIs are: ``"5"`` is not a number, nor ``1`` a boolean (a client's bug, named, not guessed)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class RequestModel(Part):
@@ -96,6 +97,8 @@ Stream = Annotated[bool, BeforeValidator(lambda v: False if v is None else v)]  
 
 class SamplingFields(BaseModel):
     """The sampling table every generating route shares (server-api.md)."""
+
+    model_config = ConfigDict(strict=True)
 
     temperature: Temperature | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
