@@ -211,6 +211,21 @@ def test_length_gives_incomplete():
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[-1]["type"] == "response.completed"
     sdk.Response.model_validate(body)
+    done = next(e["item"] for e in events if e["type"] == "response.output_item.done")
+    assert done == body["output"][0] and done["status"] == "incomplete"  # the item the limit cut, its text kept
+    assert done["content"][0]["text"] == "ab"
+
+
+@pytest.mark.parametrize(("reason", "status"), [("length", "incomplete"), ("error", "incomplete"),
+                                                ("tool_calls", "completed")])
+def test_an_item_the_end_cuts_is_incomplete_and_one_it_closed_before_is_completed(reason, status):
+    cut = [TextDelta("Hi"), ToolCallStart(0, "a1", "spawn"), ToolCallDelta(0, '{"task": "x'), Finish(reason, USAGE, TIMINGS)]
+    translator, events = _stream(_request(tools=TOOLS), cut)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [item["status"] for item in done] == ["completed", status]
+    assert done[1]["arguments"] == '{"task": "x'
+    for event in events:
+        SDK_EVENT.validate_python(event)
 
 
 def test_model_defaults_to_the_served_id():

@@ -267,15 +267,17 @@ class Translator:
                                item_id=item_id, output_index=index, delta=text)]
 
     def _close(self, block: Block, kind: str) -> list[EventBase]:
-        self._output[block.index] = self._item(block, "completed")
+        finish = self._blocks.finish  # set where the answer's end closes the block: cut if it ran out or failed
+        status: ItemStatus = "incomplete" if finish is not None and finish.reason in ("length", "error") else "completed"
+        self._output[block.index] = self._item(block, status)
         if kind == "local_shell":
             added = self._item_event("response.output_item.added", block, "in_progress")
-            return [added, self._item_event("response.output_item.done", block, "completed")]
+            return [added, self._item_event("response.output_item.done", block, status)]
         events = self._close_content(block, kind)
         part = self._part(block, block.text)
         if part is not None:
             events.append(self._part_event("response.content_part.done", block, part))
-        return [*events, self._item_event("response.output_item.done", block, "completed")]
+        return [*events, self._item_event("response.output_item.done", block, status)]
 
     def _close_content(self, block: Block, kind: str) -> list[EventBase]:
         item_id, index, text = self._item_ids[block.index], block.index, block.text
@@ -304,13 +306,13 @@ class Translator:
 
     def _item(self, block: Block, status: ItemStatus) -> Any:
         kind = self._kind(block)
-        whole = status == "completed" or kind == "local_shell"
+        whole = status != "in_progress" or kind == "local_shell"
         item_id, text = self._item_ids[block.index], block.text if whole else ""
         if kind == "text":
-            parts = [OutputText(text=text)] if status == "completed" else []
+            parts = [OutputText(text=text)] if whole else []
             return MessageOut(id=item_id, status=status, content=parts)
         if kind == "reasoning":
-            thoughts = [ReasoningText(text=text)] if status == "completed" else []
+            thoughts = [ReasoningText(text=text)] if whole else []
             return ReasoningOut(id=item_id, status=status, content=thoughts)
         return self._call_item(block, kind, item_id, status, text)
 
@@ -327,7 +329,7 @@ class Translator:
                 working_directory=args.get("workdir"), timeout_ms=args.get("timeout_ms"),
             )
             return LocalShellCallOut(id=item_id, status=status, call_id=call_id, action=action)
-        arguments = (text or "{}") if status == "completed" else ""
+        arguments = (text or "{}") if status != "in_progress" else ""
         return FunctionCallOut(id=item_id, status=status, call_id=call_id, name=ref.name,
                                arguments=arguments, namespace=ref.namespace)
 
