@@ -103,6 +103,8 @@ async def streamed(client: httpx.AsyncClient, route: str, payload: dict, cancel_
             if cancel_after is not None and seen >= cancel_after:
                 return "cancelled"  # leaving the block closes the connection mid-stream
             if data == "[DONE]":
+                if last not in END_EVENTS.get(route, (last,)):  # Responses: [DONE] after its end event
+                    raise Problem(f"{route}: [DONE] after {last!r}, not its end")
                 return "done"
             event = json.loads(data)
             last = name or event.get("type")

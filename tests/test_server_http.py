@@ -285,7 +285,8 @@ def test_messages_stream_framing(http):
 
 
 def test_responses_stream_framing(http):
-    events = frames(http.post("/v1/responses", json={"input": "x", "max_output_tokens": 3, "stream": True}).text)
+    *events, done = frames(http.post("/v1/responses", json={"input": "x", "max_output_tokens": 3, "stream": True}).text)
+    assert done == (None, "[DONE]")  # after the end event, as open-responses.md says
     payloads = [json.loads(data) for _, data in events]
     assert [name for name, _ in events] == [p["type"] for p in payloads]
     assert [p["sequence_number"] for p in payloads] == list(range(1, len(payloads) + 1))

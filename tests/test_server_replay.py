@@ -102,7 +102,9 @@ def _responses(response: httpx.Response, streamed: bool, schemas: OpenResponses)
         schemas.response(_open_tools(response.json()))
         return
     adapter = TypeAdapter(orr.ResponseStreamEvent)
-    events = [json.loads(data) for _, data in frames(response.text)]
+    *sent, done = frames(response.text)
+    assert done == (None, "[DONE]")  # the stream's end, as open-responses.md says
+    events = [json.loads(data) for _, data in sent]
     assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
     for event in events:
         adapter.validate_python(event)

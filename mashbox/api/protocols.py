@@ -48,7 +48,7 @@ CHAT = Protocol("chat", "chat", openai_chat, openai_chat.ChatRequest, data_frame
 COMPLETIONS = Protocol("completions", "complete", openai_completions, openai_completions.CompletionRequest,
                        data_frame, DONE, turns=None)
 RESPONSES = Protocol("responses", "respond", openai_responses, openai_responses.ResponsesRequest, event_frame,
-                     turns="input")
+                     DONE, turns="input")  # [DONE] last, as open-responses.md says (the SDKs stop at it)
 MESSAGES = Protocol("messages", "message", anthropic_messages, anthropic_messages.MessagesRequest, event_frame,
                     keepalive=PING, any_model=True)
 PROTOCOLS = {p.method: p for p in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)}  # by Engine method
