@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -96,15 +97,18 @@ def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
 
 def test_sigterm_lets_answers_end_then_ends_the_rest_with_the_error_event():
     """A stream still running when the server is told to stop gets its protocol's error event and
-    [DONE] within the grace period, not a cut connection nor a traceback; a short one finishes."""
+    [DONE] within the grace period, not a cut connection nor a traceback; a short one finishes; a
+    whole answer still running gets 503 saying so (it was a 500: sent again to a worker that was gone)."""
     import openai
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = mashbox("--port", str(port), "--ctx", "8192", "--slots", "2", "--cache-disk", "0")
+    process = mashbox("--port", str(port), "--ctx", "8192", "--slots", "3", "--cache-disk", "0")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     try:
         poll_health(url, process)
+        whole = ThreadPoolExecutor(1).submit(httpx.post, f"{url}/v1/responses", timeout=60, json={
+            "input": "Write a very long story about a lighthouse.", "max_output_tokens": 6000})
         long = client.chat.completions.create(stream=True, max_tokens=6000, model="smollm2-135m", messages=[
             {"role": "user", "content": "Write a very long story about a lighthouse."}])
         short = client.chat.completions.create(stream=True, max_tokens=40, model="smollm2-135m", messages=[
@@ -115,6 +119,9 @@ def test_sigterm_lets_answers_end_then_ends_the_rest_with_the_error_event():
         assert list(short)[-1].choices[0].finish_reason in ("stop", "length")  # it ended on its own
         with pytest.raises(openai.APIError, match="the server is shutting down"):
             list(long)
+        refused = whole.result()
+        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        assert refused.json()["error"]["message"] == "the server is shutting down"
         assert time.monotonic() - start < 6
     finally:
         process.send_signal(signal.SIGTERM)

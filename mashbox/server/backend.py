@@ -17,7 +17,7 @@ from mashbox.engine.events import Event
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
-from mashbox.errors import ConfigError
+from mashbox.errors import ConfigError, NotReadyError
 
 if TYPE_CHECKING:  # torch loads only where an engine is built
     from mashbox.facade import Engine
@@ -154,5 +154,5 @@ class InProcessBackend:
 
     def _ready(self) -> Engine:
         if self._engine is None:
-            raise RuntimeError("the model is still loading")
+            raise NotReadyError("the model is still loading")
         return self._engine

@@ -13,7 +13,13 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, SerializationException
 
-from mashbox.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, NotReadyError
+from mashbox.errors import (
+    ContextLengthError,
+    EngineClosedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NotReadyError,
+)
 from mashbox.server.admission import QueueFull
 
 log = logging.getLogger("mashbox.server")
@@ -85,7 +91,7 @@ def api_error(exc: Exception, retry_after: int) -> ApiError:
         return ApiError(404, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, exc.message, param=exc.param or None, code=exc.code)
-    if isinstance(exc, NotReadyError):
+    if isinstance(exc, (NotReadyError, EngineClosedError)):  # loading, restarting, or stopping: ask elsewhere
         return ApiError(503, str(exc), retry_after=retry_after)
     if isinstance(exc, QueueFull):
         return ApiError(429, exc.message, retry_after=exc.retry_after, overloaded=exc.scope == "server")

@@ -30,6 +30,7 @@ from mashbox.engine.events import Event, Finish
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
+from mashbox.errors import EngineClosedError
 from mashbox.server.backend import Change, State
 from mashbox.server.worker_child import serve
 from mashbox.server.worker_messages import (
@@ -161,7 +162,7 @@ class WorkerBackend:
                     case Error() as error:
                         raise error.exception()
                     case WorkerLost() as lost if not self._retry(pending, lost):
-                        raise RuntimeError(lost.error)
+                        raise EngineClosedError(lost.error)
         finally:
             self._forget(pending, abort=False)
 
@@ -197,8 +198,8 @@ class WorkerBackend:
 
     def _open(self, command: Submit | Count) -> Pending:
         with self._lock:
-            if self._closed or self._state == "failed":
-                raise RuntimeError(self._error or "the server is shutting down")
+            if self._closed or self._state == "failed":  # no worker will answer: 503, as while loading
+                raise EngineClosedError(self._error or "the server is shutting down")
             pending = self._pending[command.request_id] = Pending(command)
             self._worker.outbox.put(command)
         return pending
