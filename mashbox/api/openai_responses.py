@@ -9,7 +9,8 @@ part), text -> ``message`` (one ``output_text`` part), a tool call -> ``function
 ``namespace`` when it came from one), ``custom_tool_call`` or ``local_shell_call``. Custom and
 local-shell inputs are decoded from the JSON arguments, so they are sent whole when the call ends.
 The stream ends with ``response.completed`` whatever the status (``incomplete`` when max tokens ran
-out), as DESIGN.md's order says; a failure ends it with ``error`` then ``response.failed``.
+out, and so is the item they cut), as DESIGN.md's order says; a failure ends it with ``error`` then
+``response.failed``; then ``data: [DONE]``, as open-responses.md says.
 
 ``reasoning.effort`` maps to thinking: absent -> the model's default, ``none`` or ``minimal`` ->
 off, any other effort -> on (the templates only know on and off).
