@@ -105,7 +105,9 @@ def test_tools_map_namespaces_custom_and_local_shell():
      ({"type": "function", "name": "spawn"}, "spawn"),
      ({"type": "function", "function": {"name": "exec_command"}}, "exec_command"),
      ({"type": "custom", "name": "apply_patch"}, "apply_patch"),
-     ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "spawn"}]}, "required")],
+     ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "spawn"}]}, "required"),
+     ({"type": "allowed_tools", "mode": "none", "tools": [{"type": "function", "name": "spawn"}]}, "none"),
+     ({"type": "allowed_tools", "tools": [{"type": "function", "name": "spawn"}]}, "auto")],
 )
 def test_tool_choice(choice, expected):
     assert to_engine(_request(tools=TOOLS, tool_choice=choice)).tool_choice == expected
@@ -285,6 +287,13 @@ def test_response_carries_the_open_responses_fields():
     assert body["previous_response_id"] is None and body["prompt_cache_key"] == "s1"
     assert body["completed_at"] >= body["created_at"]
     sdk.Response.model_validate(body)
+
+
+def test_an_allowed_tools_choice_is_echoed_with_its_mode():
+    """Open Responses requires ``mode`` in the response's allowed_tools choice; a request may leave it out."""
+    choice = {"type": "allowed_tools", "tools": [{"type": "function", "name": "spawn"}]}
+    translator, _ = _stream(_request(tools=TOOLS, tool_choice=choice), [Finish("stop", USAGE, TIMINGS)])
+    assert translator.response().dump()["tool_choice"] == {**choice, "mode": "auto"}
 
 
 def test_allowed_tools_limits_what_the_model_may_call():

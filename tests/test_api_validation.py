@@ -107,6 +107,7 @@ ROWS = [
     ("responses", {"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input.0.role"),
     ("responses", {"tools": [{"type": "function"}]}, "tools.0.name"),
     ("responses", {"reasoning": {"effort": 3}}, "reasoning.effort"),
+    ("responses", {"reasoning": {"effort": "ultra"}}, "reasoning.effort"),
     ("messages", {"tools": [{"name": "f"}]}, "tools.0.input_schema"),
     ("messages", {"tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ("count", {"tools": [{"name": "f", "type": "custom"}]}, "tools.0.input_schema"),

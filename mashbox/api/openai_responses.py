@@ -18,7 +18,7 @@ off, any other effort -> on (the templates only know on and off).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
@@ -89,7 +89,7 @@ STATELESS = ("this server keeps no responses, so previous_response_id cannot ref
 
 
 class ReasoningConfig(Part):
-    effort: str | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: str | None = None
 
     def thinking(self) -> bool | None:

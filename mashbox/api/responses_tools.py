@@ -157,7 +157,7 @@ class ToolChoiceObject(Part):
     type: str
     name: str | None = None
     function: dict[str, Any] | None = None
-    mode: Literal["auto", "required"] | None = None
+    mode: Literal["auto", "required", "none"] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def named(self) -> str | None:
@@ -191,4 +191,6 @@ def echo_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
     name = choice.named()
     if name is not None and choice.type in ("function", "custom"):
         return {"type": choice.type, "name": name}
+    if choice.type == "allowed_tools":  # its mode is required in the response (default: auto)
+        return {**choice.model_dump(exclude_none=True), "mode": choice.mode or "auto"}
     return choice.model_dump(exclude_none=True)
