@@ -255,6 +255,11 @@ def test_list_retrieve_delete(tasks):
     assert tasks.delete(made[0]).result.id == made[0]
     with pytest.raises(agentlin_client.NotFoundError):
         tasks.info(made[0])
+    for cursor in ("starting_after", "ending_before"):  # a cursor deleted (or expired) since: said, not guessed
+        with pytest.raises(agentlin_client.BadRequestError, match=f"no task .*'param': '{cursor}'"):
+            tasks.list(session_id="list-test", **{cursor: made[0]})
+    assert [t.id for t in tasks.list(session_id="list-test", ending_before=made[2])] == [] and \
+        [t.id for t in tasks.list(session_id="list-test", ending_before=made[1])] == [made[2]]
 
 
 def test_restart(backend, db, tasks):

@@ -19,6 +19,7 @@ from typing import Any
 
 from mashbox.api.task_items import FINAL
 from mashbox.api.task_loop import EXPIRED as EXPIRED_CODE
+from mashbox.errors import InvalidRequestError
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, id TEXT NOT NULL, status TEXT NOT NULL,
@@ -96,18 +97,25 @@ class TaskStore:
         if statuses:
             where.append(f"status IN ({','.join('?' * len(statuses))})")
             args += list(statuses)
-        order = "DESC"
-        for cursor, op in ((after, "<"), (before, ">")):
-            if cursor is not None:
-                where.append(f"seq {op} COALESCE((SELECT seq FROM tasks WHERE tenant=? AND id=?), -1)")
-                args += [tenant, cursor]
-        if before is not None and after is None:
-            order = "ASC"
-        sql = f"SELECT body FROM tasks WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"
+        order = "ASC" if before is not None and after is None else "DESC"
         with self._lock:
+            for cursor, op, field in ((after, "<", "starting_after"), (before, ">", "ending_before")):
+                if cursor is not None:
+                    where.append(f"seq {op} ?")
+                    args.append(self._seq(tenant, cursor, field))
+            sql = f"SELECT body FROM tasks WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"
             rows = self._conn().execute(sql, [*args, limit]).fetchall()
         bodies = [json.loads(r[0]) for r in rows]
         return bodies[::-1] if order == "ASC" else bodies
+
+    def _seq(self, tenant: str, task_id: str, field: str) -> int:
+        """Where the task a cursor names lies in the listing; a cursor that names none is refused (listing
+        from the start, or from nowhere, would be silently wrong)."""
+        row = self._conn().execute("SELECT seq FROM tasks WHERE tenant=? AND id=?", (tenant, task_id)).fetchone()
+        if row is None:
+            raise InvalidRequestError(field, f"no task {task_id!r} to page from (deleted, or expired): list again "
+                                             "from the start")
+        return row[0]
 
     def sweep(self, live: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
         """Expire or delete tasks untouched for ``ttl_s``; the (tenant, id) of live ones found (their
