@@ -285,6 +285,8 @@ def test_bad_input(url, tasks):
             ({"inference_args": {"max_tokens": 0}}, "inference_args.max_tokens"),
             ({"client_tools": [{"type": "function"}]}, "client_tools.0.function"),
             ({"structured_output": PERSON, "stream": True}, "structured_output"),
+            ({"structured_output": {"type": "json_schema"}}, "structured_output"),  # no schema: not "any JSON"
+            ({"structured_output": {"type": "json_schema", "json_schema": {"name": "x"}}}, "structured_output"),
             ({"client_tools": [WEATHER], "inference_args": {"tool_choice": {"name": "nope"}}},
              "inference_args.tool_choice"),
             ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type"),

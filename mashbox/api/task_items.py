@@ -144,7 +144,9 @@ class CreateTask(RequestModel):
         if value is None:
             return None
         if value.get("type") == "json_schema":  # OpenAI's response_format shape
-            value = value.get("json_schema") or {}
+            value = value.get("json_schema")
+            if not isinstance(value, dict) or not isinstance(value.get("schema"), dict):
+                raise ValueError("{'type': 'json_schema'} needs json_schema.schema: the JSON schema the answer follows")
         if "schema" in value and isinstance(value["schema"], dict):  # {"name": ..., "schema": {...}}
             value = value["schema"]
         return value
