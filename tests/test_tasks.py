@@ -491,7 +491,7 @@ def scripted(*steps):
         for index, (name, arguments) in enumerate(calls):
             yield ToolCallStart(index, f"call_{index}", name)
             yield ToolCallDelta(index, arguments)
-            if reason != "length" or index < len(calls) - 1:
+            if reason not in ("length", "error") or index < len(calls) - 1:
                 yield ToolCallEnd(index)
         yield Finish(reason, Usage(10, 8), Timings(10, 1.0, 8, 1.0, 0, 0.0))
 
@@ -554,6 +554,13 @@ def test_a_call_cut_by_max_tokens_never_runs():
     task = asyncio.run(run_async(prepare({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate)))
     assert task.status == "input-required" and task.input_required.call_id == "call_0"
     assert [o.status for o in task.output] == ["completed", "incomplete"] and task.incomplete_details is None
+
+
+def test_a_call_cut_by_a_failure_stays_incomplete_and_never_runs():
+    generate = scripted(([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Ro')], "error"))
+    task = asyncio.run(run_async(prepare({"user_message_content": "Weather?", "client_tools": [WEATHER]}, generate)))
+    assert task.status == "failed" and task.input_required is None
+    assert [o.status for o in task.output] == ["completed", "incomplete"]
 
 
 class Stalled(Gated):
