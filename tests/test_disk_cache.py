@@ -95,6 +95,90 @@ def test_a_page_that_does_not_read_is_skipped_with_a_log_line_and_removed(tmp_pa
     assert again.stored(keys) == 1
 
 
+def test_a_page_that_does_not_read_and_cannot_be_removed_is_a_miss_said_once(tmp_path: Path, caplog):
+    """A directory in a page's place (or a folder gone read-only): the removal fails, and the page is a miss
+    from then on; it once raised out of the engine's step, stopping it on every request with that prompt."""
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(8))
+    keys = store.keys(prompt, "")
+    store.save(keys[0], prompt[:4], *page())
+    store.save(keys[1], prompt[4:], *page())
+    store.close()
+    second = tmp_path / f"{keys[1]}.safetensors"
+    second.unlink()
+    second.mkdir()
+    again = PageStore(tmp_path, 2**20, "ns", page=4)
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        k, _ = again.read(keys, prompt)
+        assert k.shape[1] == 4 and again.stored(keys) == 1 and again.read(keys, prompt)[0].shape[1] == 4
+        again.save(keys[1], prompt[4:], *page())  # not written over what could not be removed
+        again.close()
+    assert caplog.text.count(f"skipped the cached prompt page {second}") == 1 and second.is_dir()
+
+
+def test_a_page_the_disk_cannot_take_is_not_kept_and_the_writer_goes_on(tmp_path: Path, caplog, monkeypatch):
+    """A full disk is safetensors' own error, not an OSError: it once ended the writer's thread, and every
+    later page then waited in memory for it, without end."""
+    import safetensors.torch
+
+    real, failures = safetensors.torch.save_file, iter([True])
+
+    def full(tensors, path, metadata=None):
+        if next(failures, False):
+            raise safetensors.SafetensorError("No space left on device (os error 28)")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(8))
+    keys = store.keys(prompt, "")
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        store.save(keys[0], prompt[:4], *page())
+        store.save(keys[1], prompt[4:], *page())
+        store.close()
+    assert "No space left on device" in caplog.text and not store._writer.is_alive()  # it ended at close
+    assert store.stored(keys) == 0 and (tmp_path / f"{keys[1]}.safetensors").is_file() and store._queued == 0
+    assert list(tmp_path.glob(".*.tmp")) == []
+
+
+def test_pages_wait_for_a_slow_disk_up_to_a_bound(tmp_path: Path, monkeypatch):
+    import threading
+
+    import safetensors.torch
+
+    import mashbox.engine.sched.disk_cache as disk_cache
+
+    real, go = safetensors.torch.save_file, threading.Event()
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: go.wait() and real(*a, **k))
+    one = sum(t.nbytes for t in page())
+    monkeypatch.setattr(disk_cache, "QUEUED_BYTES", 3 * one)
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(40))
+    keys = store.keys(prompt, "")
+    for i, key in enumerate(keys):
+        store.save(key, prompt[4 * i: 4 * i + 4], *page())
+    assert store._queued <= 3 * one  # the first is being written, three wait; the rest are not kept
+    go.set()
+    store.close()
+    assert 3 <= len(list(tmp_path.glob("*.safetensors"))) <= 4 and store._queued == 0
+
+
+def test_an_empty_page_file_is_removed_at_start_and_written_again(tmp_path: Path):
+    """Renamed but never flushed (a power cut): a page of 0 bytes read as 'claimed, not yet written' for
+    good, so the prompt missed the cache on every start and the file stayed."""
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(4))
+    keys = store.keys(prompt, "")
+    store.save(keys[0], prompt, *page())
+    store.close()
+    (tmp_path / f"{keys[0]}.safetensors").write_bytes(b"")
+    again = PageStore(tmp_path, 2**20, "ns", page=4)
+    assert again.stored(keys) == 0 and not (tmp_path / f"{keys[0]}.safetensors").exists()
+    again.save(keys[0], prompt, *page())
+    again.close()
+    assert PageStore(tmp_path, 2**20, "ns", page=4).stored(keys) == 1
+
+
 def test_the_folder_keeps_within_its_cap_least_recently_used_out_first(tmp_path: Path):
     probe = PageStore(tmp_path / "probe", 2**30, "ns", page=4)
     probe.save("probe", [0, 1, 2, 3], *page())

@@ -6,7 +6,8 @@ end: a page is only ever used after exactly the tokens it was computed after. Pa
 as they are computed (by a background thread: the engine only copies the slice), as safetensors
 files, never pickles; a file is written whole (a temp file of the writer's own, then a rename) and
 read back only if its header names the same key and its tokens are the prompt's. A file that does
-not read is skipped with a log line and removed.
+not read is skipped with a log line and removed (where it cannot be, it is a miss from then on). A
+page that cannot be written (a full or read-only disk) is not kept, and the engine goes on.
 
 Several processes may share the folder (the replicas of a host): each sees the pages the others
 wrote (a page missing from its index is looked for on disk), a page one of them removed is a miss,
@@ -36,6 +37,7 @@ log = logging.getLogger("mashbox.engine")
 FORMAT = "mashbox-kv-page/1"
 RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes, whatever its index says
 STALE_S = 600.0  # a temp file this old was left by a writer that died
+QUEUED_BYTES = 256 << 20  # pages waiting for the writer, at most: past it (a slow or failing disk) pages are not kept
 
 
 class PageStore:
@@ -47,6 +49,8 @@ class PageStore:
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._written = 0  # bytes written since the folder was last counted
+        self._queued = 0  # bytes of the pages waiting for the writer
+        self._broken: set[str] = set()  # pages that do not read and could not be removed: misses, said once
         self._scan()
         self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_all, name="mashbox-disk-cache", daemon=True)
@@ -71,6 +75,8 @@ class PageStore:
 
     def _has(self, key: str) -> bool:
         with self._lock:  # a page claimed but not yet written (0 bytes) is not there yet
+            if key in self._broken:
+                return False
             if self._files.get(key):
                 return True
             if key in self._files:
@@ -91,6 +97,8 @@ class PageStore:
         parts = []
         for i, key in enumerate(keys):
             path = self._path(key)
+            if key in self._broken:
+                break
             try:
                 with safe_open(str(path), framework="pt") as file:
                     if file.metadata().get("key") != key:
@@ -101,8 +109,10 @@ class PageStore:
                     parts.append((file.get_tensor("keys"), file.get_tensor("values")))
             except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
                 if path.exists() and not isinstance(err, FileNotFoundError):
-                    log.warning("skipped the cached prompt page %s (%s: %s); removed it", path, type(err).__name__, err)
-                    self._remove(key)
+                    log.warning("skipped the cached prompt page %s (%s: %s); removing it", path, type(err).__name__, err)
+                    if not self._remove(key):
+                        with self._lock:
+                            self._broken.add(key)
                 else:  # by another process's trim (and maybe written again since): a miss
                     self._forget(key)
                 break
@@ -118,10 +128,12 @@ class PageStore:
         """Write a page in the background (``keys``/``values`` are the engine's own copy)."""
         if self._has(key):  # here, or written by another process
             return
+        size = keys.nbytes + values.nbytes
         with self._lock:
-            if key in self._files:
+            if key in self._files or key in self._broken or self._queued + size > QUEUED_BYTES:
                 return
             self._files[key] = 0  # claimed: not written twice
+            self._queued += size
         self._writes.put((key, torch.tensor(tokens, dtype=torch.int32), keys, values))
 
     def close(self) -> None:
@@ -134,17 +146,20 @@ class PageStore:
 
         while (item := self._writes.get()) is not None:
             key, tokens, keys, values = item
+            with self._lock:
+                self._queued -= keys.nbytes + values.nbytes
             path, tmp = self._path(key), self.folder / f".{key}.{uuid.uuid4().hex[:12]}.tmp"
-            try:
+            try:  # safetensors says a full disk as its own error, not OSError: any failure is a page not kept
                 save_file({"tokens": tokens, "keys": keys, "values": values}, str(tmp),
                           metadata={"key": key, "format": FORMAT})
                 os.replace(tmp, path)
-            except OSError as err:
-                log.warning("could not keep a prompt page on disk in %s (%s)", self.folder, err)
-                tmp.unlink(missing_ok=True)
+                size = path.stat().st_size
+            except Exception as err:
+                log.warning("could not keep a prompt page on disk in %s (%s: %s)", self.folder, type(err).__name__, err)
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
                 self._forget(key)
                 continue
-            size = path.stat().st_size
             with self._lock:
                 self._files[key] = size
                 self._written += size
@@ -160,24 +175,30 @@ class PageStore:
                 if self.bytes <= self.cap or len(self._files) <= 1:
                     return
                 key = next(iter(self._files))
-            self._remove(key)
+            if not self._remove(key):
+                return  # a folder that cannot be trimmed (read-only now): tried again after the next write
 
     def _scan(self) -> None:
         """The index read again from the folder, least recently used first; stale temp files removed."""
         files = OrderedDict()
         for path, stat in sorted(_stats(self.folder, "*.safetensors"), key=lambda item: item[1].st_mtime):
-            files[path.stem] = stat.st_size
+            if stat.st_size:
+                files[path.stem] = stat.st_size
+            else:  # written whole then renamed, a page is never empty: this one lost its bytes (a crash)
+                log.warning("skipped the cached prompt page %s (it is empty); removing it", path)
+                _unlink(path)
         for path, stat in _stats(self.folder, ".*.tmp"):
             if time.time() - stat.st_mtime > STALE_S:
-                path.unlink(missing_ok=True)
+                _unlink(path)
         with self._lock:  # pages claimed here and not yet written stay claimed
             claimed = {key: 0 for key, size in self._files.items() if size == 0 and key not in files}
             self._files = OrderedDict({**claimed, **files})
             self._written = 0
 
-    def _remove(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+    def _remove(self, key: str) -> bool:
+        """Remove a page; False where its file stays (a read-only folder, a directory in its place)."""
         self._forget(key)
+        return _unlink(self._path(key))
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -185,6 +206,15 @@ class PageStore:
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        log.warning("could not remove %s (%s)", path, err)
+        return False
+    return True
 
 
 def _stats(folder: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
