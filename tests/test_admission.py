@@ -30,6 +30,31 @@ def test_tenant_limit_refuses_that_tenant_only():
     admission.admit("a")  # a slot of a's allowance came free
 
 
+def test_requests_on_their_way_to_free_slots_are_not_waiting_for_one():
+    """4 slots, 2 waiting a tenant: 4 requests at once all go in (2 of them were refused when each
+    counted as waiting until the engine gave it its slot), and 2 more wait; a request that ends frees
+    its slot for the next."""
+    admission = Admission(max_per_tenant=2, max_total=3, slots=lambda: 4)
+    together = [admission.admit("a") for _ in range(6)]
+    with pytest.raises(QueueFull, match="2 of yours"):
+        admission.admit("a")
+    for ticket in together[:4]:
+        ticket.running()
+    with pytest.raises(QueueFull):  # the slots taken, 2 wait: the tenant's allowance
+        admission.admit("a")
+    admission.admit("b")  # the server's allowance: 3
+    with pytest.raises(QueueFull) as info:
+        admission.admit("c")
+    assert info.value.scope == "server"
+    together[0].done()
+    admission.admit("c")  # its slot came free
+    together[1].done()
+    together[1].done()  # once only
+    admission.admit("c")
+    with pytest.raises(QueueFull):
+        admission.admit("c")
+
+
 def test_total_limit_refuses_everyone():
     admission = Admission(max_per_tenant=2, max_total=3)
     tickets = [admission.admit(t) for t in ("a", "a", "b")]

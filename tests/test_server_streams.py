@@ -5,11 +5,13 @@ the protocol's error event."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -169,11 +171,16 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_its_slot(tiny_server):
 
 
 class Stalled(Flaky):
-    """The in-process backend whose runs wait for ``release`` before they start: requests queue."""
+    """The in-process backend whose runs wait for ``release`` before they start, as behind slots all
+    taken (it says it has none free): requests queue."""
 
     def __init__(self, inner: InProcessBackend) -> None:
         super().__init__(inner, 0)
         self.release = threading.Event()
+
+    @property
+    def info(self):
+        return dataclasses.replace(self.inner.info, slots=0)
 
     async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
         while not self.release.is_set():
@@ -198,6 +205,22 @@ def test_a_full_queue_is_429_or_529(long_engine, per_tenant, status, kind):
         assert "retry-after" in refused.headers
         backend.release.set()
         waiting.join(30)
+    server.close()
+
+
+def test_requests_that_arrive_together_for_free_slots_are_all_taken(long_engine):
+    """4 slots free, at most 1 waiting: 4 requests at once are all answered (each counted as waiting
+    until the engine gave it its slot, 3 of them were refused with 429)."""
+    server = serve(InProcessBackend.of(long_engine), Settings(max_waiting_per_tenant=1, max_waiting=1))
+    with httpx.Client(base_url=next(server), timeout=30) as client:
+        start = threading.Barrier(4)
+
+        def ask(_):
+            start.wait()
+            return client.post("/v1/chat/completions", json=SHORT).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(4))) == [200] * 4
     server.close()
 
 

@@ -4,6 +4,7 @@ against a real server on the embedded SmolLM2."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import sqlite3
@@ -439,13 +440,18 @@ def _until_final(tasks, task_id: str, timeout: float = 60):
 
 
 class Gated:
-    """The backend whose runs wait for ``release`` before the engine sees them: tasks queue."""
+    """The backend whose runs wait for ``release`` before the engine sees them, as behind slots all
+    taken (it says it has none free): tasks queue."""
 
     def __init__(self, inner: InProcessBackend) -> None:
         self.inner, self.release = inner, threading.Event()
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+    @property
+    def info(self):
+        return dataclasses.replace(self.inner.info, slots=0)
 
     async def astream(self, request):
         while not self.release.is_set():

@@ -1,11 +1,13 @@
 """Admission: how many requests may wait for a slot, per tenant and in all.
 
 A request takes a ``Ticket`` when it arrives and waits until it gets a slot;
-the HTTP layer marks that with ``Ticket.running()`` at its first output (the
-only sign of a slot it sees, so a long prefill still counts as waiting), and
-``Ticket.done()`` when it ends either way. A tenant with ``max_per_tenant``
-waiting, or a server with ``max_total`` waiting, is refused with
-``QueueFull`` (429, or Anthropic's 529 for a full server).
+the HTTP layer marks that with ``Ticket.running()`` when the engine gives it
+one, and ``Ticket.done()`` when it ends either way. Requests that arrive
+together are on their way to the free slots, not waiting for one: of the
+tickets not yet running, as many as the slots free (``slots`` less those
+running) are not counted. A tenant with ``max_per_tenant`` waiting beyond
+them, or a server with ``max_total``, is refused with ``QueueFull`` (429, or
+Anthropic's 529 for a full server).
 
 Retry-After: about how long admitted requests recently waited for a slot (a
 moving average of admit -> running), never under ``retry_after``, at most 60 s.
@@ -51,24 +53,28 @@ class Admission:
         max_total: int = 256,
         retry_after: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        slots: Callable[[], int] = lambda: 0,
     ) -> None:
         if min(max_per_tenant, max_total, retry_after) < 1:
             raise ValueError("admission limits and retry_after must be >= 1")
         self.max_per_tenant = max_per_tenant
         self.max_total = max_total
         self.retry_after = retry_after
-        self._clock = clock
+        self._clock, self._slots = clock, slots
         self._lock = threading.Lock()
         self._waiting: Counter[str] = Counter()
         self._total = 0
+        self._running = 0  # tickets with a slot, not yet done
         self._wait_s = 0.0
 
     def admit(self, tenant: str) -> Ticket:
         """A ticket for one more waiting request of ``tenant``; raises ``QueueFull``."""
+        free = self._slots()
         with self._lock:
-            if self._waiting[tenant] >= self.max_per_tenant:
+            free = max(0, free - self._running)
+            if self._waiting[tenant] >= self.max_per_tenant + free:
                 raise QueueFull("tenant", self._retry_after(), self.max_per_tenant)
-            if self._total >= self.max_total:
+            if self._total >= self.max_total + free:
                 raise QueueFull("server", self._retry_after(), self.max_total)
             self._waiting[tenant] += 1
             self._total += 1
@@ -92,9 +98,15 @@ class Admission:
 
     def _leave(self, ticket: Ticket, got_slot: bool) -> None:
         with self._lock:
+            if ticket._running and not got_slot:  # done after it ran
+                ticket._running = False
+                self._running -= 1
             if not ticket._waiting:
                 return
             ticket._waiting = False
+            if got_slot:
+                ticket._running = True
+                self._running += 1
             self._total -= 1
             self._waiting[ticket.tenant] -= 1
             if self._waiting[ticket.tenant] <= 0:
@@ -107,11 +119,11 @@ class Admission:
 class Ticket:
     """One admitted request: waiting until ``running()`` or ``done()``."""
 
-    __slots__ = ("_admission", "_waiting", "since", "tenant")
+    __slots__ = ("_admission", "_running", "_waiting", "since", "tenant")
 
     def __init__(self, admission: Admission, tenant: str, since: float) -> None:
         self._admission = admission
-        self._waiting = True
+        self._waiting, self._running = True, False
         self.tenant = tenant
         self.since = since
 

@@ -29,11 +29,16 @@ class Context:
 
     def __post_init__(self) -> None:
         s = self.settings
-        self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s)
+        self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s, slots=self._slots)
         self.metrics = Metrics(self.backend.model_id)
         self.page = Page.load() if s.ui else None
         store = TaskStore(Path(s.tasks_db) if s.tasks_db else cache_dir() / "tasks.sqlite3", s.tasks_ttl_s)
         self.tasks = TaskRuns(self.backend, self.admission, store, salted=s.auth_required)
+
+    def _slots(self) -> int:
+        """The engine's slots (0 while it loads: nothing is on its way to one)."""
+        info = self.backend.info
+        return info.slots if info is not None and self.backend.state == "ready" else 0
 
     def served(self) -> str:
         """The model id, once the backend takes requests."""
