@@ -19,6 +19,7 @@ from server import frames, serve
 
 from mashbox.engine.events import Event, Finish, Queued, Started, Timings, Usage
 from mashbox.engine.request import EngineRequest
+from mashbox.errors import EngineClosedError
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
 
@@ -133,6 +134,24 @@ def test_a_second_failure_is_500(flaky, stream):
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
     response = client.post("/v1/messages", json={**SHORT, "stream": stream})
     assert response.status_code == 500 and response.json()["error"]["type"] == "api_error"
+
+
+class Stopping(Flaky):
+    """The backend that takes a run, then stops before giving it a slot (the server shutting down)."""
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        yield Queued(1)
+        raise EngineClosedError("the server is shutting down")
+
+
+def test_a_stream_the_stop_cuts_before_its_output_says_so_in_words(long_engine):
+    server = serve(Stopping(InProcessBackend.of(long_engine), 0), Settings())
+    with httpx.Client(base_url=next(server), timeout=30) as client:
+        chat = frames(client.post("/v1/chat/completions", json={**SHORT, "stream": True}).text)
+        assert json.loads(chat[-2][1])["error"]["message"] == "the server is shutting down"
+        messages = frames(client.post("/v1/messages", json={**SHORT, "stream": True}).text)
+        assert json.loads(messages[-1][1])["error"]["message"] == "the server is shutting down"
+    server.close()
 
 
 def test_a_failure_after_output_ends_the_stream_with_an_error_event(flaky):

@@ -29,7 +29,7 @@ from mashbox.api.base import RequestModel
 from mashbox.api.protocols import Protocol, prepare
 from mashbox.engine.events import Event, Finish, Queued, Started, Usage
 from mashbox.engine.request import EngineRequest
-from mashbox.errors import ContextLengthError, InvalidRequestError
+from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError
@@ -222,6 +222,8 @@ class Run:
             yield self._encode(translator.error("the request ended early"))
         except ApiError as err:
             yield self._encode(translator.error(err.message))
+        except EngineClosedError as err:  # stopping: said as a whole answer's 503 says it
+            yield self._encode(translator.error(str(err)))
         except Exception as exc:
             log.exception("%s failed after its stream started", self._tag.request_id)
             yield self._encode(translator.error(f"{type(exc).__name__}: {exc}"))
