@@ -129,17 +129,26 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 return
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            watcher = OutputWatcher()
+            watcher, listening = OutputWatcher(), True
             while chunk := answer.read1(65536):
                 exchange.raw += chunk
                 if exchange.first_output_at is None and watcher.feed(chunk):
                     exchange.first_output_at = time.monotonic()
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
+                listening = listening and self._send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             if exchange.first_output_at is None and exchange.raw.lstrip().startswith(b"{"):
                 exchange.first_output_at = time.monotonic()
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
+            self._send(b"0\r\n\r\n")
+
+        def _send(self, data: bytes) -> bool:
+            """Pass ``data`` to the agent; False once it hung up (Codex does at response.completed, before
+            the stream's [DONE]): the agent's choice, not the server's fault, and the answer is still read."""
+            try:
+                self.wfile.write(data)
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+                return False
+            return True
 
     return Handler
 
