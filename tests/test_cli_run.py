@@ -2,6 +2,7 @@
 stops cleanly."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,6 +94,21 @@ def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
     assert gone(restarted["worker_pid"])
     assert "loading the model again (restart 1)" in err
     assert any(request_id in line and "session=sess-9" in line for line in err.splitlines()), err
+
+
+def test_the_workers_engine_says_its_notes_in_the_servers_log(tiny_model_dir, tmp_path):
+    """The worker's engine log (here: the packed weights of a model never packed before, saved) goes where
+    the server's does; it went nowhere, so a format widened at load was said to no one."""
+    model = tmp_path / "never-packed"
+    shutil.copytree(tiny_model_dir, model)
+    port = free_port()
+    process = mashbox(str(model), "--port", str(port), "--ctx", "512", "--slots", "2")
+    try:
+        poll_health(f"http://127.0.0.1:{port}", process)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert " INFO mashbox.engine: packed weights saved to " in err, err
 
 
 def test_sigterm_lets_answers_end_then_ends_the_rest_with_the_error_event():

@@ -6,7 +6,6 @@ the worker on the way out (Ctrl-C or SIGTERM).
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import queue
 import signal
@@ -17,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mashbox.server import logs
 from mashbox.server.backend import Backend, Change, InProcessBackend
 from mashbox.server.settings import Settings
 from mashbox.server.worker import WorkerBackend
@@ -44,7 +44,7 @@ def serve(launch: Launch) -> int:
     except OSError as err:
         _say(f"cannot listen on {_url(launch.settings).removeprefix('http://')}: {_reason(err)}")
         return 2
-    _log_requests()
+    logs.to_stderr()  # each request with its id, session and tenant
     backend = _backend(launch)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     if launch.settings.key_file:
@@ -169,15 +169,6 @@ def _reload_keys(settings: Settings) -> None:
 def _url(settings: Settings) -> str:
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     return f"http://{host}:{settings.port}"
-
-
-def _log_requests() -> None:
-    """The server's log (each request with its id, session and tenant) goes to stderr."""
-    handler = logging.StreamHandler(sys.__stderr__ or sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log = logging.getLogger("mashbox")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
 
 
 def _say(text: str) -> None:

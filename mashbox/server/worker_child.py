@@ -27,6 +27,7 @@ from mashbox.engine.events import Event, Finish
 from mashbox.engine.model.openmp import prefer_passive_wait
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ConfigError, EngineClosedError
+from mashbox.server import logs
 from mashbox.server.worker_messages import (
     STATS_EVERY,
     Abort,
@@ -56,6 +57,7 @@ def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
     # lets its answers end, then sends Stop
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, signal.SIG_IGN)
+    logs.to_stderr()  # the engine's notes (a format widened at load, packed weights saved) beside the server's
     engine = _load(conn, model, options)
     if engine is not None:
         Worker(engine, conn).run()
