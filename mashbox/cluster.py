@@ -42,9 +42,11 @@ from mashbox.engine.load.catalog import cache_dir
 from mashbox.server.errors import ApiError, answer
 from mashbox.server.generation import SESSION_HEADERS  # as the server reads them; prompt_cache_key after them
 from mashbox.server.settings import is_loopback
+from mashbox.server.task_routes import paths as task_paths
 
 BUFFER = 256 * 1024  # HAProxy's buffer, so that prompt_cache_key is found in bodies up to its size
 RESTART_S = 2.0  # a replica that dies is started again, at most once in this many seconds
+TASKS = tuple(task_paths())  # /v1/tasks and its alias: both go to the replica the tasks live in
 NOT_UP = "no replica is up: their models are loading, or starting again; retry shortly"
 REFUSED = (1, 2)  # `mashbox run` exits with these when its model or its flags are refused: no restart
 
@@ -95,10 +97,10 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    http-request set-var(txn.session) req.body,json_query('$.prompt_cache_key') "
         "if !{ var(txn.session) -m found } { method POST }",
         "    http-response set-header x-mashbox-replica %[srv_name]",
-        *(f"    http-request return {_reply(path)} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {path} }}"
-          for path in ("/v1/messages", "/v1/tasks")),
+        *(f"    http-request return {_reply(paths[0])} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {' '.join(paths)} }}"
+          for paths in (("/v1/messages",), TASKS)),
         f"    http-request return {_reply('/v1')} if {{ nbsrv(replicas) eq 0 }}",
-        "    use_backend tasks if { path_beg /v1/tasks }",
+        f"    use_backend tasks if {{ path_beg {' '.join(TASKS)} }}",
         "    use_backend sessions if { var(txn.session) -m found }",
         "    default_backend replicas",
         "",

@@ -154,7 +154,7 @@ def test_with_no_replica_up_the_balancer_answers_as_a_loading_server_would(tmp_p
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _answers(url), timeout=10, every=0.1)
         for path, status, shape in [("/v1/chat/completions", 503, "error"), ("/v1/messages", 529, "type"),
-                                    ("/v1/tasks", 503, "jsonrpc"), ("/health", 503, "error")]:
+                                    ("/v1/tasks", 503, "jsonrpc"), ("/tasks", 503, "jsonrpc"), ("/health", 503, "error")]:
             answer = httpx.post(url + path, json={}, timeout=10)
             assert answer.status_code == status and answer.headers["content-type"] == "application/json", answer.text
             assert answer.headers["retry-after"] == "1" and shape in answer.json()
@@ -272,6 +272,17 @@ def _stream(cluster: Running, session: str, started: threading.Event | None = No
 def _health(cluster: Running, name: str) -> dict:
     health = httpx.get(f"http://127.0.0.1:{cluster.replica_ports[name]}/health", timeout=5).json()
     return health
+
+
+@pytest.mark.parametrize("path", ["/v1/tasks", "/tasks"])
+def test_a_task_is_found_on_its_replica_under_either_path(cluster, path):
+    """The tasks API lives in one replica (its own tasks file): every call, under /v1/tasks or its /tasks
+    alias, goes there (the alias went to any replica: the task was there one call in two)."""
+    made = httpx.post(f"{cluster.url}{path}", timeout=60, json={
+        "stream": False, "user_message_content": "Hi.", "inference_args": {"max_tokens": 2}}).json()["result"]
+    for _ in range(6):
+        found = httpx.get(f"{cluster.url}{path}/{made['id']}", timeout=30)
+        assert found.status_code == 200 and found.json()["result"]["id"] == made["id"], found.text
 
 
 def test_a_full_queue_answers_429_and_529_through_the_balancer_with_retry_after(cluster):
