@@ -339,3 +339,22 @@ def test_sighup_reads_the_key_file_again_and_a_bad_file_keeps_the_keys(tiny_mode
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
     assert "API keys read again" in err and "kept the API keys in use" in err and "sk-new" not in err
+
+
+def test_sighup_without_a_key_file_changes_nothing(tiny_model_dir):
+    """Keys from MASHBOX_API_KEY alone: a SIGHUP (as docs/scale-out.md says to send every replica) once
+    ended the server at once, its answers cut."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "2",
+                      env={"MASHBOX_API_KEY": "sk-env"})
+    try:
+        poll_health(url, process)
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        assert process.poll() is None
+        assert httpx.get(f"{url}/v1/models", headers={"x-api-key": "sk-env"}, timeout=5).status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0 and "there is none (--api-key-file): nothing changed" in err, err

@@ -47,8 +47,7 @@ def serve(launch: Launch) -> int:
     logs.to_stderr()  # each request with its id, session and tenant
     backend = _backend(launch)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if launch.settings.key_file:
-        signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))
+    signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))  # (its default ends the process)
     try:
         return _serve(backend, launch.settings, sock)
     except KeyboardInterrupt:
@@ -156,6 +155,10 @@ def _backend(launch: Launch) -> Backend:
 def _reload_keys(settings: Settings) -> None:
     """SIGHUP: read the key file again; a file that does not read keeps the keys in use."""
     from mashbox.server.security import load_keys
+
+    if not settings.key_file:
+        _say("SIGHUP reads the key file again, and there is none (--api-key-file): nothing changed")
+        return
 
     try:
         keys = load_keys(settings.key_file, os.environ.get("MASHBOX_API_KEY"))
