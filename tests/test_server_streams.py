@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import socket
 import threading
 import time
@@ -154,9 +155,13 @@ def test_a_stream_the_stop_cuts_before_its_output_says_so_in_words(long_engine):
     server.close()
 
 
-def test_a_failure_after_output_ends_the_stream_with_an_error_event(flaky):
+def test_a_failure_after_output_ends_the_stream_with_an_error_event(flaky, caplog):
     backend, client = flaky(3, True)
-    chat = frames(client.post("/v1/chat/completions", json={**SHORT, "stream": True}).text)
+    with caplog.at_level(logging.INFO, logger="mashbox.server"):
+        chat = frames(client.post("/v1/chat/completions", json={**SHORT, "stream": True}).text)
+    failed = [r.getMessage() for r in caplog.records if "failed after" in r.getMessage()]
+    assert failed and failed[0].endswith(": device lost")  # its counts are unknown: not said to be 0
+    assert "0 prompt + 0 new tokens" not in caplog.text
     error = json.loads(chat[-2][1])
     assert error["error"]["message"] == "device lost" and chat[-1][1] == "[DONE]"
     assert error["error"]["request_id"] == error["id"] == json.loads(chat[0][1])["id"]

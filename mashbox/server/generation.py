@@ -319,8 +319,12 @@ class Run:
             self._ctx.metrics.request_finished(self._protocol.name, "abort", None, self._ttft, e2e)
             return
         usage = finish.usage
-        log.info("%s finished: %s, %d prompt + %d new tokens, %.2f s; prefix cache: %s", self._tag.request_id,
-                 finish.reason, usage.prompt_tokens, usage.completion_tokens, e2e, self.cache())
+        if finish.reason == "error" and not usage.total_tokens:  # ended for it (its worker lost, the server
+            # stopping): its counts went with the worker
+            log.info("%s failed after %.2f s: %s", self._tag.request_id, e2e, finish.error)
+        else:
+            log.info("%s finished: %s, %d prompt + %d new tokens, %.2f s; prefix cache: %s", self._tag.request_id,
+                     finish.reason, usage.prompt_tokens, usage.completion_tokens, e2e, self.cache())
         self._ctx.metrics.request_finished(self._protocol.name, finish, None, self._ttft, e2e)
 
 
