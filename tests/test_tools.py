@@ -56,6 +56,32 @@ def test_named_tool_gives_that_call(tiny_engine):
     assert answer.choices[0].finish_reason == "tool_calls"
 
 
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "enum": [0, 1, 2]}, "y": {"type": "integer", "enum": [5, 6]}},
+         "required": ["x", "y"], "additionalProperties": False}
+MOVES = [  # parameters that refer within themselves, as pydantic and the SDKs write them
+    {"type": "object", "$defs": {"Point": POINT}, "additionalProperties": False, "required": ["start", "end"],
+     "properties": {"start": {"$ref": "#/$defs/Point"}, "end": {"$ref": "#/$defs/Point"}}},
+    {"type": "object", "definitions": {"Point": POINT}, "additionalProperties": False, "required": ["start", "end"],
+     "properties": {"start": {"$ref": "#/definitions/Point"}, "end": {"$ref": "#/definitions/Point"}}},
+]
+
+
+@pytest.mark.parametrize("parameters", MOVES, ids=["$defs", "definitions"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move"}}])
+def test_a_call_follows_parameters_that_refer_within_themselves(tiny_engine, parameters, choice):
+    """A reference is read from the root of the whole schema the call is checked against, of which the
+    tool's parameters are a part: it named nothing there (a 400 when forced; in auto, no guard)."""
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "move", "parameters": parameters}}, WEATHER]
+    answer = tiny_engine.chat(messages=ASK, tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=120)
+    call = answer.choices[0].message.tool_calls[0]
+    if call.function.name == "move":
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
+    else:
+        assert valid_weather(call.function.arguments)
+
+
 def test_named_tool_that_does_not_exist_is_refused(tiny_engine):
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.chat(messages=ASK, tools=[TIME], tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -31,8 +31,8 @@ FLEXIBLE_JSON = {**TOOL_JSON, "whitespace_flexible": True}  # a call the model b
 KEYS = ("arguments", "parameters")  # where a call the model began holds its arguments (Llama 3's: parameters)
 
 
-def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
-    parameters = tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
+def call_schema(tool: Tool, key: str = "arguments", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    parameters = parameters or (tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"})
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, key: parameters},
@@ -43,10 +43,39 @@ def call_schema(tool: Tool, key: str = "arguments") -> dict[str, Any]:
 
 def calls_body(tools: Iterable[Tool], guidance: dict[str, Any], keys: tuple[str, ...] = ("arguments",)) -> str:
     """The grammar rule ``body``: one call to any of ``tools`` as JSON, its arguments under one of ``keys``,
-    read with ``guidance``."""
-    schemas = [call_schema(t, key) for t in tools for key in keys]
+    read with ``guidance``. A tool whose parameters refer within themselves (``#/$defs/...``, as pydantic
+    writes them) is kept whole under the body's ``$defs``, its references pointed there."""
+    defs: dict[str, Any] = {}
+    schemas = [call_schema(t, key, _kept(t, f"tool{i}", defs)) for i, t in enumerate(tools) for key in keys]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return f"body: %json {json.dumps({**schema, 'x-guidance': guidance})}\n"
+    return f"body: %json {json.dumps({**schema, **({'$defs': defs} if defs else {}), 'x-guidance': guidance})}\n"
+
+
+def _kept(tool: Tool, name: str, defs: dict[str, Any]) -> dict[str, Any] | None:
+    """A reference to ``tool``'s parameters kept as ``defs[name]``, where they refer within themselves (a
+    reference is read from the root of the whole schema, which theirs no longer is); None where they do not."""
+    if tool.parameters.get("type") != "object" or not _refers(tool.parameters):
+        return None
+    defs[name] = _pointed(tool.parameters, f"#/$defs/{name}")
+    return {"$ref": f"#/$defs/{name}"}
+
+
+def _refers(node: Any) -> bool:
+    if isinstance(node, dict):
+        return str(node.get("$ref", "")).startswith("#") or any(_refers(v) for v in node.values())
+    return isinstance(node, list) and any(_refers(v) for v in node)
+
+
+def _pointed(node: Any, root: str) -> Any:
+    """``node`` with each local reference (``#...``) made relative to ``root``."""
+    if isinstance(node, list):
+        return [_pointed(v, root) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _pointed(v, root) for k, v in node.items()}
+    if isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def tool_grammar(tools: Iterable[Tool], many: bool, tags: tuple[str, str]) -> str:
