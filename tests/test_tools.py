@@ -246,6 +246,23 @@ def test_a_model_that_writes_the_same_call_again_is_stopped_after_the_first(smol
     assert runner.sampled <= 2 * len(smol_tokenizer.encode(call, add_special_tokens=False))
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_with_parallel_calls_off_the_answer_ends_with_its_first_call(tiny_engine, smol_tokenizer, parallel):
+    """parallel_tool_calls false (Responses' default; Anthropic's disable_parallel_tool_use) in auto mode:
+    one call, and the answer ends there (a grammar held it to one only when a call was forced)."""
+    calls = ['<tool_call>\n{"name": "read", "arguments": {"path": "%s"}}\n</tool_call>\n' % p for p in "abcd"]
+    script = smol_tokenizer.encode("Reading them.\n" + "".join(calls) + "Done.", add_special_tokens=False)
+    tools = (Tool("read", "", {"type": "object", "properties": {"path": {"type": "string"}}}),)
+    request = EngineRequest(messages=(Message("user", "Read a, b, c and d."),), tools=tools, parallel_tool_calls=parallel)
+    runner = ScriptedRunner(script)
+    events = scripted_events(runner, smol_tokenizer, len(script), tiny_engine._job(request).markup)
+    made = [e.index for e in events if isinstance(e, ToolCallStart)]
+    assert made == ([0, 1, 2, 3] if parallel else [0])
+    assert events[-1].reason == ("length" if parallel else "tool_calls")  # the script's end, or the call's
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)).startswith("Reading them.")
+    assert parallel or runner.sampled < len(script) // 2  # it stopped writing there
+
+
 class MaskedScriptRunner(ScriptedRunner):
     """Writes ``script`` as a model would through the real runner's constraint steps: the row of
     each sampled token is masked by the request's constraint (if any), then the token accepted.

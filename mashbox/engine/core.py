@@ -75,8 +75,9 @@ class Stream:
 
     @property
     def ended(self) -> bool:
-        """A stop string matched, or the answer was cut as a loop: no later token is the answer's."""
-        return self.stop.matched is not None or self.markup.repeated
+        """A stop string matched, the answer was cut as a loop, or its one call is made (parallel calls
+        off): no later token is the answer's."""
+        return self.stop.matched is not None or self.markup.repeated or self.markup.done
 
     def finish(self, error: str | None = None) -> None:
         if self.stop.matched is None:

@@ -174,7 +174,7 @@ class Runtime:
         loop = looping_call(request.messages) if calls and request.tool_choice == "auto" else None
         made = frozenset([loop] if loop else [])
         return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced,
-                      made=made)
+                      made=made, one_call=not request.parallel_tool_calls)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:

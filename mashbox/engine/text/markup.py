@@ -75,8 +75,9 @@ class Markup:
 
     def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False,
                  names: frozenset[str] = frozenset(), cut_calls_are_text: bool = True,
-                 made: frozenset[tuple[str, str]] = frozenset()) -> None:
+                 made: frozenset[tuple[str, str]] = frozenset(), one_call: bool = False) -> None:
         self.calls = calls
+        self.one_call = one_call  # parallel calls off: the answer ends with its first call
         self.cut_calls_are_text = cut_calls_are_text  # False: a call cut off unparsed is dropped
         self.think = think
         self.state = "think" if in_think else "text"
@@ -87,6 +88,7 @@ class Markup:
         self.made: set[tuple[str, str]] = set(made)  # (name, arguments) of the calls made: one more is a loop
         self.shapes: Counter[tuple[str, str]] = Counter()  # the calls made, their numbers left out
         self.repeated = False
+        self.done = False  # its one call made (one_call): nothing after it is the answer's
         self.line = ""
         self.bare = BareCall(names) if calls and names else None
         self.after = ""
@@ -95,7 +97,7 @@ class Markup:
         events: list[Event] = []
         buf = self.held + text
         self.held = ""
-        while buf and not self.repeated:
+        while buf and not self.repeated and not self.done:
             buf = self._step(buf, events)
         return events
 
@@ -115,7 +117,7 @@ class Markup:
         """End of the stream: what is held back, and an unclosed call if it parses."""
         events: list[Event] = []
         held, self.held = self.held, ""
-        if self.repeated:
+        if self.repeated or self.done:
             return events
         if self.state == "call":
             self._end_call(self.body + held, events, closed=False)
@@ -231,6 +233,8 @@ class Markup:
             self.repeated, self.held, self.after = True, "", ""
             return []
         index, self.num_calls = self.num_calls, self.num_calls + 1
+        if self.one_call:
+            self.done, self.held, self.after = True, "", ""
         if self.bare:
             self.bare.open = True
         return [ToolCallStart(index, uuid.uuid4().hex[:24], name), ToolCallDelta(index, arguments),
