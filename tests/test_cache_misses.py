@@ -37,6 +37,24 @@ def test_the_cache_says_where_a_prompt_left_a_longer_cached_prefix():
     assert cache.admit(cached[:21] + [5] + cached[22:], [1], salt="other")[0].differs is None  # another tenant's
 
 
+def test_a_prompt_the_disk_served_is_no_miss_of_what_a_slot_held(tmp_path):
+    """Its pages read from disk (after a restart), while a slot held another prompt: no differs-at
+    (it said differs-at=0 in the template's opening, a change that never happened)."""
+    import torch
+
+    from mashbox.engine.sched.disk_cache import PageStore
+
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+    prompt = list(range(100, 113))
+    for i, key in enumerate(store.keys(prompt, "")):
+        store.save(key, prompt[4 * i: 4 * i + 4], torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2))
+    store.close()
+    cache = PrefixCache(num_slots=1, block=4, disk=PageStore(tmp_path, 2**20, "ns", page=4))
+    cache.insert(0, [7] * 12)  # another prompt held
+    match = cache.admit(prompt, [0])[0]
+    assert (match.tokens, match.differs) == (12, None)
+
+
 def test_a_character_is_placed_in_the_part_of_the_conversation_it_lies_in():
     messages = (Message("system", "Be brief."), Message("user", "Hello there"), Message("assistant", "Hi!"))
     tools = (Tool("lookup", "Looks things up", {"type": "object"}),)

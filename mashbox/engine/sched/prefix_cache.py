@@ -154,7 +154,7 @@ class PrefixCache:
             tokens = stored
         else:
             ops = self._evict(slot, tokens, keep=None)
-        differs = self._differs(prompt, salt, live)
+        differs = self._differs(prompt, salt, live, tokens)
         self.insert(slot, prompt[:tokens], salt)
         return Match(slot, tokens, differs), ops
 
@@ -175,16 +175,17 @@ class PrefixCache:
         n = len(tokens)
         return n > 0 and any(s == salt and line[:n] == tokens for (s, _), line in self._heads.items())
 
-    def _differs(self, prompt: list[int], salt: str, live: list[Live]) -> int | None:
+    def _differs(self, prompt: list[int], salt: str, live: list[Live], served: int) -> int | None:
         """Where ``prompt`` leaves the cached prefix (slots, host memory, busy slots) that agrees
-        with it longest, if that prefix goes on; disk pages, known by hash alone, are not asked."""
+        with it longest, if that prefix goes on and the prompt got no more than it from the cache (its
+        ``served`` tokens: disk pages, known by hash alone and not asked, may have given more)."""
         held = [t for t, s in zip(self._tokens, self._salts) if s == salt]
         held += [t for _, s, t in self.host.entries() if s == salt]
         held += [tuple(b.prompt[: b.computed]) for b in live if b.salt == salt]
         agreed = [(_agreement(t, prompt, self.block), len(t)) for t in held]
         longest = max((a for a, _ in agreed), default=0)
         diverged = any(a == longest < min(n, len(prompt)) for a, n in agreed)
-        return longest if diverged else None
+        return longest if diverged and longest >= served else None
 
     def _from_disk(self, prompt: list[int], salt: str, beat: int) -> tuple[Any, Any] | None:
         """The KV of the pages of ``prompt`` on disk, when they hold more than ``beat`` tokens."""
