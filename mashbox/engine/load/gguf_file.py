@@ -265,6 +265,7 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                 eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
                 scale_dim=width // heads if GEMMA_27B.get(arch) == layers else 0,
                 attn_scale=float(meta("attention.scale", 0.0)), softcap=float(meta("attn_logit_softcapping", 0.0)))
+    inv_freq, long, original = _rotary(gguf, arch, meta, head_dim)  # what mashbox cannot run, said first
     _check_shapes(gguf, arch, spec, width, int(meta("attention.value_length", head_dim)))
     floats, found = _tensors(gguf, arch, spec)
     eos = [gguf.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in gguf.fields]
@@ -272,7 +273,6 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
     windows = _windows(meta, arch, spec.num_layers) if gemma else ()  # Phi-3's: unused, as in llama.cpp
     local_base = meta("rope.freq_base_swa", GEMMA3_LOCAL_BASE if arch == "gemma3" else None)
     local = rotary(float(local_base), head_dim).to(device) if windows and local_base else None
-    inv_freq, long, original = _rotary(gguf, arch, meta, head_dim)
     rotated = tuple((i + 1) % NOPE_STEP != 0 for i in range(spec.num_layers)) if arch == "smollm3" else ()
     embed_scale = float(meta("embedding_length")) ** 0.5 if gemma else float(meta("embedding_scale", 1.0))
     return Checkpoint(arch, spec, "gelu_pytorch_tanh" if gemma else "silu", meta("context_length"),
