@@ -258,6 +258,17 @@ def test_count_tokens(http):
     assert http.post("/v1/messages/count_tokens", json=MESSAGE).json()["input_tokens"] > 3
 
 
+def test_count_tokens_reads_a_request_as_messages_does(http):
+    """The fields it ignores are said in the header (they were ignored silently), and a tool_choice naming
+    no declared tool is refused as /v1/messages refuses it (it was counted)."""
+    counted = http.post("/v1/messages/count_tokens", json={"messages": MESSAGE["messages"], "frobnicate": 1})
+    assert counted.status_code == 200 and counted.headers["x-mashbox-ignored-fields"] == "frobnicate"
+    tools = [{"name": "t", "input_schema": {"type": "object"}}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        refused = http.post(path, json={**MESSAGE, "tools": tools, "tool_choice": {"type": "tool", "name": "zzz"}})
+        assert refused.status_code == 400 and "names a tool that is not in tools" in refused.text, refused.text
+
+
 def test_chat_stream_framing(http):
     text = http.post("/v1/chat/completions", json={**CHAT, "stream": True,
                                                     "stream_options": {"include_usage": True}}).text

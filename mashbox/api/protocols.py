@@ -76,6 +76,7 @@ def prepare(protocol: Protocol, body: Mapping[str, Any], served: str,
     return Prepared(req, protocol.module.to_engine(req), req.ignored_fields())
 
 
-def counting(body: Mapping[str, Any]) -> EngineRequest:
-    """The engine request whose prompt an Anthropic count_tokens body counts."""
-    return anthropic_messages.to_engine(parse(anthropic_messages.CountTokensRequest, body))
+def counting(body: Mapping[str, Any]) -> Prepared:
+    """The engine request whose prompt an Anthropic count_tokens body counts, and the fields it ignores."""
+    req = parse(anthropic_messages.CountTokensRequest, body)
+    return Prepared(req, anthropic_messages.to_engine(req), req.ignored_fields())

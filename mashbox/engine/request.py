@@ -115,3 +115,5 @@ class EngineRequest:
             raise ValueError("messages: must not be empty")
         if self.tool_choice not in ("auto", "none") and not self.tools:
             raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
+        if self.tool_choice not in ("auto", "none", "required") and all(t.name != self.tool_choice for t in self.tools):
+            raise ValueError(f"tool_choice: names a tool that is not in tools: {self.tool_choice!r}")

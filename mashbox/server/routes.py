@@ -12,7 +12,7 @@ from mashbox.api.anthropic_messages import TokenCount
 from mashbox.api.protocols import CHAT, COMPLETIONS, MESSAGES, RESPONSES, counting
 from mashbox.errors import ModelNotFoundError
 from mashbox.server.context import Context
-from mashbox.server.generation import generate, refuse_overlong
+from mashbox.server.generation import generate, ignored_header, refuse_overlong
 from mashbox.server.health import health
 from mashbox.server.metrics import CONTENT_TYPE
 from mashbox.server.models import AnthropicModel, AnthropicModelList, Model, ModelList
@@ -78,10 +78,12 @@ async def messages(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
 
 
 @post("/v1/messages/count_tokens", status_code=200, summary="Count tokens")
-async def count_tokens(ctx: Ctx, data: Body) -> dict[str, Any]:
+async def count_tokens(ctx: Ctx, data: Body) -> Response[dict[str, Any]]:
     ctx.served()
     refuse_overlong(ctx, data, "messages")
-    return TokenCount(input_tokens=await ctx.backend.count(counting(data))).dump()
+    prepared = counting(data)
+    count = TokenCount(input_tokens=await ctx.backend.count(prepared.engine))
+    return Response(count.dump(), headers=ignored_header(prepared.ignored))
 
 
 @post("/v1/responses", status_code=200, summary="Responses (OpenAI)")
