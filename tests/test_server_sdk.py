@@ -120,5 +120,7 @@ def test_sdk_errors(oai, claude):
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model="smollm2-135m", messages=USER, max_tokens=2, temperature=9)
     assert err.value.body["param"] == "temperature"
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError) as refused:
         claude.messages.create(model="x", max_tokens=2, messages=[])
+    assert refused.value.request_id.startswith("req_")  # Anthropic's SDK reads request-id (x-request-id: OpenAI's)
+    assert claude.messages.create(model="x", max_tokens=2, messages=USER)._request_id.startswith("req_")

@@ -60,13 +60,14 @@ def cors(origin: str | None) -> list[tuple[bytes, bytes]]:
     if origin is None:
         return []
     return [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin"),
-            (b"access-control-expose-headers", b"x-request-id, retry-after, x-mashbox-ignored-fields, x-mashbox-cache")]
+            (b"access-control-expose-headers", b"x-request-id, request-id, retry-after, x-mashbox-ignored-fields, x-mashbox-cache")]
 
 
 def _tagged(send: Send, request_id: str, extra: list[tuple[bytes, bytes]]) -> Send:
     async def tagged(message: Message) -> None:
         if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode()), *extra]
+            tag = request_id.encode()  # under both names: OpenAI's SDKs read x-request-id, Anthropic's request-id
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", tag), (b"request-id", tag), *extra]
         await send(message)
 
     return tagged
