@@ -90,7 +90,7 @@ BARE = [
     ("```python\nprint(1)\n```", [("text", "```python\nprint(1)\n```")]),
     ('{"city": "Paris"} is JSON', [("text", '{"city": "Paris"} is JSON')]),
     ("The answer: " + FENCED, [("text", "The answer: " + FENCED)]),
-    ('```json\n{"name": "get_weather", "argu', [("text", '```json\n{"name": "get_weather", "argu')]),
+    ('```json\n{"name": "get_weather", "argu', []),  # a call cut off (the limit, a stop): no text, no call
     ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
      [("call", 0, "get_weather", {"city": "Paris"}), ("call", 1, "get_weather", {"city": "Rome"})]),
     ('```json\n[ {"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1"}]\n```',
@@ -108,6 +108,22 @@ def test_bare_json_call_to_a_known_tool_at_every_split(text, expected):
     assert parse([text], names=NAMES) == expected
     for cut in range(len(text) + 1):
         assert parse([text[:cut], text[cut:]], names=NAMES) == expected
+
+
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("form", ["{}", "```json\n{}", "<tool_call>\n{}"])
+def test_a_call_to_a_declared_tool_cut_off_anywhere_is_neither_text_nor_a_call(form):
+    """Cut by max_tokens or a stop string mid-call (in auto mode), its JSON came back as the answer's text;
+    a forced call's was dropped. Now both: OpenAI's and Anthropic's answers hold no such text either."""
+    start = form.index("{}")
+    for cut in range(len('{"name"'), len(WEATHER_CALL)):
+        assert parse([form[:start] + WEATHER_CALL[:cut]], names=NAMES) == [], WEATHER_CALL[:cut]
+    text = "The answer: " + WEATHER_CALL[:30]  # not at the answer's start: text, as before
+    assert parse([text], names=NAMES) == [("text", text)]
+    other = '{"name": "Bob", "age": 4'  # JSON the user asked for, cut: its text
+    assert parse([other], names=NAMES) == [("text", other)]
 
 
 def test_text_that_only_begins_with_a_bracket_is_not_held():

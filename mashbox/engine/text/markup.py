@@ -64,6 +64,7 @@ BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
 LOOP_TURNS = 3  # turns in a row of one call with one result, after which that call is a loop
 NUMBERS = re.compile(r"\d+")
+CALL_BEGUN = re.compile(r'\s*(?:```json\s*)?\[?\s*\{\s*"name"\s*(?::\s*(?:"((?:[^"\\]|\\.)*)("?))?)?')  # its name so far
 BARE_START = re.compile(r'\s*(```json\s*)?((\[\s*)?\{\s*"name")')  # held text that is a call (or a list of
 # calls) begun without tags
 BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
@@ -78,7 +79,9 @@ class Markup:
                  made: frozenset[tuple[str, str]] = frozenset(), one_call: bool = False) -> None:
         self.calls = calls
         self.one_call = one_call  # parallel calls off: the answer ends with its first call
-        self.cut_calls_are_text = cut_calls_are_text  # False: a call cut off unparsed is dropped
+        self.cut_calls_are_text = cut_calls_are_text  # False: a call cut off unparsed is dropped (either way, one
+        # cut off mid-way to a declared tool is: it is no text, and it never runs)
+        self.names = names
         self.think = think
         self.state = "think" if in_think else "text"
         self.held = ""
@@ -222,7 +225,7 @@ class Markup:
         parsed = self.calls.parse(body.strip()) if self.calls else None
         blank, self.blank = self.blank, ""
         if parsed is None:
-            if closed or self.cut_calls_are_text:
+            if closed or (self.cut_calls_are_text and not cut_call(body, self.names)):
                 raw = self.calls.open + body + (self.calls.close if closed else "")
                 events.append(TextDelta(blank + raw))
             return
@@ -297,6 +300,9 @@ class BareCall:
         if body is None and not final and len(self.text) < self.LIMIT:
             return None
         held, self.text = self.text, ""
+        if body is None and final and cut_call(held, self.names):  # cut off by a stop or the limit: no text
+            self.open = False
+            return "", None, ""
         calls = _calls(body) if body is not None else None
         if not calls or any(name not in self.names for name, _ in calls):
             self.open = False
@@ -317,6 +323,36 @@ class BareCall:
         except json.JSONDecodeError:
             return None, ""
         return text[:end], text[end:]
+
+
+def cut_call(text: str, names: frozenset[str]) -> bool:
+    """Whether ``text`` is a call to one of ``names`` cut off before its end: JSON left open (no bracket
+    closed once too often: that is a broken call, kept as text), its name one of them, or the start of one,
+    or not yet written."""
+    begun = CALL_BEGUN.match(text)
+    if begun is None or not _left_open(text):
+        return False
+    name, quoted = begun.group(1), begun.group(2)
+    if name is None:
+        return begun.end() == len(text)  # cut right after "name"
+    return name in names if quoted else any(n.startswith(name) for n in names)
+
+
+def _left_open(text: str) -> bool:
+    """Whether JSON ``text`` ends inside a string or an unclosed object or list (and never closes more)."""
+    depth, quoted, escaped = 0, False, False
+    for char in text:
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            quoted = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth < 0:
+                return False
+    return quoted or depth > 0
 
 
 def _calls(body: str) -> list[tuple[str, str]] | None:
