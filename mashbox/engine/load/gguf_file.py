@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import struct
 from collections.abc import Sequence
@@ -103,7 +104,8 @@ class GGUFFile:
     def _check_regions(self, start: int) -> None:
         """Every tensor's bytes lie after the header, inside the file, none over another (a type or an
         offset changed by damage would otherwise be read as another tensor's bytes)."""
-        regions = sorted((info.offset, info.offset + _nbytes(info), name) for name, info in self.tensors.items())
+        regions = sorted((info.offset, info.offset + math.prod(_layout(info)), name)
+                         for name, info in self.tensors.items())
         end = (len(self._map), len(self._map), "the end of the file")
         for (at, stop, name), (after, _, following) in zip(regions, [*regions[1:], end]):
             if at < start:
@@ -114,8 +116,7 @@ class GGUFFile:
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes, uint8 [rows, row bytes] (a view of the file)."""
         info = self.tensors[name]
-        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-        width = _row_bytes(info.type, info.shape[-1])
+        rows, width = _layout(info)
         return torch.from_numpy(self._buffer[info.offset : info.offset + rows * width]).view(rows, width)
 
     def tensor(self, name: str) -> torch.Tensor | quant.Blocks:
@@ -187,9 +188,10 @@ class Strings(Sequence[str]):
         return _string(self._data, self._starts[i])[0]
 
 
-def _nbytes(info: TensorInfo) -> int:
+def _layout(info: TensorInfo) -> tuple[int, int]:
+    """A tensor's rows and the bytes of each, as the file holds them."""
     rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-    return rows * _row_bytes(info.type, info.shape[-1])
+    return rows, _row_bytes(info.type, info.shape[-1])
 
 
 def _row_bytes(kind: int, width: int) -> int:
