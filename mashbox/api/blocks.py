@@ -70,6 +70,12 @@ class BlockTracker:
             return []
         raise TypeError(f"not an engine event: {event!r}")
 
+    @property
+    def cut(self) -> bool:
+        """Whether the answer ended by running out of tokens or failing: the block its end closes was
+        cut short."""
+        return self.finish is not None and self.finish.reason in ("length", "error")
+
     def done(self) -> Finish:
         """The Finish event; a whole answer can only be built after it."""
         if self.finish is None:

@@ -268,8 +268,7 @@ class Translator:
                                item_id=item_id, output_index=index, delta=text)]
 
     def _close(self, block: Block, kind: str) -> list[EventBase]:
-        finish = self._blocks.finish  # set where the answer's end closes the block: cut if it ran out or failed
-        status: ItemStatus = "incomplete" if finish is not None and finish.reason in ("length", "error") else "completed"
+        status: ItemStatus = "incomplete" if self._blocks.cut else "completed"
         self._output[block.index] = self._item(block, status)
         if kind == "local_shell":
             added = self._item_event("response.output_item.added", block, "in_progress")

@@ -154,9 +154,8 @@ class StepTranslator:
         if change.kind == "open":
             return self._open(block)
         item = self._items[block.index]
-        if change.kind == "close":  # at the Finish of a generation that ran out of tokens or failed: cut short
-            cut = self._blocks.finish is not None and self._blocks.finish.reason in ("length", "error")
-            return self._close(item, "incomplete" if cut else "completed")
+        if change.kind == "close":
+            return self._close(item, "incomplete" if self._blocks.cut else "completed")
         if isinstance(item, ToolCallOut):
             item.arguments += change.text
             return [self._emit(ArgumentsDeltaEvent, item_id=item.id, output_index=self._index(item),
