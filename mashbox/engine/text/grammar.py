@@ -46,7 +46,8 @@ def calls_body(tools: Iterable[Tool], guidance: dict[str, Any], keys: tuple[str,
     read with ``guidance``. A tool whose parameters refer within themselves (``#/$defs/...``, as pydantic
     writes them) is kept whole under the body's ``$defs``, its references pointed there."""
     defs: dict[str, Any] = {}
-    schemas = [call_schema(t, key, _kept(t, f"tool{i}", defs)) for i, t in enumerate(tools) for key in keys]
+    kept = [(t, _kept(t, f"tool{i}", defs)) for i, t in enumerate(tools)]
+    schemas = [call_schema(t, key, parameters) for t, parameters in kept for key in keys]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     return f"body: %json {json.dumps({**schema, **({'$defs': defs} if defs else {}), 'x-guidance': guidance})}\n"
 
@@ -111,10 +112,8 @@ class Grammars:
         ``parallel``; the model may end after any complete call) or a named tool (one call)."""
         if choice in ("auto", "none") or not tools:
             return None
-        if choice != "required":
+        if choice != "required":  # a declared tool's name (EngineRequest checks it is one)
             tools = tuple(t for t in tools if t.name == choice)
-            if not tools:
-                raise InvalidRequestError("tool_choice", f"names a tool that is not in tools: {choice!r}")
         return Constraint(self.tokenizer, tool_grammar(tools, choice == "required" and parallel, self.tags()))
 
     def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
