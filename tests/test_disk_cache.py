@@ -20,6 +20,16 @@ def page(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, n, 3, 8), torch.randn(2, n, 3, 8)
 
 
+def kept(folder: Path, prompt: list[int]) -> list[str]:
+    """The keys of ``prompt``'s whole pages of 4, each saved in ``folder`` (random KV) by a store now closed."""
+    store = PageStore(folder, 2**20, "ns", page=4)
+    keys = store.keys(prompt, "")
+    for i, key in enumerate(keys):
+        store.save(key, prompt[4 * i: 4 * i + 4], *page())
+    store.close()
+    return keys
+
+
 def test_pages_are_chained_by_every_token_before_them_and_by_tenant(tmp_path: Path):
     store = PageStore(tmp_path, 2**20, "ns", page=4)
     keys = store.keys(list(range(10)), "alice")
@@ -76,12 +86,8 @@ def test_a_page_another_process_trims_as_it_is_read_is_no_error(tmp_path: Path, 
 
 @pytest.mark.parametrize("damage", [b"", b"not a safetensors file at all", None])
 def test_a_page_that_does_not_read_is_skipped_with_a_log_line_and_removed(tmp_path: Path, caplog, damage):
-    store = PageStore(tmp_path, 2**20, "ns", page=4)
     prompt = list(range(8))
-    keys = store.keys(prompt, "")
-    store.save(keys[0], prompt[:4], *page())
-    store.save(keys[1], prompt[4:], *page())
-    store.close()
+    keys = kept(tmp_path, prompt)
     second = tmp_path / f"{keys[1]}.safetensors"
     if damage is None:  # a foreign file under a page's name
         second.write_bytes((tmp_path / f"{keys[0]}.safetensors").read_bytes())
@@ -98,12 +104,8 @@ def test_a_page_that_does_not_read_is_skipped_with_a_log_line_and_removed(tmp_pa
 def test_a_page_that_does_not_read_and_cannot_be_removed_is_a_miss_said_once(tmp_path: Path, caplog):
     """A directory in a page's place (or a folder gone read-only): the removal fails, and the page is a miss
     from then on; it once raised out of the engine's step, stopping it on every request with that prompt."""
-    store = PageStore(tmp_path, 2**20, "ns", page=4)
     prompt = list(range(8))
-    keys = store.keys(prompt, "")
-    store.save(keys[0], prompt[:4], *page())
-    store.save(keys[1], prompt[4:], *page())
-    store.close()
+    keys = kept(tmp_path, prompt)
     second = tmp_path / f"{keys[1]}.safetensors"
     second.unlink()
     second.mkdir()
@@ -166,11 +168,8 @@ def test_pages_wait_for_a_slow_disk_up_to_a_bound(tmp_path: Path, monkeypatch):
 def test_an_empty_page_file_is_removed_at_start_and_written_again(tmp_path: Path):
     """Renamed but never flushed (a power cut): a page of 0 bytes read as 'claimed, not yet written' for
     good, so the prompt missed the cache on every start and the file stayed."""
-    store = PageStore(tmp_path, 2**20, "ns", page=4)
     prompt = list(range(4))
-    keys = store.keys(prompt, "")
-    store.save(keys[0], prompt, *page())
-    store.close()
+    keys = kept(tmp_path, prompt)
     (tmp_path / f"{keys[0]}.safetensors").write_bytes(b"")
     again = PageStore(tmp_path, 2**20, "ns", page=4)
     assert again.stored(keys) == 0 and not (tmp_path / f"{keys[0]}.safetensors").exists()
