@@ -72,3 +72,15 @@ def test_cache_namespace_is_stable_and_tracks_what_cached_states_depend_on():
     assert same != cache_namespace(model_info(ctx=1024))
     assert same != cache_namespace(model_info(dtype="bfloat16"))
     assert same == cache_namespace(model_info(gb=9.9))  # not part of what a cached prompt means
+
+
+def test_openapi_schema_names_every_field_and_the_bodies_fit_it():
+    from jsonschema import validate
+
+    from mashbox.server.openapi import HEALTH
+
+    ready = health(FakeBackend(snapshot=engine_stats(), worker_pid=7), waiting=0)[1]
+    loading = health(FakeBackend(state="loading", info=None, snapshot=None), waiting=0)[1]
+    assert set(HEALTH["properties"]) == HEALTH_FIELDS
+    for body in (ready, loading):
+        validate(body, HEALTH)

@@ -24,8 +24,14 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
     "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
         "type": {"type": "string"}, "message": {"type": "string"}}}}}
-HEALTH = {"type": "object", "required": ["status"], "additionalProperties": True,
-          "properties": {"status": {"type": "string", "enum": ["ok", "loading", "failed"]}}}
+_INT, _NULL_INT, _NULL_STR = {"type": "integer"}, {"type": ["integer", "null"]}, {"type": ["string", "null"]}
+HEALTH = {"type": "object", "required": ["status"], "additionalProperties": True, "properties": {
+    "status": {"type": "string", "enum": ["ok", "loading", "failed"]},
+    "live_rows": _NULL_INT, "waiting": _INT, "cache_bytes": _INT, "host_cache_bytes": _INT, "snapshot_bytes": _INT,
+    "host_cache_cap_bytes": _INT, "host_cache_evictions": _INT, "cache_namespace": _NULL_STR,
+    "deployment_id": _NULL_STR, "component_set_sha": _NULL_STR, "certification": {"type": "string"},
+    "compiles_after_ready": _NULL_INT, "routed_experts": {"type": ["object", "null"]},
+    "worker_pid": _INT, "worker_restarts": _INT}}
 OPENAI_ERRORS = {"400": "Bad request.", "404": "A model id other than the one this server serves (model_not_found).",
                  "429": "Too many requests are waiting for a slot.",
                  "500": "The request failed on the device.", "503": "The model is still loading."}
