@@ -24,7 +24,7 @@ from mashbox.engine.events import (
     ToolCallStart,
     Usage,
 )
-from mashbox.engine.request import Message, ToolCall
+from mashbox.engine.request import Message, Named, ToolCall
 from mashbox.errors import InvalidRequestError
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3)
@@ -108,7 +108,7 @@ def test_a_conversation_left_empty_is_refused_naming_messages():
 @pytest.mark.parametrize(
     ("choice", "expected"),
     [(None, "auto"), ({"type": "auto"}, "auto"), ({"type": "any"}, "required"),
-     ({"type": "tool", "name": "Read"}, "Read"), ({"type": "none"}, "none")],
+     ({"type": "tool", "name": "Read"}, Named("Read")), ({"type": "none"}, "none")],
 )
 def test_tool_choice(choice, expected):
     read = {"name": "Read", "input_schema": {"type": "object"}}

@@ -17,7 +17,7 @@ from mashbox.engine.events import (
     ToolCallStart,
     Usage,
 )
-from mashbox.engine.request import Message, ToolCall
+from mashbox.engine.request import Message, Named, ToolCall
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3, reasoning_tokens=1)
 ANSWER = [
@@ -76,7 +76,7 @@ def test_tools_and_tool_choice():
     request = _request(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
     engine = to_engine(request)
     assert [(t.name, t.description, t.parameters) for t in engine.tools] == [("f", "d", {"type": "object"})]
-    assert engine.tool_choice == "f"
+    assert engine.tool_choice == Named("f")
     assert request.ignored_fields() == ["tools[web_search]"]
     assert to_engine(_request(tools=tools, tool_choice="required")).tool_choice == "required"
     assert to_engine(_request()).tool_choice == "auto"

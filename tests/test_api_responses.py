@@ -20,7 +20,7 @@ from mashbox.engine.events import (
     ToolCallStart,
     Usage,
 )
-from mashbox.engine.request import Message, ToolCall
+from mashbox.engine.request import Message, Named, ToolCall
 from mashbox.errors import InvalidRequestError
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3, reasoning_tokens=2)
@@ -102,9 +102,9 @@ def test_tools_map_namespaces_custom_and_local_shell():
 @pytest.mark.parametrize(
     ("choice", "expected"),
     [(None, "auto"), ("none", "none"), ("required", "required"),
-     ({"type": "function", "name": "spawn"}, "spawn"),
-     ({"type": "function", "function": {"name": "exec_command"}}, "exec_command"),
-     ({"type": "custom", "name": "apply_patch"}, "apply_patch"),
+     ({"type": "function", "name": "spawn"}, Named("spawn")),
+     ({"type": "function", "function": {"name": "exec_command"}}, Named("exec_command")),
+     ({"type": "custom", "name": "apply_patch"}, Named("apply_patch")),
      ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "spawn"}]}, "required"),
      ({"type": "allowed_tools", "mode": "none", "tools": [{"type": "function", "name": "spawn"}]}, "none"),
      ({"type": "allowed_tools", "tools": [{"type": "function", "name": "spawn"}]}, "auto")],

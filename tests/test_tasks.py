@@ -121,6 +121,13 @@ def test_a_forced_call_cut_by_max_tokens_fails_the_task(tasks):
     assert task.error.code == -32011 and "raise max_tokens" in task.error.message
 
 
+def test_a_client_tool_named_none_is_forced_by_name(tasks):
+    none = {**WEATHER, "function": {**WEATHER["function"], "name": "none"}}
+    task = tasks.create(stream=False, user_message_content="Weather in Paris?", client_tools=[none],
+                        inference_args={"tool_choice": {"name": "none"}, "max_tokens": 40}).result
+    assert task.status == "input-required" and task.input_required.name == "none"
+
+
 def test_create_stream(tasks):
     with tasks.with_streaming_response.create(stream=True, user_message_content="Say hello.", request_id="req-s",
                                               inference_args={"max_tokens": 64, "temperature": 0}) as response:

@@ -82,6 +82,26 @@ def test_a_call_follows_parameters_that_refer_within_themselves(tiny_engine, par
         assert valid_weather(call.function.arguments)
 
 
+MODE_NAMED = [{"type": "function", "function": {"name": mode, "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2]}}, "required": ["n"],
+    "additionalProperties": False}}} for mode in ("auto", "none", "required")]
+
+
+@pytest.mark.parametrize("name", ["auto", "none", "required"])
+def test_a_tool_named_like_a_mode_is_forced_by_name_on_every_protocol(tiny_engine, name):
+    """A tool may be called ``none``: chosen by name it is that call, not the mode of that name."""
+    tools = [WEATHER, *MODE_NAMED]
+    chat = tiny_engine.chat(messages=ASK, tools=tools, max_tokens=60,
+                            tool_choice={"type": "function", "function": {"name": name}})
+    assert [c.function.name for c in chat.choices[0].message.tool_calls] == [name]
+    message = tiny_engine.message(messages=ASK, max_tokens=60, tool_choice={"type": "tool", "name": name}, tools=[
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in tools])
+    assert [b.name for b in message.content if b.type == "tool_use"] == [name]
+    response = tiny_engine.respond(input="Weather in Paris?", max_output_tokens=60, tool_choice={
+        "type": "function", "name": name}, tools=[{"type": "function", **t["function"]} for t in tools])
+    assert [i.name for i in response.output if i.type == "function_call"] == [name]
+
+
 def test_named_tool_that_does_not_exist_is_refused(tiny_engine):
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.chat(messages=ASK, tools=[TIME], tool_choice={"type": "function", "function": {"name": "nope"}})

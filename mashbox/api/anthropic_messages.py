@@ -53,7 +53,8 @@ from mashbox.api.base import (
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.engine.events import Event, Finish, Usage
-from mashbox.engine.request import EngineRequest, Message, SamplingParams, Tool, ToolCall
+from mashbox.engine.request import EngineRequest, Message, Named, SamplingParams, Tool, ToolCall
+from mashbox.engine.request import ToolChoice as EngineToolChoice
 from mashbox.errors import InvalidRequestError
 
 __all__ = [
@@ -232,11 +233,11 @@ def _system(system: str | list[TextBlock] | None) -> tuple[Message, ...]:
     return (Message("system", system),) if system else ()
 
 
-def _tool_choice(choice: ToolChoice | None) -> str:
+def _tool_choice(choice: ToolChoice | None) -> EngineToolChoice:
     if choice is None or choice.type == "auto":
         return "auto"
     if choice.type == "tool" and choice.name:
-        return choice.name
+        return Named(choice.name)
     return {"any": "required", "none": "none"}[choice.type]
 
 

@@ -41,7 +41,7 @@ from mashbox.api.chat_output import (
     ToolCallOut,
 )
 from mashbox.engine.events import Event, Finish, Usage
-from mashbox.engine.request import EngineRequest, Message, Role, Tool, ToolCall
+from mashbox.engine.request import EngineRequest, Message, Named, Role, Tool, ToolCall, ToolChoice
 from mashbox.errors import InvalidRequestError
 
 __all__ = ["ChatCompletion", "ChatCompletionChunk", "ChatRequest", "Translator", "to_engine"]
@@ -211,9 +211,9 @@ def _tool_call(call: ChatToolCall) -> ToolCall:
     return ToolCall(call.id, call.function.name, args if isinstance(args, str) else json.dumps(args))
 
 
-def _tool_choice(choice: str | NamedToolChoice | None) -> str:
+def _tool_choice(choice: str | NamedToolChoice | None) -> ToolChoice:
     if isinstance(choice, NamedToolChoice):
-        return choice.function.name
+        return Named(choice.function.name)
     return choice or "auto"
 
 

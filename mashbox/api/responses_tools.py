@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from mashbox.api.base import Part, type_of
-from mashbox.engine.request import Tool
+from mashbox.engine.request import Named, Tool
+from mashbox.engine.request import ToolChoice as EngineToolChoice
 
 
 class FunctionTool(Part):
@@ -167,12 +168,12 @@ class ToolChoiceObject(Part):
 ToolChoice = Literal["auto", "none", "required"] | ToolChoiceObject
 
 
-def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> str:
+def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> EngineToolChoice:
     if choice is None or isinstance(choice, str):
         return choice or "auto"
     name = choice.named()
     if name is not None:
-        return tools.visible(name)
+        return Named(tools.visible(name))
     return choice.mode or "auto"
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 
 from mashbox.api.base import OutModel, Part, RequestModel, SamplingFields, UnsupportedPart, type_of
-from mashbox.engine.request import Message, Tool, ToolCall
+from mashbox.engine.request import Message, Named, Tool, ToolCall, ToolChoice
 
 TaskStatus = Literal["created", "queued", "working", "input-required", "paused", "completed", "canceled",
                      "expired", "failed"]
@@ -91,11 +91,12 @@ class InferenceArgs(Part, SamplingFields):
     parallel_tool_calls: bool | None = None
     enable_thinking: bool | None = None
 
-    def choice(self) -> str:
+    def choice(self) -> ToolChoice:
         choice = self.tool_choice
         if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
-            return str((choice.get("function") or choice).get("name", "auto"))
-        return choice or "auto"
+            name = (choice.get("function") or choice).get("name")
+            return "auto" if name is None else Named(str(name))
+        return Named(choice) if choice not in (None, "auto", "none", "required") else choice or "auto"
 
 
 class AgentConfig(Part):

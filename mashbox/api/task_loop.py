@@ -44,7 +44,7 @@ from mashbox.api.task_items import (
     to_messages,
 )
 from mashbox.engine.events import Event, Finish, Queued, Usage
-from mashbox.engine.request import EngineRequest, Message, Tool, ToolCall
+from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall
 from mashbox.errors import InvalidRequestError
 
 Generate = Callable[[EngineRequest], AsyncIterator[Event]]
@@ -107,8 +107,8 @@ def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt:
         raise InvalidRequestError("structured_output", "is only for tasks without stream; send stream: false")
     tools = offered_tools(req, client_tools(req) + tuple(t.tool for t in server_tools))
     choice = args.choice()
-    if choice not in ("auto", "none", "required") and choice not in {t.name for t in tools}:
-        raise InvalidRequestError("inference_args.tool_choice", f"names a tool the task does not offer: {choice!r}")
+    if isinstance(choice, Named) and choice.name not in {t.name for t in tools}:
+        raise InvalidRequestError("inference_args.tool_choice", f"names a tool the task does not offer: {choice.name!r}")
     messages = to_messages(req)
     if not messages:
         raise InvalidRequestError("user_message_content", "is empty and there is no history: nothing to answer")

@@ -86,7 +86,14 @@ class Message:
     reasoning: str | None = None
 
 
-ToolChoice = Literal["auto", "none", "required"] | str  # a plain name forces that tool
+@dataclass(slots=True, frozen=True)
+class Named:
+    """A forced call to the declared tool of this name, whatever it is: a tool may be called ``auto``."""
+
+    name: str
+
+
+ToolChoice = Literal["auto", "none", "required"] | Named | str  # any other plain string: Named(it)
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,7 +120,9 @@ class EngineRequest:
             raise ValueError("messages: give either messages or prompt, not both or neither")
         if self.messages is not None and not self.messages:
             raise ValueError("messages: must not be empty")
+        if isinstance(self.tool_choice, str) and self.tool_choice not in ("auto", "none", "required"):
+            object.__setattr__(self, "tool_choice", Named(self.tool_choice))
         if self.tool_choice not in ("auto", "none") and not self.tools:
             raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
-        if self.tool_choice not in ("auto", "none", "required") and all(t.name != self.tool_choice for t in self.tools):
-            raise ValueError(f"tool_choice: names a tool that is not in tools: {self.tool_choice!r}")
+        if isinstance(self.tool_choice, Named) and all(t.name != self.tool_choice.name for t in self.tools):
+            raise ValueError(f"tool_choice: names a tool that is not in tools: {self.tool_choice.name!r}")

@@ -20,7 +20,7 @@ import llguidance
 import numpy as np
 import torch
 
-from mashbox.engine.request import Tool
+from mashbox.engine.request import Named, Tool, ToolChoice
 from mashbox.engine.text.markup import HERMES, CallFormat
 from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
@@ -107,13 +107,13 @@ class Grammars:
             self._tokenizer = llguidance.LLTokenizer(self._source.backend_tokenizer.to_str(), eos_token=self._eos)
         return self._tokenizer
 
-    def for_tools(self, tools: tuple[Tool, ...], choice: str, parallel: bool = True) -> Constraint | None:
+    def for_tools(self, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = True) -> Constraint | None:
         """The constraint of a forced call: ``required`` (one call, or one or more when
         ``parallel``; the model may end after any complete call) or a named tool (one call)."""
         if choice in ("auto", "none") or not tools:
             return None
-        if choice != "required":  # a declared tool's name (EngineRequest checks it is one)
-            tools = tuple(t for t in tools if t.name == choice)
+        if isinstance(choice, Named):  # a declared tool (EngineRequest checks it is one)
+            tools = tuple(t for t in tools if t.name == choice.name)
         return Constraint(self.tokenizer, tool_grammar(tools, choice == "required" and parallel, self.tags()))
 
     def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
