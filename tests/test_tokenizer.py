@@ -174,3 +174,18 @@ def test_a_second_load_imports_no_transformers(tiny_model_dir: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_llama3_turn_also_ends_at_end_of_message(smol_tokenizer, tmp_path: Path) -> None:
+    """Llama 3 ends a turn that calls a tool with <|eom_id|> (its template's ``Environment: ipython``),
+    the others with <|eot_id|>: an answer ends at either, as llama.cpp's end-of-generation tokens."""
+    from mashbox.engine.text.template import turn_ends
+
+    Tokenizer.of(smol_tokenizer).save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|eom_id|>"]})
+    hf.chat_template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    eot, eom = hf.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>"])
+    assert turn_ends(hf) == {eot, eom}
+    hf.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    assert eom not in turn_ends(hf)

@@ -45,6 +45,7 @@ GEMMA_TURNS = r"""{{- bos_token -}}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""
 FALLBACKS = {"gemma2": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
 TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # tokens a template closes a turn with
+ALSO_ENDS = {"<|eot_id|>": "<|eom_id|>"}  # Llama 3 ends a turn that awaits a tool's result with <|eom_id|>
 
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
 TOOLS_END = "</tools>"  # where a Hermes-style tools block's schemas end and its call rules begin
@@ -148,7 +149,8 @@ def turn_ends(tokenizer: Tokenizer) -> set[int]:
     """The ids of the tokens its chat template ends a turn with (an answer ends there too, where the
     model's end id is another token: Gemma's ``<end_of_turn>`` beside ``<eos>``)."""
     template = tokenizer.chat_template or ""
-    ids = {tokenizer.backend_tokenizer.token_to_id(token) for token in TURN_ENDS if token in template}
+    ends = [token for token in TURN_ENDS if token in template]
+    ids = {tokenizer.backend_tokenizer.token_to_id(token) for token in ends + [ALSO_ENDS.get(t, t) for t in ends]}
     return {i for i in ids if i is not None}
 
 
