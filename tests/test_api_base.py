@@ -121,3 +121,32 @@ def test_block_tracker_keeps_the_answer():
 def test_block_tracker_answer_needs_finish():
     with pytest.raises(RuntimeError, match="Finish"):
         BlockTracker().done()
+
+
+def test_text_parts_become_the_same_messages_on_every_protocol():
+    """Parts are joined with a new line, as Anthropic's blocks are (and vLLM's parts): two lines of a tool
+    result sent as parts stay two lines, and one conversation is one prompt whichever route it takes."""
+    from mashbox.api import anthropic_messages, openai_chat, openai_responses
+
+    chat = openai_chat.to_engine(parse(openai_chat.ChatRequest, {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Rome?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "line1"}, {"type": "text", "text": "line2"}]},
+    ]}))
+    responses = openai_responses.to_engine(parse(openai_responses.ResponsesRequest, {"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris"},
+                                     {"type": "input_text", "text": "and Rome?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "line1"},
+                                                                        {"type": "input_text", "text": "line2"}]},
+    ]}))
+    messages = anthropic_messages.to_engine(parse(anthropic_messages.MessagesRequest, {"max_tokens": 9, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Rome?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "w", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
+            {"type": "text", "text": "line1"}, {"type": "text", "text": "line2"}]}]},
+    ]}))
+    texts = [[(m.role, m.content) for m in r.messages] for r in (chat, responses, messages)]
+    assert texts[0] == texts[1] == texts[2]
+    assert texts[0][0] == ("user", "Weather in Paris\nand Rome?") and texts[0][2] == ("tool", "line1\nline2")

@@ -56,7 +56,7 @@ def test_messages_map_to_canonical_roles():
     engine = to_engine(parse(ChatRequest, {"messages": messages}))
     assert engine.messages == (
         Message("system", "s"),
-        Message("user", "ab"),
+        Message("user", "a\nb"),
         Message("system", "d"),
         Message("assistant", "", tool_calls=(ToolCall("c1", "f", "{}"),), reasoning="r"),
         Message("tool", "out", tool_call_id="c1"),

@@ -72,7 +72,7 @@ def test_input_items_map_in_order():
     engine = to_engine(_request(input=items, tools=TOOLS))
     assert engine.messages == (
         Message("system", "dev"),
-        Message("user", "ab"),
+        Message("user", "a\nb"),
         Message("assistant", "ok", reasoning="sum",
                 tool_calls=(ToolCall("c1", "exec_command", "{}"), ToolCall("c2", "spawn", "{}"))),
         Message("tool", "out1", tool_call_id="c1"),

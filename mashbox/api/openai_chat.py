@@ -203,7 +203,7 @@ def _message(m: ChatMessage) -> Message:
 def _text(content: str | list[Any] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
+    return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
 
 
 def _tool_call(call: ChatToolCall) -> ToolCall:

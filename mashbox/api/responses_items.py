@@ -40,7 +40,7 @@ Content = str | list[ContentPart]
 def text_of(content: Content | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content if not isinstance(p, MediaPart))
+    return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in content if not isinstance(p, MediaPart))
 
 
 class MessageItem(Part):

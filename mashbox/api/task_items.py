@@ -170,7 +170,7 @@ class CreateTask(RequestModel):
 def text_of(content: Content | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(p if isinstance(p, str) else p.text for p in content)
+    return "\n".join(p if isinstance(p, str) else p.text for p in content)
 
 
 def client_tools(req: CreateTask) -> tuple[Tool, ...]:
