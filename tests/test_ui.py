@@ -12,6 +12,9 @@ import json
 import os
 import re
 import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -389,6 +392,145 @@ def test_conversations_of_two_tabs_are_all_kept_and_a_delete_holds(smol, tab):
     third.reload()
     expect(third.locator("#chats li")).to_have_count(1)
     expect(third.locator(".msg.user .content")).to_have_text(["Conversation ALPHA", "And again"])
+
+
+def test_backslash_escapes_and_addresses_with_parentheses(smol, tab):
+    page = tab.open(smol)
+    text = (r"Call it with \*args and define \_\_init\_\_; 5 \* 3 \* 2 = 30" "\n\n"
+            "[Python (language)](https://en.wikipedia.org/wiki/Python_(programming_language)) and "
+            "https://en.wikipedia.org/wiki/Rust_(programming_language).")
+    fixed(page, answer_with(text))
+    ask(page, "Markdown, please.")
+    answer = answered(page)
+    expect(answer.locator("p").first).to_have_text("Call it with *args and define __init__; 5 * 3 * 2 = 30")
+    expect(answer.locator("em")).to_have_count(0)
+    links = answer.locator("a")
+    expect(links).to_have_text(["Python (language)", "https://en.wikipedia.org/wiki/Rust_(programming_language)"])
+    assert links.nth(0).get_attribute("href") == "https://en.wikipedia.org/wiki/Python_(programming_language)"
+
+
+def test_a_stream_that_ends_before_its_answer_is_said_to_be_cut(smol, tab):
+    page = tab.open(smol)
+    fixed(page, f"data: {json.dumps(chunk({'content': 'partial then cut'}))}\n\n")  # no finish, no [DONE]
+    ask(page, "Hello")
+    answer = answered(page)
+    expect(answer.locator(".content")).to_have_text("partial then cut")
+    expect(answer.locator(".note.error")).to_have_text("The answer was cut off: its stream ended early.")
+
+
+def test_a_failed_save_stays_said_until_a_save_works(smol, tab):
+    """The health check that follows every answer cleared the banner, so a full store lost every later
+    conversation unsaid."""
+    page = tab.open(smol)
+    page.evaluate("""() => { // fill this origin's storage up to the last few characters
+        for (let size = 1 << 20, i = 0; size >= 1; size >>= 1) {
+            try { for (;;) localStorage.setItem(`junk${i++}`, "x".repeat(size)); } catch {}
+        }
+    }""")
+    fixed(page, answer_with("Noted."))
+    ask(page, "Will this be kept?")
+    answered(page)
+    banner = page.locator("#banner")
+    expect(banner).to_contain_text("cannot be saved")
+    page.wait_for_timeout(2000)  # the health check after the answer has come and gone
+    expect(banner).to_contain_text("cannot be saved")
+    page.evaluate("() => Object.keys(localStorage).filter((k) => k.startsWith('junk')).forEach((k) => localStorage.removeItem(k))")
+    ask(page, "And now?")
+    answered(page, 2)
+    expect(banner).to_be_hidden()
+    assert len(json.loads(page.evaluate("localStorage.getItem('mashbox.chats')"))[0]["messages"]) == 4
+
+
+class Trickle(BaseHTTPRequestHandler):
+    """Chat chunks a few milliseconds apart, as a fast model writes them: the last user message says how
+    many (``N words``) and how far apart (``every S s``)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        asked = json.loads(self.rfile.read(int(self.headers["content-length"])))["messages"][-1]["content"]
+        words, every = re.search(r"(\d+) words every ([\d.]+)", asked).groups()
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("connection", "close")
+        self.end_headers()
+        try:
+            for i in range(int(words)):
+                piece = f"## Part {i}\n\nword{i} " if i % 5 == 0 else f"word{i}\n\n"
+                self.wfile.write(f"data: {json.dumps(chunk({'content': piece}))}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(float(every))
+            self.wfile.write(events(chunk({}, "stop")).encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def trickle():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+    server.shutdown()
+
+
+def trickled(page: Page, url: str) -> None:
+    page.route("**/v1/chat/completions", lambda route: route.continue_(url=url))
+
+
+def test_the_view_follows_a_fast_answer_to_its_end(smol, tab, trickle):
+    """A smooth scroll still under way at the next frame read as the reader scrolling up: the view stopped
+    following an answer that grew 80 px a frame or more."""
+    page = tab.open(smol)
+    trickled(page, trickle)
+    ask(page, "400 words every 0.006")
+    gaps = []
+    while page.locator("#stop").is_visible():
+        gaps.append(page.evaluate("(l => l.scrollHeight - l.scrollTop - l.clientHeight)(document.querySelector('#log'))"))
+        page.wait_for_timeout(150)
+    assert len(gaps) > 5 and max(gaps[2:]) < 400, gaps
+
+
+def test_a_reload_while_answering_keeps_what_had_come(smol, tab, trickle):
+    page = tab.open(smol)
+    trickled(page, trickle)
+    ask(page, "500 words every 0.02")
+    expect(page.locator(".msg.assistant .content")).to_contain_text("word20", timeout=WAIT_MS)
+    page.reload()
+    answer = page.locator(".msg.assistant")
+    expect(answer.locator(".content")).to_contain_text("word20")
+    expect(answer.locator(".note")).to_have_text("Stopped.")
+
+
+def test_another_tabs_save_leaves_an_edit_and_a_deleted_answer_is_left(smol, tab, trickle):
+    """Another tab's save rebuilt this tab's view (an edit under way lost, the reader sent to the bottom); a
+    conversation deleted by another tab while it was answered here took later turns that were never kept."""
+    first = tab.open(smol)
+    fixed(first, answer_with("Noted."))
+    ask(first, "First conversation")
+    answered(first)
+    first.locator(".msg.user").get_by_role("button", name="Edit").click()
+    first.get_by_label("Edit your message").fill("half-typed edit")
+    second = tab.context.new_page()
+    second.goto(smol + "/")
+    fixed(second, answer_with("Beta."))
+    second.get_by_role("button", name="New chat").click()
+    ask(second, "Second conversation")
+    answered(second)
+    expect(first.locator("#chats li")).to_have_count(2)
+    expect(first.get_by_label("Edit your message")).to_have_value("half-typed edit")
+    first.get_by_label("Edit your message").press("Escape")
+    first.get_by_role("button", name="New chat").click()
+    trickled(first, trickle)
+    ask(first, "300 words every 0.05")
+    expect(first.locator(".msg.assistant .content")).to_contain_text("word3", timeout=WAIT_MS)
+    expect(second.locator("#chats li")).to_have_count(3)
+    second.get_by_role("button", name="Delete “300 words every 0.05”").click()
+    first.locator("#stop").click()
+    expect(first.locator(".msg.user .content")).not_to_have_text(["300 words every 0.05"])
+    expect(first.locator("#chats li")).to_have_count(2)
 
 
 def test_a_full_queue_is_said_and_the_request_sent_again(smol, tab):

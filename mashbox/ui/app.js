@@ -33,6 +33,10 @@ function load(key, fallback) {
   try { return JSON.parse(localStorage.getItem(key)) ?? fallback; } catch { return fallback; }
 }
 
+function keep(key, text) { // whether it was kept: the browser's store may be full, or off
+  try { localStorage.setItem(key, text); return true; } catch { return false; }
+}
+
 function number(text) {
   const value = parseFloat(text);
   return Number.isFinite(value) ? value : undefined;
@@ -223,8 +227,9 @@ const INLINE = new RegExp([
   /\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__(?!\w)/, // 3, 4: strong
   /~~(?=\S)([\s\S]*?\S)~~/, // 5: strikethrough
   /\*(?=[^\s*])([\s\S]*?[^\s*])\*|(?<!\w)_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/, // 6, 7: emphasis
-  /\[([^\]\n]+)\]\(\s*<?([^\s()<>]+)>?(?:\s+"[^"]*")?\s*\)/, // 8, 9: link
-  /(https?:\/\/[^\s<>"'`]*[^\s<>"'`.,;:!?)\]])/, // 10: bare address
+  /\[([^\]\n]+)\]\(\s*<?((?:[^\s()<>]|\([^\s()<>]*\))+)>?(?:\s+"[^"]*")?\s*\)/, // 8, 9: link
+  /(https?:\/\/(?:[^\s<>"'`()]|\([^\s<>"'`()]*\))*(?:[^\s<>"'`.,;:!?()\]]|\([^\s<>"'`()]*\)))/, // 10: bare address
+  /\\([!-/:-@[-`{-~])/, // 11: a backslash escape
 ].map((part) => part.source).join("|"));
 
 function inline(text, parent) {
@@ -244,6 +249,7 @@ function span(m) {
   if (m[5]) return inline(m[5], el("del"));
   if (m[6] ?? m[7]) return inline(m[6] ?? m[7], el("em"));
   if (m[8]) return link(m[9], inline(m[8], el("a")), m[0]);
+  if (m[11]) return m[11];
   return link(m[10], el("a", { textContent: m[10] }), m[0]);
 }
 
@@ -337,7 +343,8 @@ class MessageView {
       const following = log && log.scrollHeight - log.scrollTop - log.clientHeight < 80;
       this.frame = 0;
       this.update();
-      if (following) log.scrollTop = log.scrollHeight;
+      // at once: a smooth scroll still under way at the next frame would read as the reader's scrolling up
+      if (following) log.scrollTo({ top: log.scrollHeight, behavior: "instant" });
     });
   }
 
@@ -384,6 +391,8 @@ class ChatPage {
     this.state = "connecting";
     this.model = null;
     this.running = null; // the AbortController of the answer being written
+    this.notice = ["", false]; // the server's state, as the banner says it (text, retry button)
+    this.unsaved = ""; // why the last save failed, said until a save works
     this.wake = () => {};
     for (const m of this.chats.flatMap((chat) => chat.messages).filter((m) => m.pending)) {
       Object.assign(m, { pending: false, stopped: true }); // the page closed while it was written
@@ -414,11 +423,16 @@ class ChatPage {
     for (const name of SETTINGS) ui[name].addEventListener("input", () => this.saveSettings());
     window.addEventListener("storage", (event) => { // another tab saved or deleted conversations
       if (event.key !== STORE.chats && event.key !== STORE.removed) return;
+      const shown = this.chat;
       this.merge(load(STORE.chats, []));
       if (this.running) this.renderList();
       else if (this.chat.messages.length && !this.chats.includes(this.chat)) this.open(this.chats[0] ?? this.fresh());
-      else this.render();
+      else if (this.chat !== shown) this.render(); // this conversation went on in the other tab
+      else this.renderList(); // an edit under way and where the reader is stay as they are
     });
+    const partial = () => { if (this.running) this.save(); }; // what has come of an answer, should the page close
+    window.addEventListener("pagehide", () => { this.running?.abort(); partial(); }); // stopped, not lost
+    document.addEventListener("visibilitychange", () => { if (document.hidden) partial(); });
     document.addEventListener("keydown", (event) => {
       if (event.key === "Escape") for (const name in PANELS) this.panel(name, false);
     });
@@ -482,8 +496,10 @@ class ChatPage {
   }
 
   banner(text, retry = false) {
-    this.ui.banner.hidden = !text;
-    this.ui["banner-text"].textContent = text;
+    this.notice = [text, retry];
+    const shown = [text, this.unsaved].filter(Boolean).join(" ");
+    this.ui.banner.hidden = !shown;
+    this.ui["banner-text"].textContent = shown;
     this.ui["banner-retry"].hidden = !retry;
   }
 
@@ -567,7 +583,9 @@ class ChatPage {
       this.running = null;
       this.busy(false);
       this.save(chat);
-      if (chat === this.chat) this.render();
+      const deleted = !this.chats.includes(chat); // by another tab, while the answer was written
+      if (chat === this.chat && deleted) this.open(this.chats[0] ?? this.fresh());
+      else if (chat === this.chat) this.render();
       this.wake();
     }
   }
@@ -597,6 +615,7 @@ class ChatPage {
       reply.timings = chunk.timings ?? reply.timings;
       view.schedule();
     }
+    if (!reply.finish && !reply.error && !signal.aborted) reply.error = "The answer was cut off: its stream ended early.";
   }
 
   request(chat) {
@@ -658,14 +677,14 @@ class ChatPage {
   open(chat) {
     if (chat !== this.chat) this.running?.abort();
     this.chat = chat;
-    localStorage.setItem(STORE.current, chat.id);
+    keep(STORE.current, chat.id);
     this.panel("sidebar", false);
     this.render();
     this.ui.prompt.focus();
   }
 
   remove(chat) {
-    localStorage.setItem(STORE.removed, JSON.stringify([...load(STORE.removed, []), chat.id].slice(-REMOVED_KEPT)));
+    keep(STORE.removed, JSON.stringify([...load(STORE.removed, []), chat.id].slice(-REMOVED_KEPT)));
     this.chats = this.chats.filter((other) => other !== chat);
     if (chat === this.chat) this.open(this.chats[0] ?? this.fresh());
     this.save();
@@ -675,13 +694,12 @@ class ChatPage {
   save(chat = this.chat) {
     chat.updated = Date.now();
     if (chat.messages.length && !this.chats.includes(chat)) this.chats.unshift(chat);
-    localStorage.setItem(STORE.current, this.chat.id);
+    keep(STORE.current, this.chat.id);
     this.merge(load(STORE.chats, []));
-    try {
-      localStorage.setItem(STORE.chats, JSON.stringify(this.chats));
-    } catch (err) {
-      this.banner(`Conversations could not be saved in this browser: ${err.message}`);
-    }
+    const saved = keep(STORE.chats, JSON.stringify(this.chats));
+    this.unsaved = saved ? "" : "Conversations cannot be saved in this browser: its storage is full (or off). " +
+      "Delete old ones to make room, after Export all if you want to keep them.";
+    this.banner(...this.notice);
   }
 
   merge(stored) {
@@ -709,7 +727,7 @@ class ChatPage {
 
   saveSettings() {
     this.settings = Object.fromEntries(SETTINGS.map((name) => [name, this.ui[name].value]));
-    localStorage.setItem(STORE.settings, JSON.stringify(this.settings));
+    keep(STORE.settings, JSON.stringify(this.settings));
   }
 
   // -- drawing ----------------------------------------------------------------------------------
