@@ -115,3 +115,24 @@ def test_frequency_and_presence_penalties_count_output_tokens():
     logits = torch.zeros(3)
     out = sampler.apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), [1], [0, 0])
     assert out.tolist() == [-2.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}])
+@pytest.mark.parametrize("strength", [{"temperature": 1e-38}, {"temperature": 1e-45}, {"repetition_penalty": 1e-300},
+                                      {"repetition_penalty": 1e-40, "temperature": 1e-30}])
+def test_a_tiny_temperature_or_penalty_draws_a_likely_token_and_never_fails(filters, strength):
+    """logits / 1e-38 overflowed to inf, the softmax was NaN: the last token of the vocabulary came out,
+    and with min_p the step raised (every other request of that step failed with it)."""
+    logits = torch.tensor([[0.5, 3.0, 2.9, -1.0, 0.0]])
+    params = SamplingParams(**{"temperature": 1.0, **strength, **filters}, seed=3)
+    seen = [1] if "repetition_penalty" in strength else []  # the penalty makes the seen token the likeliest
+    tokens = {sampler.sample(logits, [params], [(seen, [])], [sampler.uniform(3, i)])[0] for i in range(50)}
+    assert tokens == {1}
+
+
+def test_min_p_keeps_every_token_above_it_beyond_the_candidates():
+    logits = torch.zeros(sampler.CANDIDATES * 4)  # flat: every token is as likely as the likeliest
+    ids, _ = sampler.support(logits, SamplingParams(temperature=1.0, min_p=0.5))
+    assert len(ids) == len(logits) and len(set(ids.tolist())) == len(ids)
+    ids, _ = sampler.support(torch.arange(4096.0) / 1000, SamplingParams(temperature=4.0, min_p=1e-4))
+    assert len(ids) == 4096  # e^(-4.095 / 4) is far above 1e-4 of the top

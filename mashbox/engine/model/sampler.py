@@ -19,7 +19,8 @@ from mashbox.engine.request import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Repetition (over prompt and output), frequency and presence (over output) penalties."""
+    """Repetition (over prompt and output), frequency and presence (over output) penalties; a penalty
+    so strong that a logit overflows leaves it the largest (or smallest) finite number, never inf."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
         picked = logits[seen]
@@ -28,7 +29,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[-1])
         counts = counts[: logits.shape[-1]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+    return torch.nan_to_num(logits, nan=float(torch.finfo(logits.dtype).min))
 
 
 MASK = (1 << 64) - 1
@@ -46,29 +47,39 @@ def uniform(seed: int, position: int) -> float:
 CANDIDATES = 1024  # top-p and min-p look at the most likely tokens first, the whole vocabulary only if needed
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` shifted so that the largest is 0: however small the temperature, the
+    likeliest token stays finite (the others may go to -inf), so the softmax never holds NaN."""
+    return (logits - logits.max()) / temperature
+
+
 def support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, probabilities) a filtered row may draw from: top-k, then top-p and min-p.
 
     Probabilities are those of the temperature-scaled row (renormalised over the top k when
     top_k is set); ids come most likely first. Only the top ``CANDIDATES`` tokens are sorted
-    unless they hold less than ``top_p`` of the mass.
+    unless top-p and min-p keep every one of them.
     """
-    logits = logits / params.temperature
+    logits = scaled(logits, params.temperature)
     vocab = logits.shape[-1]
     k = params.top_k if 0 < params.top_k < vocab else vocab
     values, ids = torch.topk(logits, min(k, CANDIDATES) if k == vocab else k)
     norm = torch.logsumexp(logits if k == vocab else values, -1)
     probs = torch.exp(values - norm)
-    keep = len(ids)
-    if params.top_p < 1.0:
-        keep = _nucleus(probs, params.top_p)
-        if keep == len(ids) < k:  # the candidates hold less than top_p: take the whole vocabulary
-            values, ids = torch.sort(logits, descending=True)
-            probs = torch.exp(values - norm)
-            keep = _nucleus(probs, params.top_p)
+    keep = _kept(probs, params)
+    if keep == len(ids) < k:  # every candidate kept: the rest of the vocabulary may be too
+        values, ids = torch.sort(logits, descending=True)
+        probs = torch.exp(values - norm)
+        keep = _kept(probs, params)
+    return ids[:keep], probs[:keep]
+
+
+def _kept(probs: torch.Tensor, params: SamplingParams) -> int:
+    """How many of the (descending) ``probs`` top-p and min-p keep."""
+    keep = _nucleus(probs, params.top_p) if params.top_p < 1.0 else len(probs)
     if params.min_p > 0:
         keep = min(keep, int((probs[:keep] >= params.min_p * probs[0]).sum()))
-    return ids[:keep], probs[:keep]
+    return keep
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> int:
@@ -84,7 +95,7 @@ def filtered(params: SamplingParams) -> bool:
 def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     """Sample one token from one row: the uniform number ``u`` against the cumulative distribution."""
     if not filtered(params):
-        return _pick(torch.softmax(logits.float() / params.temperature, -1), u)
+        return _pick(torch.softmax(scaled(logits.float(), params.temperature), -1), u)
     ids, probs = support(logits.float(), params)
     return int(ids[_pick(probs, u)])
 
