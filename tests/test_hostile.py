@@ -93,6 +93,7 @@ def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(ht
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_lone_surrogate_is_a_400(http, route):
     path, body, field = ROUTES[route]
-    value = '"\\ud800"' if route == "completions" else '[{"role": "user", "content": "\\ud800"}]'
-    raw = json.dumps({k: v for k, v in body.items() if k != field})[:-1] + f', "{field}": {value}}}'
-    assert error_message(route, post(http, route, raw))
+    value = '"\\ud800 hi"' if route == "completions" else '[{"role": "user", "content": "\\ud800 hi"}]'
+    raw = json.dumps({**body, field: "HERE"}).replace('"HERE"', value)
+    message = error_message(route, post(http, route, raw))
+    assert "\\ud800 at byte" in message and "half of a UTF-16 surrogate pair" in message, message  # not "truncated"

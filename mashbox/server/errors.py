@@ -7,6 +7,7 @@ Nothing a client sends becomes a 500: only a failure on the device or a bug does
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,7 @@ def answer(path: str, error: ApiError, request_id: str | None = None) -> tuple[i
     return status, {"type": "error", "error": {"type": kind, "message": message}}, headers
 
 
-def api_error(exc: Exception, retry_after: int) -> ApiError:
+def api_error(exc: Exception, retry_after: int, body: bytes = b"") -> ApiError:
     """The answer an exception raised while handling a request deserves."""
     if isinstance(exc, ApiError):
         return exc
@@ -96,16 +97,23 @@ def api_error(exc: Exception, retry_after: int) -> ApiError:
     if isinstance(exc, QueueFull):
         return ApiError(429, exc.message, retry_after=exc.retry_after, overloaded=exc.scope == "server")
     if isinstance(exc, HTTPException):
-        return ApiError(exc.status_code, _body_error(exc) or _detail(exc))
+        return ApiError(exc.status_code, _body_error(exc, body) or _detail(exc))
     log.error("unexpected error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}")
 
 
-def _body_error(exc: HTTPException) -> str | None:
+_HIGH, _LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+LONE_SURROGATE = re.compile(_HIGH + rb"(?!" + _LOW + rb")|(?<!" + _HIGH + rb")" + _LOW)  # half of a pair, alone
+
+
+def _body_error(exc: HTTPException, body: bytes) -> str | None:
     """What is wrong with a body Litestar could not read as a JSON object (None: something else)."""
     if isinstance(exc.__cause__, SerializationException):  # msgspec: "Input data was truncated", "... (byte 7)"
         reason = _lower(str(exc.__cause__).removeprefix("JSON is malformed: "))
         where = "it ends in the middle of a value (input data was truncated)" if "truncated" in reason else reason
+        if (lone := LONE_SURROGATE.search(body)) and ("truncated" in reason or "surrogate" in reason):
+            where = (f"{lone[0][:6].decode()} at byte {lone.start()} is half of a UTF-16 surrogate pair without "
+                     "the other half, which is not text")
         return f"the body is not valid JSON: {where}"
     for item in exc.extra if isinstance(exc.extra, list) else ():
         if isinstance(item, dict) and item.get("key") == "data" and item.get("source") == "body":
@@ -133,7 +141,9 @@ def handler(retry_after: int) -> Callable[[Request, Exception], Response]:
 
     def handle(request: Request, exc: Exception) -> Response:
         request_id = request.scope.get("state", {}).get("request_id")
-        status, body, headers = answer(request.url.path, api_error(exc, retry_after), request_id)
+        read = request._connection_state.body  # what a body that failed to decode was (Empty: none read)
+        error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"")
+        status, body, headers = answer(request.url.path, error, request_id)
         return Response(body, status_code=status, headers=headers)
 
     return handle
