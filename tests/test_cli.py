@@ -58,3 +58,15 @@ def test_a_model_is_installed_only_when_every_part_is(monkeypatch):
     monkeypatch.setattr(catalog, "package_file", lambda part: None if part == qwen.source.parts[-1] else "x")
     assert not catalog.installed(qwen)
     assert catalog.installed(catalog.catalog()["smollm2-135m"])
+
+
+def test_every_flag_of_mashbox_run_is_in_the_servers_flags_table():
+    """docs/server.md says its table and `mashbox run --help` say the same."""
+    from pathlib import Path
+
+    from mashbox.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    flags = {o for a in commands.choices["run"]._actions for o in a.option_strings if o.startswith("--")}
+    table = (Path(__file__).parent.parent / "docs" / "server.md").read_text().split("## Flags")[1].split("\n\n")[1]
+    assert {f for f in flags if f"`{f}" not in table} == {"--help"}
