@@ -15,6 +15,7 @@ the return type ``stream`` picks; a request passed whole (a dict or model) may s
 from __future__ import annotations
 
 import difflib
+import re
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal, Unpack, overload
@@ -47,7 +48,6 @@ from mashbox.errors import (
     EngineClosedError,
     GenerationError,
     InvalidRequestError,
-    MashboxError,
 )
 
 Request = Mapping[str, Any] | BaseModel  # a whole request: a dict as the server reads a body, or its model
@@ -265,14 +265,31 @@ def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method:
     caller's code and an error."""
     if request is None:
         _check_names(fields, model, method)
-        return fields
+        return _text_only(fields)
     if fields:
-        raise MashboxError("pass a request object or keyword fields, not both")
+        raise InvalidRequestError("request", "pass a request object or keyword fields, not both")
     if isinstance(request, BaseModel):
         return request.model_dump(exclude_unset=True, by_alias=True)
     if not isinstance(request, Mapping):
         raise InvalidRequestError("request", f"must be a dict or a request model, not {type(request).__name__}")
-    return request
+    return _text_only(request)
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text_only(body: Any, path: str = "") -> Any:
+    """``body``, where no string holds a lone surrogate (half of a UTF-16 pair, no text: the tokenizer
+    cannot read it); one does raise, naming where, as the server's JSON reader refuses it."""
+    if isinstance(body, str) and SURROGATE.search(body):
+        raise InvalidRequestError(path, "holds a lone surrogate (a half of a UTF-16 pair), which is not text")
+    if isinstance(body, Mapping):
+        for key, value in body.items():
+            _text_only(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(body, list | tuple):
+        for i, value in enumerate(body):
+            _text_only(value, f"{path}.{i}")
+    return body
 
 
 def _warn_ignored(ignored: list[str], stacklevel: int) -> None:

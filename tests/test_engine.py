@@ -20,6 +20,7 @@ from mashbox import (
     Started,
     TextDelta,
 )
+from mashbox.engine.events import Finish
 from mashbox.engine.text.detokenizer import Detokenizer
 
 
@@ -358,6 +359,9 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     ({"slots": 0}, "slots: must be between 1 and 1024"), ({"slots": True}, "slots: must be a whole number"),
     ({"kv_dtype": "q4"}, "kv_dtype: must be one of"), ({"device": "tpu"}, "device: must be cpu, cuda or cuda:N"),
     ({"dtype": "int4"}, "dtype: 'int4' is not one mashbox knows; use one of .*int8"),
+    ({"slot": 2}, "slot: is not an Engine option; did you mean `slots`"), ({"speculation": "no"}, "speculation: must be True"),
+    ({"cache_dir": 5}, "cache_dir: must be a folder's path"), ({"config": {"slots": 2}}, "config: must be an EngineConfig"),
+    ({"model": 5}, "model: must be a catalog id or a path"),
 ])
 def test_every_bad_engine_setting_is_a_config_error_naming_it(setting, words):
     """``except MashboxError`` catches them all (they were ValueError, TypeError or torch's RuntimeError)."""
@@ -365,6 +369,14 @@ def test_every_bad_engine_setting_is_a_config_error_naming_it(setting, words):
 
     with pytest.raises(ConfigError, match=words):
         Engine(quiet=True, **setting)
+
+
+def test_a_cache_dir_that_is_a_file_is_a_config_error(tiny_model_dir, tmp_path):
+    from mashbox import ConfigError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cache_dir: .* cannot be a folder here"):
+        Engine(str(tiny_model_dir), quiet=True, cache_dir=str(tmp_path / "file"), cache_disk_gib=1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "nonsense"])
@@ -439,6 +451,8 @@ def test_a_closed_engine_refuses_every_call_at_once(tiny_model_dir):
         "achat": lambda: asyncio.run(engine.achat(messages=hi, max_tokens=2)),
         "achat stream": lambda: _anext(engine.achat(messages=hi, max_tokens=2, stream=True)),
         "astream": lambda: asyncio.run(anext(engine.astream(EngineRequest(prompt="a")))),
+        "encode": lambda: engine.encode(EngineRequest(prompt="a")),
+        "with": lambda: engine.__enter__(),
     }
     for name, call in calls.items():
         raised = _raised_within(5, call)
@@ -624,3 +638,31 @@ def test_a_scheduler_fault_ends_every_stream_and_refuses_new_requests_at_once(ti
     raised = _raised_within(5, lambda: engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2))
     assert isinstance(raised, EngineClosedError) and "a broken scheduler" in str(raised)
     engine.close()
+
+
+@pytest.mark.parametrize("method", ["chat", "message", "count_tokens"])
+def test_a_lone_surrogate_is_refused_naming_where_it_is(tiny_engine, method):
+    """As the server's JSON reader refuses it; it was a bare TypeError from the tokenizer."""
+    with pytest.raises(InvalidRequestError) as err:
+        limit = {} if method == "count_tokens" else {"max_tokens": 4}
+        getattr(tiny_engine, method)(messages=[{"role": "user", "content": "hi \ud800"}], **limit)
+    assert err.value.param == "messages.0.content"
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.complete({"prompt": ["ok", "\udfff"], "max_tokens": 4})
+    assert err.value.param == "prompt.1"
+
+
+def test_one_request_streamed_twice_at_once_is_refused_not_left_waiting(tiny_engine):
+    request = EngineRequest(prompt="Once upon a time", sampling=SamplingParams(max_tokens=30))
+    first = tiny_engine.stream(request)
+    next(first)
+    with pytest.raises(InvalidRequestError, match="is running") as err:
+        tiny_engine.stream(request)
+    assert err.value.param == "id"
+    assert isinstance(list(first)[-1], Finish)
+    assert isinstance(list(tiny_engine.stream(request))[-1], Finish)  # once it has ended, it may run again
+
+
+def test_a_request_and_keyword_fields_together_are_an_invalid_request(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="not both"):
+        tiny_engine.chat({"messages": [{"role": "user", "content": "hi"}]}, max_tokens=2)

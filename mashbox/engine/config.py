@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from os import PathLike
 
 from mashbox.errors import ConfigError
 
@@ -80,6 +81,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) or value is None and name == "ctx"):
                 raise ConfigError(f"{name}: must be a whole number (got {value!r})")
+        for name in ("batch_invariant", "cuda_graphs", "quiet", "allow_long_context", "verbatim_template",
+                     "constrain_calls", "speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be True or False (got {getattr(self, name)!r})")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str | PathLike):
+            raise ConfigError(f"cache_dir: must be a folder's path (got {self.cache_dir!r})")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype: must be one of {', '.join(map(str, KV_DTYPES[1:]))} (got {self.kv_dtype!r})")
         if self.device is not None and not DEVICE.fullmatch(str(self.device)):

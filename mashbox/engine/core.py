@@ -26,7 +26,7 @@ from mashbox.engine.text.detokenizer import Detokenizer
 from mashbox.engine.text.grammar import CallGuard
 from mashbox.engine.text.markup import Markup
 from mashbox.engine.text.stop import StopMatcher
-from mashbox.errors import EngineClosedError
+from mashbox.errors import EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox.engine")
 
@@ -106,6 +106,8 @@ class EngineCore:
         self.snapshot = self._stats()  # replaced, never changed: other threads read it without a lock
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._closing = threading.Lock()  # no request joins the inbox behind "close"
+        self._live: set[str] = set()  # the ids of the requests submitted and not yet ended (any thread)
+        self._live_lock = threading.Lock()
         self.closed = False
         self.why_closed = CLOSED
         self._thread = threading.Thread(target=self._loop, name="mashbox-engine", daemon=True)
@@ -115,11 +117,18 @@ class EngineCore:
                guard: CallGuard | None = None) -> Channel[Event]:
         detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:])
         stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget, guard)
-        with self._closing:
+        with self._closing, self._live_lock:
             if self.closed:
                 raise EngineClosedError(self.why_closed)
+            self.check_new(seq.id)
+            self._live.add(seq.id)
             self._inbox.put(("add", stream))
         return stream.channel
+
+    def check_new(self, request_id: str) -> None:
+        """Refuse an id that runs already: its events would go to one caller, and the other wait for good."""
+        if request_id in self._live:
+            raise InvalidRequestError("id", f"a request with id {request_id!r} is running; give each its own")
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -224,6 +233,8 @@ class EngineCore:
         )
 
     def _close(self, stream: Stream, error: str | None = None) -> None:
+        with self._live_lock:
+            self._live.discard(stream.seq.id)
         self.counters.finished[stream.seq.finish_reason or "error"] += 1
         self.snapshot = self._stats()  # counted before its client can see the end
         stream.finish(error)

@@ -5,12 +5,13 @@ engine events out (``stream`` / ``astream``). The protocols sit above it: ``mash
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 
@@ -60,8 +61,7 @@ class Runtime:
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
-        config = config or EngineConfig()
-        config = replace(config, **options, **({"model": model} if model else {}))
+        config = _configured(model, config, options)
         with loading(PurePath(config.model).name, config.quiet) as step:
             self._build(config, step)
 
@@ -107,6 +107,7 @@ class Runtime:
 
         A prompt that cannot fit the context whatever its tokens is refused first, from a cheap
         lower bound, so that a huge request costs no rendering or tokenizing."""
+        self._check_open()
         floor = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
         if floor > self.ctx:
             field = "prompt" if request.prompt is not None else "messages"
@@ -141,6 +142,7 @@ class Runtime:
 
     def _job(self, request: EngineRequest) -> Job:
         self._check_open()
+        self._core.check_new(request.id)  # here, before any work; submit checks it again under its lock
         ids = self.encode(request)
         field = "prompt" if request.prompt is not None else "messages"
         if not ids:
@@ -232,6 +234,7 @@ class Runtime:
         self._release()
 
     def __enter__(self) -> Runtime:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -245,6 +248,22 @@ def _release(core: EngineCore) -> None:
     core.runner = None  # type: ignore[assignment]
 
 
+def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfig:
+    """The engine's config: ``config`` (or the defaults) with ``options`` and ``model`` over it; a
+    mistake in them (a misspelt option, a model that is no name) raises ``ConfigError``."""
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ConfigError(f"config: must be an EngineConfig (got {type(config).__name__}); or pass its fields as options")
+    if model is not None and not isinstance(model, str | PurePath):
+        raise ConfigError(f"model: must be a catalog id or a path (got {model!r})")
+    known = [f.name for f in fields(EngineConfig)]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}"
+            raise ConfigError(f"{name}: is not an Engine option; {hint}")
+    return replace(config or EngineConfig(), **options, **({"model": str(model)} if model else {}))
+
+
 def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
     """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
     if config.cache_disk_gib <= 0:
@@ -255,7 +274,10 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
              native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
-    return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
+    try:
+        return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
+    except OSError as err:
+        raise ConfigError(f"cache_dir: {folder} cannot be a folder here ({err.strerror or err})") from None
 
 
 def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:
