@@ -666,3 +666,25 @@ def test_one_request_streamed_twice_at_once_is_refused_not_left_waiting(tiny_eng
 def test_a_request_and_keyword_fields_together_are_an_invalid_request(tiny_engine):
     with pytest.raises(InvalidRequestError, match="not both"):
         tiny_engine.chat({"messages": [{"role": "user", "content": "hi"}]}, max_tokens=2)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda: EngineRequest(prompt=5), "prompt: must be str"),
+    (lambda: EngineRequest(messages=[{"role": "user", "content": "hi"}]), "messages: must be Message objects"),
+    (lambda: EngineRequest(prompt="a", sampling={"temperature": 1}), "sampling: must be SamplingParams"),
+    (lambda: SamplingParams(max_tokens="5"), "max_tokens: must be int"),
+    (lambda: SamplingParams(temperature=True), "temperature: must be int or float"),
+    (lambda: Message(role="bogus", content="hi"), "role: must be system, user, assistant or tool"),
+    (lambda: Message(role="user", content=5), "content: must be str"),
+])
+def test_the_low_level_types_refuse_a_wrong_kind_naming_the_field(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
+def test_stream_of_a_dict_is_an_invalid_request(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="must be an EngineRequest") as err:
+        tiny_engine.stream({"prompt": "hi"})
+    assert err.value.param == "request"
+    listed = EngineRequest(messages=[Message("user", "hi")], sampling=SamplingParams(max_tokens=2))  # a list is fine
+    assert isinstance(list(tiny_engine.stream(listed))[-1], Finish)

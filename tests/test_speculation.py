@@ -222,6 +222,15 @@ def test_a_predicted_output_is_proposed_and_changes_nothing_but_speed(plain_engi
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 30
 
 
+def test_a_prediction_is_read_only_as_far_as_the_answer_can_go(spec_engine):
+    """A 9 MB prediction was tokenized and indexed whole on the path every request waits behind (other
+    clients stalled 17 s); an answer of 8 tokens can use the first hundred-odd characters of it."""
+    request = EngineRequest(messages=(Message("user", "Say hi."),), sampling=SamplingParams(max_tokens=8),
+                            prediction="文字 " * 1_000_000)
+    job = spec_engine._job(request)
+    assert len(job.seq.drafts.tokens) - len(job.seq.prompt_ids) < 1000  # its first 16 x 8 characters
+
+
 def test_over_http_the_sdk_sends_a_prediction_and_reads_what_was_kept(oai):
     """The real OpenAI SDK against the server (speculation on by default): ``prediction`` is taken,
     the usage says how many proposed tokens were kept, and /metrics counts them."""

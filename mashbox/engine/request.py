@@ -20,6 +20,16 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
         raise ValueError(f"{name}: must be {rule} (got {value!r})")
 
 
+def _typed(owner: Any, kinds: dict[str, type | tuple[type, ...]]) -> None:
+    """Each named field of ``owner`` is of its kind (None allowed where the default is None); a bool
+    is no number."""
+    for name, kind in kinds.items():
+        value = getattr(owner, name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+            kinds_named = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ValueError(f"{name}: must be {kinds_named} (got {value!r})")
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request picks its tokens. ``temperature == 0`` is greedy."""
@@ -36,6 +46,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        number = (int, float)
+        _typed(self, {"temperature": number, "top_p": number, "top_k": int, "min_p": number, "seed": int,
+                      "repetition_penalty": number, "frequency_penalty": number, "presence_penalty": number,
+                      "max_tokens": int})
         t = self.temperature
         _check(math.isfinite(t) and 0 <= t <= 4, "temperature", "between 0 and 4", t)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
@@ -85,6 +99,11 @@ class Message:
     name: str | None = None
     reasoning: str | None = None
 
+    def __post_init__(self) -> None:
+        roles = ("system", "user", "assistant", "tool")
+        _check(self.role in roles, "role", "system, user, assistant or tool", self.role)
+        _typed(self, {"content": str, "tool_call_id": str, "name": str, "reasoning": str})
+
 
 @dataclass(slots=True, frozen=True)
 class Named:
@@ -116,6 +135,12 @@ class EngineRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
+        if isinstance(self.messages, list):
+            object.__setattr__(self, "messages", tuple(self.messages))
+        _typed(self, {"messages": tuple, "prompt": str, "sampling": SamplingParams, "tools": (tuple, list)})
+        for name, kind, items in (("messages", Message, self.messages or ()), ("tools", Tool, self.tools)):
+            wrong = next((item for item in items if not isinstance(item, kind)), None)
+            _check(wrong is None, name, f"{kind.__name__} objects", wrong)
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("messages: give either messages or prompt, not both or neither")
         if self.messages is not None and not self.messages:

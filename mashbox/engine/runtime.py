@@ -108,6 +108,9 @@ class Runtime:
         A prompt that cannot fit the context whatever its tokens is refused first, from a cheap
         lower bound, so that a huge request costs no rendering or tokenizing."""
         self._check_open()
+        if not isinstance(request, EngineRequest):
+            raise InvalidRequestError("request", f"must be an EngineRequest (got {type(request).__name__}); "
+                                                 "a dict is a request of chat(), complete(), respond() or message()")
         floor = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
         if floor > self.ctx:
             field = "prompt" if request.prompt is not None else "messages"
@@ -141,9 +144,8 @@ class Runtime:
         self._core.abort(request_id)
 
     def _job(self, request: EngineRequest) -> Job:
-        self._check_open()
-        self._core.check_new(request.id)  # here, before any work; submit checks it again under its lock
-        ids = self.encode(request)
+        ids = self.encode(request)  # a closed engine and a request that is no EngineRequest raise there
+        self._core.check_new(request.id)  # here, at the call; submit checks it again under its lock
         field = "prompt" if request.prompt is not None else "messages"
         if not ids:
             raise InvalidRequestError(field, "is empty: there is no token to continue from")
@@ -156,7 +158,8 @@ class Runtime:
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)
         if self._speculate:  # indexed here, not on the engine's thread
-            predicted = self.tokenizer.encode(request.prediction, add_special_tokens=False) if request.prediction else []
+            text = (request.prediction or "")[: PREDICTED_CHARS * max_new]  # no more than the answer can use
+            predicted = self.tokenizer.encode(text, add_special_tokens=False) if text else []
             seq.drafts = Drafts([*ids, *predicted])  # the latest occurrence wins: a prediction over the prompt
         if request.messages is None:
             return Job(seq, Markup(calls=None), None)
@@ -248,11 +251,14 @@ def _release(core: EngineCore) -> None:
     core.runner = None  # type: ignore[assignment]
 
 
+PREDICTED_CHARS = 16  # characters of a prediction read per token the answer may have: its tokens hold fewer
+
+
 def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfig:
     """The engine's config: ``config`` (or the defaults) with ``options`` and ``model`` over it; a
     mistake in them (a misspelt option, a model that is no name) raises ``ConfigError``."""
     if config is not None and not isinstance(config, EngineConfig):
-        raise ConfigError(f"config: must be an EngineConfig (got {type(config).__name__}); or pass its fields as options")
+        raise ConfigError(f"config: must be an EngineConfig (got {type(config).__name__}), or its fields as options")
     if model is not None and not isinstance(model, str | PurePath):
         raise ConfigError(f"model: must be a catalog id or a path (got {model!r})")
     known = [f.name for f in fields(EngineConfig)]
