@@ -276,14 +276,16 @@ def test_a_tasks_db_that_cannot_hold_the_tasks_is_one_line_and_exit_2(tmp_path):
     """Refused at start, not a 500 on every /v1/tasks call later."""
     not_a_db = tmp_path / "notes.txt"
     not_a_db.write_text("not a database")
-    for path in ("/proc/no-such-folder/tasks.sqlite3", str(not_a_db)):
+    (tmp_path / "nowhere.sqlite3").symlink_to("/no-such-folder/tasks.sqlite3")  # it was a 500 at every task
+    for path in ("/proc/no-such-folder/tasks.sqlite3", str(not_a_db), str(tmp_path / "nowhere.sqlite3"),
+                 "/proc/tasks.sqlite3"):
         process = mashbox("--port", str(free_port()), "--tasks-db", path)
         _, err = process.communicate(timeout=60)
         assert process.returncode == 2 and err.startswith(f"mashbox: tasks_db: {path} cannot hold the tasks"), err
         assert len(err.splitlines()) == 1
     fresh = tmp_path / "new" / "tasks.sqlite3"
     task_store.check(fresh)
-    assert fresh.parent.is_dir() and not fresh.exists(), "the folder is made, the file comes on first use"
+    assert fresh.is_file(), "the folder and an empty database are made"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20"])
@@ -358,3 +360,24 @@ def test_sighup_without_a_key_file_changes_nothing(tiny_model_dir):
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0 and "there is none (--api-key-file): nothing changed" in err, err
+
+
+def test_a_server_whose_stderr_nobody_reads_goes_on_serving_and_stops(tiny_model_dir):
+    """Its terminal closed, or `mashbox run | head`: a SIGHUP left it listening but answering nothing, and
+    a SIGTERM left it (and its worker) running for good, its goodbye line raising BrokenPipeError."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "mashbox", "run", str(tiny_model_dir), "--port", str(port),
+                                "--ctx", "512", "--slots", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "MASHBOX_API_KEY": ""})
+    try:
+        process.stderr.readline()  # "serving ... (loading...)"
+        process.stderr.close()  # the reader goes
+        poll_health(url, process)
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()

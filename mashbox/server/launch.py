@@ -5,6 +5,7 @@ the worker on the way out (Ctrl-C or SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
@@ -175,5 +176,7 @@ def _url(settings: Settings) -> str:
 
 
 def _say(text: str) -> None:
-    # the real stderr: with --in-process the loader swaps sys.stderr while it loads
-    print(f"mashbox: {text}", file=sys.__stderr__ or sys.stderr, flush=True)
+    # the real stderr: with --in-process the loader swaps sys.stderr while it loads; one that nobody reads
+    # any more (its terminal closed, `| head`) is no reason to stop serving, or to fail to stop
+    with contextlib.suppress(OSError):
+        print(f"mashbox: {text}", file=sys.__stderr__ or sys.stderr, flush=True)

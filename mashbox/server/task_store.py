@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -32,16 +31,13 @@ EXPIRED = {"code": EXPIRED_CODE, "message": "the task expired: nothing happened 
 
 
 def check(path: Path) -> None:
-    """Raise ValueError where ``path`` cannot hold the tasks: its folder cannot be made or written in,
-    or it is a file but no SQLite database. Makes nothing but the folder (the file comes on first use)."""
+    """Raise ValueError where ``path`` cannot hold the tasks: its folder cannot be made, or SQLite cannot
+    open it as a database (a file that is none, a link to nowhere, a folder it cannot write in). Makes
+    the folder and, where there was none, the (empty) database file."""
     try:
-        if path.exists():
-            with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True)) as db:
-                db.execute("PRAGMA schema_version")
-            return
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(path.parent, os.W_OK):
-            raise PermissionError(f"cannot write in {path.parent}")
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=rwc", uri=True)) as db:
+            db.execute("PRAGMA schema_version")
     except (OSError, sqlite3.Error) as err:
         raise ValueError(f"tasks_db: {path} cannot hold the tasks ({err})") from None
 
