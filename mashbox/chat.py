@@ -42,6 +42,7 @@ def run(engine: Any, system: str | None, options: dict[str, Any], interactive: b
     conversation = Conversation(system)
     if interactive:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if our parent ignored it
+        signal.signal(signal.SIGTERM, _terminated)
         _line_editing()
         _say(f"chatting with {engine.model_id} (ctx {engine.ctx}). {HELP}.")
     for line in _lines(interactive):
@@ -69,8 +70,16 @@ def _lines(interactive: bool) -> Iterator[str]:
         except KeyboardInterrupt:  # at the prompt: a new prompt, as in a shell
             print()
             continue
-        if line.strip():
-            yield line.strip()
+        text = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bytes of another encoding
+        if text != line:
+            _say("this line is not UTF-8 text: the bytes that are not were read as \ufffd")
+        if text.strip():
+            yield text.strip()
+
+
+def _terminated(*_: object) -> None:
+    """SIGTERM at the prompt: out through the readline call (which restores the terminal) and close."""
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 def _command(line: str, conversation: Conversation) -> str | None:
@@ -90,7 +99,11 @@ def _command(line: str, conversation: Conversation) -> str | None:
 
 def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) -> str | None:
     """Stream one answer; the text written (all of it, or up to Ctrl-C), None if it did not fit."""
-    stream = _fitting(engine, conversation, options)
+    try:
+        stream = _fitting(engine, conversation, options)
+    except KeyboardInterrupt:  # right after Enter, before the answer began
+        print(" [stopped]", flush=True)
+        return ""
     if stream is None:
         return None
     text: list[str] = []

@@ -8,7 +8,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 from pathlib import Path
 
 from mashbox.engine.load.catalog import catalog
@@ -28,10 +28,22 @@ exit status:
 
 class Parser(argparse.ArgumentParser):
     """argparse's, but a bad flag or value is one line (exit 2) naming where the flags are told, not
-    the usage block."""
+    the usage block; and a flag is taken only whole (`--ho` is no `--host`: the cluster checks replicas'
+    flags by name)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """Flags no command knows are told with the command's help, where its flags are."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            prog = f"{self.prog} {parsed.command}" if getattr(parsed, "command", None) else self.prog
+            self.exit(2, f"{prog}: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:  # the server stops on Ctrl-C as it was asked to; a chat was cut short
         return 0 if args.command == "run" else 130
+    except BrokenPipeError:  # the reader of the output went (`mashbox models | head -1`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit, when stdout is flushed)
+        return 1
 
 
 def list_models() -> int:
@@ -304,6 +319,9 @@ def chat(args: argparse.Namespace) -> int:
     from mashbox.engine.request import SamplingParams
     from mashbox.facade import Engine  # torch loads only when needed
 
+    if sys.stdin is None:
+        print("mashbox: chat reads its questions from stdin, and there is none (it is closed)", file=sys.stderr)
+        return 2
     interactive = sys.stdin.isatty()
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     engine_options = {"ctx": args.ctx, "slots": args.slots, "allow_long_context": args.allow_long_context}

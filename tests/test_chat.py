@@ -94,3 +94,48 @@ def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkey
     assert chat.run(tiny_engine, None, {"max_tokens": 3}, interactive=False) == 0
     out, _ = capsys.readouterr()
     assert out.count("[cut: --max-tokens 3]") == 2 and out.count(chat.SEPARATOR) == 2
+
+
+def test_sigterm_at_the_prompt_leaves_the_terminal_as_it_was(tiny_model_dir):
+    """readline holds the terminal raw at the prompt: killed there, the chat left it without echo."""
+    import termios
+
+    term = Terminal(str(tiny_model_dir), "--ctx", "512", "--slots", "1")
+    before = termios.tcgetattr(term.master)
+    try:
+        term.wait_for("> ")
+        term.proc.send_signal(signal.SIGTERM)
+        assert term.proc.wait(30) == 128 + signal.SIGTERM
+        assert termios.tcgetattr(term.master)[3] == before[3]  # lflag: echo and line editing back
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+
+
+class InterruptedOnce:
+    """The engine, but Ctrl-C lands in its first chat() call: right after Enter, before the answer began
+    (as when the prompt is still being tokenized)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, 0
+
+    def chat(self, **fields):
+        self.calls += 1
+        if self.calls == 1:
+            raise KeyboardInterrupt
+        return self.engine.chat(**fields)
+
+
+def test_ctrl_c_before_the_answer_begins_stops_that_answer_not_the_chat(tiny_engine, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n"))
+    assert chat.run(InterruptedOnce(tiny_engine), None, {"max_tokens": 4}, interactive=False) == 0
+    out, _ = capsys.readouterr()
+    assert " [stopped]" in out and out.count(chat.SEPARATOR) == 2
+
+
+def test_a_line_that_is_not_utf8_is_read_with_replacement_characters(tiny_engine, monkeypatch, capsys):
+    """Latin-1 bytes (read by Python as lone surrogates) were refused as "a half of a UTF-16 pair"."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Repeat: caf\udce9 \udcff\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "not UTF-8 text" in err and "refused" not in err and out.count(chat.SEPARATOR) == 1

@@ -70,3 +70,23 @@ def test_every_flag_of_mashbox_run_is_in_the_servers_flags_table():
     flags = {o for a in commands.choices["run"]._actions for o in a.option_strings if o.startswith("--")}
     table = (Path(__file__).parent.parent / "docs" / "server.md").read_text().split("## Flags")[1].split("\n\n")[1]
     assert {f for f in flags if f"`{f}" not in table} == {"--help"}
+
+
+def test_a_flag_no_command_knows_points_at_that_commands_help():
+    out = subprocess.run([sys.executable, "-m", "mashbox", "run", "--bogus"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr == "mashbox run: unrecognized arguments: --bogus (see mashbox run --help)\n"
+    out = subprocess.run([sys.executable, "-m", "mashbox", "run", "--slo", "2"], capture_output=True, text=True)
+    assert out.returncode == 2 and "unrecognized arguments: --slo" in out.stderr  # a flag is taken only whole
+
+
+def test_output_nobody_reads_and_input_that_is_closed_are_one_line_at_most():
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # `mashbox models | head -1`, its reader gone
+    out = subprocess.run([sys.executable, "-m", "mashbox", "models"], stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    assert out.returncode == 1 and out.stderr == ""
+    out = subprocess.run([sys.executable, "-m", "mashbox", "chat"], stdin=None, capture_output=True, text=True,
+                         preexec_fn=lambda: os.close(0))
+    assert out.returncode == 2 and out.stderr == "mashbox: chat reads its questions from stdin, and there is none (it is closed)\n"
