@@ -132,7 +132,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="serve the MASHBOX Chat page at / (default: off: / answers like /health)")
     run.add_argument("--tasks-db", default=None, metavar="PATH",
                      help="SQLite file of the agent tasks (/v1/tasks) (default: tasks.sqlite3 in the mashbox cache)")
-    run.add_argument("--tasks-ttl", type=float, default=24.0, metavar="HOURS",
+    run.add_argument("--tasks-ttl", type=_hours, default=24.0, metavar="HOURS",
                      help="a task untouched this long expires, or is deleted once finished (default: %(default)s)")
     run.add_argument("--allow-long-context", action="store_true",
                      help="let --ctx exceed the context the model was trained on, where answers degrade "
@@ -243,6 +243,16 @@ def _gib(text: str) -> float:
         value = -1
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of GiB, 0 or more (got {text!r})")
+    return value
+
+
+def _hours(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of hours, more than 0 (got {text!r})")
     return value
 
 

@@ -264,6 +264,9 @@ def _worker_pid_if_loading(port):
     (["--cache-dir", "/dev/null"], "mashbox: cache_dir: /dev/null cannot be a folder here"),
     (["--slots", "abc"], "mashbox run: argument --slots: invalid int value: 'abc' (see mashbox run --help)"),
     (["--sampling", "top_p=2"], "mashbox run: argument --sampling: top_p: must be in (0, 1]"),
+    (["--tasks-ttl", "inf"], "mashbox run: argument --tasks-ttl: must be a number of hours, more than 0"),
+    (["--allow-origin", "notanorigin"], "mashbox: allow_origin: 'notanorigin' is no origin"),
+    (["--allow-origin", "http://localhost:3000/app"], "mashbox: allow_origin: 'http://localhost:3000/app' is no origin"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_loading(flags, words):
     """Refused at once in one line (argparse's usage block is not printed), never after loading began."""

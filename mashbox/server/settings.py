@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
+import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+
+ORIGIN = re.compile(r"null|[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+")  # what a browser's Origin header holds
 
 
 def is_loopback(host: str) -> bool:
@@ -68,8 +72,11 @@ class Settings:
                 f"host: {self.host} is not a loopback address, so API keys are required; "
                 "pass --api-key-file or set MASHBOX_API_KEY"
             )
-        if not self.tasks_ttl_s > 0:
-            raise ValueError(f"tasks_ttl_s: must be > 0 (got {self.tasks_ttl_s})")
+        if not 0 < self.tasks_ttl_s < math.inf:
+            raise ValueError(f"tasks_ttl_s: must be > 0 and finite (got {self.tasks_ttl_s})")
+        for origin in self.allow_origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"allow_origin: {origin!r} is no origin: give scheme://host[:port], or * for any")
         if not 0 < self.port < 65536:
             raise ValueError(f"port: must be between 1 and 65535 (got {self.port})")
 
