@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -318,3 +319,74 @@ def test_assemble_wrong_size(tmp_path: Path) -> None:
         assemble([part], tmp_path / "out" / "x.gguf", size=4,
                  sha256=hashlib.sha256(b"abc").hexdigest())
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def _saved_llama(folder: Path, smol_tokenizer, **config) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{
+        "vocab_size": len(smol_tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "initializer_range": 0.3, **config})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    ({"attention_bias": True}, "self_attn.o_proj.bias: mashbox adds no bias there"),
+    ({"mlp_bias": True}, "mlp.gate_proj.bias: mashbox adds no bias there"),
+])
+def test_biases_mashbox_would_not_add_are_refused_at_load(tmp_path: Path, smol_tokenizer, config, said) -> None:
+    """o_proj's and the MLP's biases were read and never added: answers 11-26% off transformers', unsaid."""
+    from mashbox import Engine
+
+    _saved_llama(tmp_path, smol_tokenizer, **config)
+    with pytest.raises(ModelLoadError, match=said):
+        Engine(str(tmp_path), quiet=True, slots=1, ctx=64)
+
+
+def test_an_unknown_activation_and_a_tokenizer_past_the_embedding_are_refused_at_load(tmp_path: Path,
+                                                                                     smol_tokenizer) -> None:
+    """Each loaded, then failed every request (and every other request in its step) at the device."""
+    from mashbox import Engine
+
+    _saved_llama(tmp_path, smol_tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "bogus_act"}))
+    with pytest.raises(ModelLoadError, match="the activation 'bogus_act' \\(hidden_act\\) is not one mashbox knows"):
+        Engine(str(tmp_path), quiet=True, slots=1, ctx=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    grown = copy.deepcopy(smol_tokenizer)
+    grown.add_tokens(["<foo>"])
+    grown.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"the tokenizer has {len(grown)} tokens but the embedding only"):
+        Engine(str(tmp_path), quiet=True, slots=1, ctx=64)
+
+
+def test_mistrals_sliding_window_is_applied(tmp_path: Path, smol_tokenizer) -> None:
+    """Mistral v0.1's window (4096) was ignored: past it every answer differed from transformers'."""
+    from tiny import answers_as_transformers
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(smol_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=16,
+        initializer_range=0.3)).eval()
+    answers_as_transformers(tmp_path, model, smol_tokenizer, [" ".join(f"word{i}" for i in range(30))], n=8)
+
+
+def test_a_model_of_text_and_images_is_refused_before_loading(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Gemma 3 4B-27B's layout was loaded whole through transformers, then failed with an AttributeError."""
+    folder = tmp_path / "gemma3-mm"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        **config, "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {"model_type": "gemma3_text"}, "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ModelLoadError, match="holds a model of text and images \\(Gemma3ForConditionalGeneration\\)"):
+        load(str(folder))

@@ -61,3 +61,17 @@ def test_a_phi3_gguf_runs_from_its_blocks(tmp_path, lib, config, formats):
     runner = gguf_runner(path, lib, "gguf")
     assert runner._fused is not None and runner.cut_anywhere
     blocks_agree(runner, prompts, expected)
+
+
+def test_a_longrope_model_stays_within_its_original_context_by_default(tmp_path, smol_tokenizer):
+    """Past the original context every position turns by the long factors (as llama.cpp chooses by its
+    context); the default ctx (the trained 1024 here, Phi-4-mini's 8192 cap) gave short prompts the long
+    ones, where transformers gives them the short: answers differed from the first token."""
+    model = tiny_phi(**LONGROPE)
+    model.save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    with Engine(str(tmp_path), dtype="float32", slots=2, quiet=True) as engine:
+        assert engine.ctx == 64
+        ids = smol_tokenizer.encode(WORDS[:60])
+        expected = smol_tokenizer.decode(generate(model, ids, 10), skip_special_tokens=True)
+        assert engine.complete(prompt=WORDS[:60], max_tokens=10, temperature=0).choices[0].text == expected

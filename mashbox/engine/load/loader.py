@@ -110,8 +110,18 @@ def _load(source: ModelSource, converted: Path | None, dev: torch.device, dt: to
             with _hush():
                 ckpt = checkpoint.Checkpoint.from_model(_load_model(source, dt).to(dev))
         size = ckpt.nbytes
+    _check_vocab(tokenizer, ckpt)
     return LoadedModel(source.id, ckpt, tokenizer, str(source.path), _bpw(source, ckpt), size / 1e9,
                        _ctx_default(source, ckpt), dev, dt)
+
+
+def _check_vocab(tokenizer: Tokenizer, ckpt: checkpoint.Checkpoint) -> None:
+    """A tokenizer with tokens past the embedding's rows (added without resizing it) is refused: a prompt
+    holding one would fail the device step, and every request running in it."""
+    rows = ckpt.tensors.shape("model.embed_tokens.weight")[0]
+    if len(tokenizer) > rows:
+        raise ModelLoadError(f"the tokenizer has {len(tokenizer)} tokens but the embedding only {rows} rows: "
+                             "resize the model's embeddings to the tokenizer (transformers' resize_token_embeddings)")
 
 
 def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], None],
@@ -209,9 +219,14 @@ def _refuse_unknown(path: Path) -> None:
     """An HF directory whose config names an architecture mashbox cannot run is refused before
     anything is read (transformers would load it, and mashbox would run it as a Llama)."""
     try:
-        kind = json.loads((path / "config.json").read_text()).get("model_type")
+        config = json.loads((path / "config.json").read_text())
+        kind = config.get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # reading the model says what is wrong with its config
+    if "text_config" in config and "vision_config" in config:  # Gemma 3 4B-27B's layout, a vision tower and all
+        named = ", ".join(config.get("architectures") or [str(kind)])
+        raise ModelLoadError(f"'{path}' holds a model of text and images ({named}); mashbox runs text models: "
+                             "load its text-only weights (a GGUF of it, for example)")
     if kind is not None and checkpoint.TYPES.get(kind, kind) not in checkpoint.SUPPORTED:
         raise ModelLoadError(f"'{path}' holds a {kind!r} model (config.json's model_type); mashbox runs "
                              f"{', '.join(checkpoint.SUPPORTED)} models")
@@ -317,4 +332,6 @@ def _bpw(source: ModelSource, ckpt: checkpoint.Checkpoint) -> float:
 def _ctx_default(source: ModelSource, ckpt: checkpoint.Checkpoint) -> int:
     if source.ctx_default is not None:
         return source.ctx_default
-    return min(int(ckpt.trained_ctx or CTX_CAP), CTX_CAP)
+    # LongRoPE turns every position by its long factors once ctx passes the original context: by default
+    # stay within it, where short prompts get the short factors that transformers gives them
+    return min(int(ckpt.original_ctx or ckpt.trained_ctx or CTX_CAP), CTX_CAP)

@@ -229,6 +229,7 @@ class Weights:
             )
         t = ckpt.tensors
         act = ckpt.hidden_act
+        _check_runs(ckpt)
         dtype = t.dtype or t["model.norm.weight"].dtype
         tables = [ckpt.cos_sin(ctx, dtype)] * 2  # all layers', then the sliding-window layers' where theirs differs
         if ckpt.local_inv_freq is not None:
@@ -262,6 +263,24 @@ class Weights:
 
 
 EMBED = "model.embed_tokens.weight"
+UNAPPLIED = ("self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
+             "mlp.gate_up_proj.bias")  # biases no layer of mashbox's adds
+
+
+def _check_runs(ckpt: Checkpoint) -> None:
+    """Refuse, at load, what mashbox would run wrong rather than not at all: an activation it does not
+    know, or biases its layers do not add (o_proj's, the MLP's; all-zero ones are no change)."""
+    if ckpt.hidden_act not in GATED:
+        from transformers.activations import ACT2FN  # (imported only for activations without an op of their own)
+
+        if ckpt.hidden_act not in ACT2FN:
+            raise ModelLoadError(f"the activation {ckpt.hidden_act!r} (hidden_act) is not one mashbox knows")
+    t = ckpt.tensors
+    for i in range(ckpt.spec.num_layers):
+        for name in (f"model.layers.{i}.{b}" for b in UNAPPLIED):
+            if name in t and bool(t[name].any()):
+                raise ModelLoadError(f"{name}: mashbox adds no bias there (attention_bias on o_proj, mlp_bias), "
+                                     "so it would answer wrong; this checkpoint is not supported")
 
 
 def _layer(ckpt: Checkpoint, at: str, act, mode: str, packer: Packer | None, window: int,
