@@ -390,3 +390,13 @@ def test_a_model_of_text_and_images_is_refused_before_loading(tiny_model_dir: Pa
         "text_config": {"model_type": "gemma3_text"}, "vision_config": {"model_type": "siglip_vision_model"}}))
     with pytest.raises(ModelLoadError, match="holds a model of text and images \\(Gemma3ForConditionalGeneration\\)"):
         load(str(folder))
+
+
+def test_a_rotary_scaling_mashbox_does_not_know_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "foo-rope"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    rope = {"rope_type": "foo", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": rope, "rope_scaling": rope}))
+    with pytest.raises(ModelLoadError, match="the rotary scaling 'foo' \\(rope_type\\) is not one mashbox knows"):
+        load(str(folder))

@@ -207,6 +207,9 @@ def _rope(path: Path, config: dict[str, Any], device: torch.device,
         return rotary(theta, int(dim * partial)).to(device), 1.0, None
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"the rotary scaling {kind!r} (rope_type) is not one mashbox knows; it knows "
+                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
     hf = _hf_config(path)
     if layer_type is None and "full_attention" in (getattr(hf, "rope_parameters", None) or {}):
         layer_type = "full_attention"  # an older config.json's one scaling, which transformers gives its global layers
