@@ -269,7 +269,7 @@ def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method:
     if fields:
         raise InvalidRequestError("request", "pass a request object or keyword fields, not both")
     if isinstance(request, BaseModel):
-        return request.model_dump(exclude_unset=True, by_alias=True)
+        return _text_only(request.model_dump(exclude_unset=True, by_alias=True))
     if not isinstance(request, Mapping):
         raise InvalidRequestError("request", f"must be a dict or a request model, not {type(request).__name__}")
     return _text_only(request)

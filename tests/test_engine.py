@@ -650,6 +650,11 @@ def test_a_lone_surrogate_is_refused_naming_where_it_is(tiny_engine, method):
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.complete({"prompt": ["ok", "\udfff"], "max_tokens": 4})
     assert err.value.param == "prompt.1"
+    from mashbox.api.openai_chat import ChatRequest
+
+    with pytest.raises(InvalidRequestError) as err:  # a request passed as its model
+        tiny_engine.chat(ChatRequest(messages=[{"role": "user", "content": "hi \ud800"}], max_tokens=4))
+    assert err.value.param == "messages.0.content"
 
 
 def test_one_request_streamed_twice_at_once_is_refused_not_left_waiting(tiny_engine):
