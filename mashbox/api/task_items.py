@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 
 from mashbox.api.base import OutModel, Part, RequestModel, SamplingFields, UnsupportedPart, type_of
-from mashbox.engine.request import Message, Named, Tool, ToolCall, ToolChoice
+from mashbox.engine.request import Message, Named, Tool, ToolCall, ToolChoice, chosen
 
 TaskStatus = Literal["created", "queued", "working", "input-required", "paused", "completed", "canceled",
                      "expired", "failed"]
@@ -96,7 +96,7 @@ class InferenceArgs(Part, SamplingFields):
         if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
             name = (choice.get("function") or choice).get("name")
             return "auto" if name is None else Named(str(name))
-        return Named(choice) if choice not in (None, "auto", "none", "required") else choice or "auto"
+        return chosen(choice or "auto")
 
 
 class AgentConfig(Part):

@@ -113,6 +113,12 @@ class Named:
 
 
 ToolChoice = Literal["auto", "none", "required"] | Named | str  # any other plain string: Named(it)
+MODES = ("auto", "none", "required")
+
+
+def chosen(choice: ToolChoice) -> ToolChoice:
+    """A tool choice as the engine reads it: a mode, or ``Named`` (a plain string that is no mode)."""
+    return Named(choice) if isinstance(choice, str) and choice not in MODES else choice
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,8 +151,7 @@ class EngineRequest:
             raise ValueError("messages: give either messages or prompt, not both or neither")
         if self.messages is not None and not self.messages:
             raise ValueError("messages: must not be empty")
-        if isinstance(self.tool_choice, str) and self.tool_choice not in ("auto", "none", "required"):
-            object.__setattr__(self, "tool_choice", Named(self.tool_choice))
+        object.__setattr__(self, "tool_choice", chosen(self.tool_choice))
         if self.tool_choice not in ("auto", "none") and not self.tools:
             raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
         if isinstance(self.tool_choice, Named) and all(t.name != self.tool_choice.name for t in self.tools):
