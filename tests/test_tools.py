@@ -5,18 +5,15 @@ import copy
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from scripted import MaskedScriptRunner, ScriptedRunner, scripted_events
 from transformers import AutoTokenizer
 
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
-from mashbox.engine.core import EngineCore
-from mashbox.engine.events import Finish, ToolCallDelta, ToolCallEnd, ToolCallStart
+from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
 from mashbox.engine.request import ToolCall
-from mashbox.engine.sched.scheduler import Scheduler
-from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.text.grammar import Grammars
 from mashbox.engine.text.markup import Markup, looping_call
 from mashbox.engine.text.tokenizer import Tokenizer
@@ -226,34 +223,6 @@ def test_calls_whose_tags_are_single_tokens_are_followed_to_their_end(smol_token
     guard = grammars.guard((tool,)).follow(("tag", tok.decode(ids[1:3])), ids[:3])  # the call begun: tag, 2 tokens
     assert follow(guard, ids[3:]).matcher.is_accepting()
 
-class ScriptedRunner:
-    """Stands in for the model: each sampled token is the next of ``script``."""
-
-    def __init__(self, script: list[int]) -> None:
-        self.script = iter(script)
-        self.kv = SimpleNamespace(nbytes=0)
-        self.sampled = 0
-
-    def run(self, plan) -> list[int]:
-        tokens = [next(self.script) for w in plan.work if w.sample]
-        self.sampled += len(tokens)
-        return tokens
-
-
-def scripted_events(runner, tok, new: int, markup: Markup, guard=None) -> list:
-    """Every event of one request of at most ``new`` tokens that ``runner`` writes through a real EngineCore."""
-    core = EngineCore(Scheduler(num_slots=1, ctx=2048, chunk_tokens=64), runner, tok)
-    try:
-        seq = Sequence("r", [1, 2, 3], SamplingParams(), new, frozenset({tok.eos_token_id}))
-        channel = core.submit(seq, markup, None, guard)
-        events = [channel.get(timeout=30)]
-        while not isinstance(events[-1], Finish):
-            events.append(channel.get(timeout=30))
-        return events
-    finally:
-        core.close()
-
-
 def test_a_model_that_writes_the_same_call_again_is_stopped_after_the_first(smol_tokenizer):
     """A looping small model writes one call until max_tokens (Pi on mashbox: a 1,024-token answer
     of the same call). The engine ends the answer as the repeat closes: one call, tool_calls."""
@@ -281,31 +250,6 @@ def test_with_parallel_calls_off_the_answer_ends_with_its_first_call(tiny_engine
     assert events[-1].reason == ("length" if parallel else "tool_calls")  # the script's end, or the call's
     assert "".join(e.text for e in events if isinstance(e, TextDelta)).startswith("Reading them.")
     assert parallel or runner.sampled < len(script) // 2  # it stopped writing there
-
-
-class MaskedScriptRunner(ScriptedRunner):
-    """Writes ``script`` as a model would through the real runner's constraint steps: the row of
-    each sampled token is masked by the request's constraint (if any), then the token accepted.
-    Records, for each step, the tokens the mask left (None: no constraint)."""
-
-    def __init__(self, script: list[int], vocab: int) -> None:
-        super().__init__(script)
-        self.vocab = vocab
-        self.allowed: list[set[int] | None] = []
-
-    def run(self, plan) -> list[int]:
-        tokens = super().run(plan)
-        for token, work in zip(tokens, [w for w in plan.work if w.sample]):
-            constraint = work.seq.constraint
-            if constraint is None:
-                self.allowed.append(None)
-                continue
-            row = torch.zeros(self.vocab)
-            constraint.mask(row)
-            self.allowed.append(set((row == 0).nonzero().flatten().tolist()))
-            if token in self.allowed[-1]:
-                constraint.accept(token)
-        return tokens
 
 
 @pytest.mark.parametrize("opening, closing", [("<tool_call>\n", "\n</tool_call>"), ("", ""), ("```json\n", "\n```"),

@@ -115,8 +115,9 @@ class EngineCore:
 
     def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None,
                guard: CallGuard | None = None) -> Channel[Event]:
-        detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:])
-        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup or Markup(calls=None), budget, guard)
+        markup = markup or Markup(calls=None)
+        detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:], markup.calls.tags if markup.calls else ())
+        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup, budget, guard)
         with self._closing, self._live_lock:
             if self.closed:
                 raise EngineClosedError(self.why_closed)

@@ -37,7 +37,7 @@ from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
-from mashbox.engine.text.markup import HERMES, THINK_CLOSE, THINK_OPEN, Markup, looping_call
+from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, looping_call
 from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
@@ -78,7 +78,8 @@ class Runtime:
                    "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
         self._template: ChatTemplate | None = None
-        self.grammars = Grammars(self.tokenizer, self.eos_ids)
+        self.calls = call_format(self.tokenizer.chat_template or "", self._has_token)
+        self.grammars = Grammars(self.tokenizer, self.eos_ids, self.calls)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, {form.kv_name})")
         packer = Packer.kept(form.lib, cache_dir() / "packed", Path(loaded.weights), form.mode) if form.lib else None
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs, packer)
@@ -90,6 +91,9 @@ class Runtime:
         self._core = EngineCore(scheduler, runner, self.tokenizer)
         self._release = weakref.finalize(self, _release, self._core)  # also where the Engine is dropped unclosed
 
+    def _has_token(self, text: str) -> bool:
+        return self.tokenizer.backend_tokenizer.token_to_id(text) is not None
+
     @property
     def model_id(self) -> str:
         return self.info.id
@@ -97,7 +101,7 @@ class Runtime:
     @property
     def template(self) -> ChatTemplate:
         if self._template is None:
-            self._template = ChatTemplate(self.tokenizer, self.config.verbatim_template)
+            self._template = ChatTemplate(self.tokenizer, self.config.verbatim_template, self.calls)
         return self._template
 
     # -- the core: canonical requests in, engine events out ---------------
@@ -171,7 +175,7 @@ class Runtime:
         return Job(seq, self._markup(request, ids), self._budget(request), guard)
 
     def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
-        calls = HERMES if request.tools and request.tool_choice != "none" else None
+        calls = self.calls if request.tools and request.tool_choice != "none" else None
         think = self.template.knows_thinking and request.enable_thinking is not False
         in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
         names = frozenset(t.name for t in request.tools) if calls else frozenset()

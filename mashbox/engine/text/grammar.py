@@ -3,6 +3,7 @@
 For ``tool_choice`` ``required`` (some call must come out) or a named tool
 (that call must come out), a request's tokens are masked at every step so the
 answer is exactly ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+(or the model family's own form, as Granite's ``<|tool_call|>[{...}]``)
 with arguments valid under the tool's JSON schema. In ``auto`` mode the text
 stays free, but once the model has begun a call in a form the markup reads (the
 tags, a bare ``{"name"``, a ```` ```json ```` block) the rest of that call is
@@ -79,12 +80,30 @@ def _pointed(node: Any, root: str) -> Any:
     return out
 
 
-def tool_grammar(tools: Iterable[Tool], many: bool, tags: tuple[str, str]) -> str:
-    """A Lark grammar (llguidance dialect) for one call, or one or more calls, between ``tags`` (open
-    and close, as ``tag`` writes them)."""
+def tool_grammar(tools: Iterable[Tool], many: bool, tags: tuple[str, str], listed: bool = False) -> str:
+    """A Lark grammar (llguidance dialect) for one call, or one or more calls, after the open tag and
+    before the close one (``tags``, as ``tag`` writes them; no close: ""): each call between the tags
+    (Hermes), or where the family writes a list (``listed``), all of them in one list."""
+    close = f" {tags[1]}" if tags[1] else ""
+    if listed:
+        calls = 'body (", " body)*' if many else "body"
+        return f'start: {tags[0]} "[" {calls} "]"{close}\n{calls_body(tools, TOOL_JSON)}'
     start = 'start: call ("\\n" call)*' if many else "start: call"
-    call = f'call: {tags[0]} "\\n" body "\\n" {tags[1]}\n'
+    call = f'call: {tags[0]} "\\n" body "\\n"{close}\n'
     return f"{start}\n{call}{calls_body(tools, TOOL_JSON)}"
+
+
+def named_calls(tools: Iterable[Tool], args: str, call_id: str = "") -> str:
+    """The grammar rule ``named``: a call written as its name, maybe ``call_id`` and an id, ``args`` (tags),
+    then its arguments (Mistral's later form). Each tool's parameters are their own schema's root, so their
+    references hold as written."""
+    given = f" ({call_id} ID)?" if call_id else ""
+    calls = []
+    for tool in tools:
+        parameters = tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
+        guided = json.dumps({**parameters, "x-guidance": FLEXIBLE_JSON})
+        calls.append(f"{json.dumps(tool.name)}{given} {args} %json {guided}")
+    return "named: " + " | ".join(calls) + "\n" + ('ID: /[A-Za-z0-9]{1,32}/\n' if call_id else "")
 
 
 def tag(text: str, token: int | None) -> str:
@@ -96,8 +115,9 @@ def tag(text: str, token: int | None) -> str:
 class Grammars:
     """Builds constraints for one tokenizer (its llguidance view made once, on first use)."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int], calls: CallFormat = HERMES) -> None:
         self._source = tokenizer
+        self.calls = calls
         self._eos = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
 
@@ -114,16 +134,19 @@ class Grammars:
             return None
         if isinstance(choice, Named):  # a declared tool (EngineRequest checks it is one)
             tools = tuple(t for t in tools if t.name == choice.name)
-        return Constraint(self.tokenizer, tool_grammar(tools, choice == "required" and parallel, self.tags()))
+        grammar = tool_grammar(tools, choice == "required" and parallel, self.tags()[:2], self.calls.listed)
+        return Constraint(self.tokenizer, grammar)
 
     def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
         """Auto mode's guard of the calls the model begins (see ``CallGuard``)."""
-        return CallGuard(self.tokenizer, tools, self.tags()[1])
+        return CallGuard(self.tokenizer, tools, self.calls, self.tags())
 
-    def tags(self, fmt: CallFormat = HERMES) -> tuple[str, str]:
-        """The open and close tags of ``fmt``'s calls in a grammar (see ``tag``)."""
+    def tags(self) -> tuple[str, str, str, str]:
+        """The open, close, arguments and call id tags of the model's calls in a grammar (see ``tag``; ""
+        where its format has none)."""
         vocab = self._source.backend_tokenizer
-        return tag(fmt.open, vocab.token_to_id(fmt.open)), tag(fmt.close, vocab.token_to_id(fmt.close))
+        fmt = self.calls
+        return tuple(tag(t, vocab.token_to_id(t)) if t else "" for t in (fmt.open, fmt.close, fmt.args, fmt.call_id))
 
     def for_schema(self, schema: dict[str, Any] | None) -> Constraint | None:
         """The constraint of an answer that is one JSON value valid under ``schema``."""
@@ -141,12 +164,17 @@ class CallGuard:
     character, and drops it once the markup has the call (or gives up on a call whose start no
     declared tool fits: that one stays free, and ends as text)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], close: str) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], calls: CallFormat = HERMES,
+                 tags: tuple[str, str, str, str] = ('"<tool_call>"', '"</tool_call>"', "", "")) -> None:
         blank = "BLANK: /[ \\t\\r\\n]+/\n"
         listed = 'list: "[" BLANK? body (BLANK? "," BLANK? body)* BLANK? "]"\n' + blank  # Mistral's calls
         fence = "END: /[ \\t\\r\\n]*```/\n"
+        tagged = "(body | list)" if calls.listed else "body"
+        tagged = f"({tagged} | named)" if calls.args else tagged
+        close = f" BLANK? {tags[1]}" if tags[1] else ""
         self.starts = {  # each form's rest of a call, up to the ``body`` rule
-            "tag": f"start: BLANK? body BLANK? {close}\n{blank}",
+            "tag": f"start: BLANK? {tagged}{close}\n" + (listed if calls.listed else blank)
+                   + (named_calls(tools, tags[2], tags[3]) if calls.args else ""),
             "fenced": f"start: body END\n{fence}",
             "bare": "start: body\n",
             "fenced list": f"start: list END\n{fence}{listed}",

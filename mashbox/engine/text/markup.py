@@ -23,6 +23,7 @@ import json
 import re
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,32 +34,78 @@ from mashbox.engine.text.stop import overlap
 
 @dataclass(slots=True, frozen=True)
 class CallFormat:
-    """How a model family writes tool calls; Hermes style by default."""
+    """How a model family writes tool calls: after ``open``, one call as JSON or a JSON list of calls,
+    up to ``close``; where ``close`` is empty, up to the end of that JSON. ``args`` (Mistral's later
+    form): a call may also be its name (then maybe ``call_id`` and an id), ``args``, then its arguments'
+    JSON. ``listed``: the family writes a list (a forced call is written so). Hermes style by default."""
 
     open: str = "<tool_call>"
     close: str = "</tool_call>"
+    args: str = ""
+    call_id: str = ""
+    listed: bool = False
 
-    def parse(self, body: str) -> tuple[str, str] | None:
-        """``(name, arguments JSON)`` of a call body, or None if it is not a call."""
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The markers of a call, which the text must keep (a family's are special tokens)."""
+        return tuple(t for t in (self.open, self.close, self.args, self.call_id) if t)
+
+    def parse(self, body: str) -> list[tuple[str, str]] | None:
+        """The calls ``(name, arguments JSON)`` of a call's body, or None if it is not a call."""
+        head, marker, rest = body.partition(self.args) if self.args else (body, "", "")
+        if marker and (name := self._name(head)):
+            arguments = _loads(rest)
+            return [(name, json.dumps(arguments, ensure_ascii=False))] if isinstance(arguments, dict) else None
+        return _calls(body)
+
+    def end(self, body: str) -> int | None:
+        """Where a call written without ``close`` ends in ``body`` (the text after ``open``): after its
+        JSON (at once where that cannot begin); None while it may go on."""
+        start = len(body) - len(body.lstrip())
+        if self.args and body[start:start + 1] not in ("", "[", "{"):  # a name first: up to ``args``
+            at = body.find(self.args, start)
+            if at < 0:
+                so_far = body[start:]
+                return None if len(so_far) < LONGEST_NAME and not any(c.isspace() for c in so_far) else start
+            if self._name(body[start:at]) is None:
+                return start
+            start = at + len(self.args)
+            start += len(body[start:]) - len(body[start:].lstrip())
+        if start == len(body):
+            return None
+        if body[start] not in "[{":
+            return start
         try:
-            return self.call(json.loads(body))
+            return json.JSONDecoder().raw_decode(body, start)[1]
         except json.JSONDecodeError:
             return None
 
-    @staticmethod
-    def call(call: Any) -> tuple[str, str] | None:
-        """``(name, arguments JSON)`` of a call's JSON value, or None if it is not a call."""
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
-            arguments = _loads(arguments)
-        if not isinstance(arguments, dict):
-            return None
-        return call["name"], json.dumps(arguments, ensure_ascii=False)
+    def _name(self, head: str) -> str | None:
+        """The tool's name in a call's head (``name``, or ``name`` ``call_id`` id), or None."""
+        name, _, given = head.strip().partition(self.call_id) if self.call_id else (head.strip(), "", "")
+        return name if NAME.fullmatch(name) and (not given or CALL_ID.fullmatch(given)) else None
+
+
+def call(value: Any) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of a call's JSON value, or None if it is not a call."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = _loads(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 HERMES = CallFormat()
+TOOL_CALL_TOKEN = CallFormat("<|tool_call|>", "", listed=True)  # Granite 3: a list of calls after its token
+TOOL_CALL_TOKENS = CallFormat("<|tool_call|>", "<|/tool_call|>", listed=True)  # Phi-4-mini: a list between two
+MISTRAL = CallFormat("[TOOL_CALLS]", "", "[ARGS]", "[CALL_ID]", listed=True)  # a list, or (v11 on) name [ARGS] {...}
+FAMILIES = (TOOL_CALL_TOKENS, TOOL_CALL_TOKEN, MISTRAL, HERMES)  # the first that fits (``call_format``)
+NAME = re.compile(r"[A-Za-z_][\w.\-]*")  # a tool's name written bare (Mistral's later form), and its call's id
+CALL_ID = re.compile(r"[A-Za-z0-9_\-]+")
+LONGEST_NAME = 256
 CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
 BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
@@ -143,6 +190,8 @@ class Markup:
         return not self.cut_calls_are_text and self.calls is not None and self.calls.open.startswith(held)
 
     def _step(self, buf: str, events: list[Event]) -> str:
+        if self.state == "call" and not self.calls.close:
+            return self._untagged_end(buf, events)
         tags = self._tags()
         hit = min(((buf.find(t), t) for t in tags if t in buf), default=None)
         if hit is None:
@@ -158,6 +207,16 @@ class Markup:
             return self._resume(buf[at:])
         self._enter(tag, events)
         return buf[at + len(tag) :]
+
+    def _untagged_end(self, buf: str, events: list[Event]) -> str:
+        """A call with no closing tag takes ``buf`` up to the end of its JSON; what follows is text again."""
+        self.body += buf
+        end = self.calls.end(self.body)
+        if end is None:
+            return ""
+        body, rest = self.body[:end], self.body[end:]
+        self._end_call(body, events, closed=True)
+        return rest
 
     def _resume(self, tail: str) -> str:
         """Text after a bare call goes back through the machine, before ``tail``."""
@@ -229,9 +288,12 @@ class Markup:
                 raw = self.calls.open + body + (self.calls.close if closed else "")
                 events.append(TextDelta(blank + raw))
             return
-        events += self._call_events(*parsed)
+        for name, arguments in parsed:
+            events += self._call_events(name, arguments)
 
     def _call_events(self, name: str, arguments: str) -> list[Event]:
+        if self.done:  # its one call made: the rest of a list of calls is dropped with the text after it
+            return []
         if self.repeated or self._made_before(_key(name, arguments)):
             self.repeated, self.held, self.after = True, "", ""
             return []
@@ -259,8 +321,8 @@ class Markup:
         start = 0
         while (end := text.find("\n", start)) >= 0:
             line, self.line, start = (self.line + text[start:end]).strip(), "", end + 1
-            call = HERMES.parse(line) if line.startswith("{") else None
-            key = _key(*call) if call else ("", line) if line.startswith(CALL_LIKE) else None  # broken: as written
+            made = call(_loads(line)) if line.startswith("{") else None
+            key = _key(*made) if made else ("", line) if line.startswith(CALL_LIKE) else None  # broken: as written
             if key is not None and self._made_before(key):
                 self.repeated, self.held = True, ""
                 return text[:end]
@@ -325,6 +387,13 @@ class BareCall:
         return text[:end], text[end:]
 
 
+def call_format(template: str, has_token: Callable[[str], bool]) -> CallFormat:
+    """A model's call format: of ``FAMILIES`` whose opening its chat template writes (all of them where it
+    writes none), the first whose markers are in the template or tokens of the vocabulary; else Hermes'."""
+    written = [f for f in FAMILIES if f.open in template]
+    return next((f for f in written or FAMILIES if all(t in template or has_token(t) for t in (f.open, f.close) if t)), HERMES)
+
+
 def cut_call(text: str, names: frozenset[str]) -> bool:
     """Whether ``text`` is a call to one of ``names`` cut off before its end: JSON left open (no bracket
     closed once too often: that is a broken call, kept as text), its name one of them, or the start of one,
@@ -358,7 +427,7 @@ def _left_open(text: str) -> bool:
 def _calls(body: str) -> list[tuple[str, str]] | None:
     """The calls in a bare call's JSON: one call, or a list of calls; None if it is neither."""
     value = _loads(body)
-    calls = [HERMES.call(item) for item in (value if isinstance(value, list) else [value])]
+    calls = [call(item) for item in (value if isinstance(value, list) else [value])]
     return calls if calls and all(calls) else None
 
 

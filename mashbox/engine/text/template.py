@@ -2,10 +2,11 @@
 
 System and developer messages, wherever they appear, join the one system
 prompt at the start. Tools reach the model through the template when it knows
-tools; otherwise through mashbox's tool prompt (the tools as JSON schemas and
-the Hermes call format) around the system prompt. Assistant tool calls
-and tool results render back in the form the template knows, or as
-``<tool_call>`` / ``<tool_response>`` text when it knows none.
+tools (it renders them, as a probe tool shows); otherwise through mashbox's tool
+prompt (the tools as JSON schemas and the model's call format, Hermes' by default)
+around the system prompt. Assistant tool calls and tool results render back in the
+form the template knows; calls it does not render (Granite 3's template drops them)
+as the model writes them, and results as ``<tool_response>`` text when it knows no tools.
 
 Tools first: where a template puts the tools inside the system turn right after
 the system text (Qwen's and Hermes-style templates), the tools' schemas are moved
@@ -28,6 +29,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mashbox.engine.request import Message, Tool, ToolCall
+from mashbox.engine.text.markup import HERMES, CallFormat
 from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
@@ -47,12 +49,14 @@ FALLBACKS = {"gemma2": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
 TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # tokens a template closes a turn with
 ALSO_ENDS = {"<|eot_id|>": "<|eom_id|>"}  # Llama 3 ends a turn that awaits a tool's result with <|eom_id|>
 
+PROBE = Tool("mashbox_probe_tool", "", {"type": "object", "properties": {}})  # its name shows where a template
+PROBE_CALL = ToolCall("abcdefghi", PROBE.name, "{}")  # renders tools, or calls (Mistral's ids: nine characters)
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
 TOOLS_END = "</tools>"  # where a Hermes-style tools block's schemas end and its call rules begin
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer: Tokenizer, verbatim: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, verbatim: bool = False, calls: CallFormat = HERMES) -> None:
         if not tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; use a plain prompt (complete)")
         self.source: str = tokenizer.chat_template
@@ -61,9 +65,19 @@ class ChatTemplate:
             self.compiled = environment().from_string(self.source)
         except jinja2.TemplateSyntaxError as err:
             raise InvalidRequestError("messages", f"the model's chat template does not read: {err}") from err
-        self.knows_tools = "tool_calls" in self.source
+        self.verbatim, self.calls = verbatim, calls
+        self.knows_tools = "tool_calls" in self.source or self._shows(_probe(tools=[_tool(PROBE)]))
+        self.shows_calls = self.knows_tools and self._shows(_probe(messages=[
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [_call(PROBE_CALL)]},
+            {"role": "tool", "content": "", "tool_call_id": PROBE_CALL.id}]), fails=True)
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
-        self.verbatim = verbatim
+
+    def _shows(self, kwargs: dict[str, Any], fails: bool = False) -> bool:
+        """Whether the template renders ``PROBE``'s name from ``kwargs`` (``fails`` where it refuses them)."""
+        try:
+            return PROBE.name in self.compiled.render(**self.specials, **kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError, AttributeError, KeyError, IndexError):
+            return fails
 
     def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None,
                continue_final: bool = False) -> str:
@@ -95,13 +109,15 @@ class ChatTemplate:
     def _tools_first(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         """The conversation rendered with the schemas of the template's tools block before the system
         text and its call rules after it, where the template puts that block right after the system
-        text; else as the template has it."""
+        text, in the system turn; else as the template has it."""
         system = conversation[0]["content"]
         marked = [{"role": "system", "content": SYSTEM_MARK}, *conversation[1:]]
         head, mark, after = self._render(marked, kwargs).partition(SYSTEM_MARK)
         _, plain_mark, plain_after = self._render(marked, {**kwargs, "tools": None}).partition(SYSTEM_MARK)
         block = after[: len(after) - len(plain_after)]
-        if not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after:
+        system_end = plain_after.split("\n", 1)[0].strip()  # a block holding it is a turn of its own (Granite's)
+        if (not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after
+                or system_end and system_end in block):
             return self._render(conversation, kwargs)
         gap = block[: len(block) - len(block.lstrip())] or "\n\n"
         schemas, end, rules = block.lstrip().rpartition(TOOLS_END)
@@ -112,7 +128,7 @@ class ChatTemplate:
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]
         if tools:  # the schemas first and the call rules last, unless verbatim: see the module's note
-            schemas, end, rules = tool_prompt(tools).rpartition(TOOLS_END)
+            schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
         system = "\n\n".join(parts)
         turns = [self._turn(m) for m in messages if m.role != "system"]
@@ -123,10 +139,10 @@ class ChatTemplate:
         if m.role == "assistant" and m.reasoning:
             turn["reasoning_content"] = turn["thinking"] = m.reasoning  # gpt-oss templates read "thinking"
         if m.tool_calls:
-            if self.knows_tools:
+            if self.shows_calls:
                 turn["tool_calls"] = [_call(c) for c in m.tool_calls]
             else:
-                turn["content"] = "\n".join([m.content, *map(_call_text, m.tool_calls)]).strip()
+                turn["content"] = "\n".join([m.content, calls_text(m.tool_calls, self.calls)]).strip()
         if m.role == "tool" and m.tool_call_id:
             turn["tool_call_id"] = m.tool_call_id
         if m.role == "tool" and not self.knows_tools:
@@ -181,9 +197,18 @@ def _call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": _arguments(call)}}
 
 
-def _call_text(call: ToolCall) -> str:
-    payload = json.dumps({"name": call.name, "arguments": _arguments(call)}, ensure_ascii=False)
-    return f"<tool_call>\n{payload}\n</tool_call>"
+def calls_text(calls: tuple[ToolCall, ...], fmt: CallFormat) -> str:
+    """``calls`` as the model writes them in ``fmt``: each between its tags (Hermes), or one list."""
+    payloads = [{"name": c.name, "arguments": _arguments(c)} for c in calls]
+    if fmt.listed:
+        return fmt.open + json.dumps(payloads, ensure_ascii=False) + fmt.close
+    return "\n".join(f"{fmt.open}\n{json.dumps(p, ensure_ascii=False)}\n{fmt.close}" for p in payloads)
+
+
+def _probe(**kwargs: Any) -> dict[str, Any]:
+    """A template's arguments for a probe: a user's "Hi" and no tools, but for ``kwargs``."""
+    return {"messages": [{"role": "user", "content": "Hi"}], "tools": None, "documents": None,
+            "add_generation_prompt": True, **kwargs}
 
 
 def _tool(tool: Tool) -> dict[str, Any]:
@@ -191,16 +216,21 @@ def _tool(tool: Tool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def tool_prompt(tools: tuple[Tool, ...]) -> str:
-    """mashbox's tool prompt for models whose template knows no tools."""
+def tool_prompt(tools: tuple[Tool, ...], fmt: CallFormat = HERMES) -> str:
+    """mashbox's tool prompt for models whose template knows no tools, calls written in ``fmt``."""
     schemas = "\n".join(json.dumps(_tool(t), ensure_ascii=False) for t in tools)
+    example = calls_text((ToolCall("", "function_name", '{"argument": "value"}'),), fmt)
+    if fmt.listed:
+        how = (f"To call them, answer with {fmt.open} then a JSON list of calls, each an object holding a function's "
+               f"name and arguments{f', then {fmt.close}' if fmt.close else ''}:\n")
+    else:
+        how = (f"To call one, answer with a JSON object holding its name and arguments between "
+               f"{fmt.open}{fmt.close} tags, one call per pair of tags:\n")
     return (
         "# Tools\n\nYou can call these functions to help with the request. "
         "Their JSON schemas are inside <tools></tools>:\n"
         f"<tools>\n{schemas}\n</tools>\n\n"
-        "To call one, answer with a JSON object holding its name and arguments between "
-        "<tool_call></tool_call> tags, one call per pair of tags:\n"
-        '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n</tool_call>\n'
+        f"{how}{example}\n"
         "The result comes back in a <tool_response></tool_response> message."
     )
 
