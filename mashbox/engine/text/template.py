@@ -21,6 +21,10 @@ written.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from hashlib import sha256
+from itertools import takewhile
+from os.path import commonprefix
 from datetime import datetime
 from typing import Any
 
@@ -50,7 +54,11 @@ TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # tokens a
 ALSO_ENDS = {"<|eot_id|>": "<|eom_id|>"}  # Llama 3 ends a turn that awaits a tool's result with <|eom_id|>
 
 PROBE = Tool("mashbox_probe_tool", "", {"type": "object", "properties": {}})  # its name shows where a template
-PROBE_CALL = ToolCall("abcdefghi", PROBE.name, "{}")  # renders tools, or calls (Mistral's ids: nine characters)
+PROBE_CALL = ToolCall("abcdefghi", "mashbox_probe_call", "{}")  # renders tools, or calls, or the text of a turn
+LONG_CALL = ToolCall("call_" + "0123456789abcdef" * 2, PROBE.name, "{}")  # an id as mashbox and OpenAI make them
+PROBE_TEXT = "mashbox_probe_text"  # (Mistral's ids: nine characters)
+HI = {"role": "user", "content": "Hi"}
+ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
 TOOLS_END = "</tools>"  # where a Hermes-style tools block's schemas end and its call rules begin
 
@@ -66,18 +74,21 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as err:
             raise InvalidRequestError("messages", f"the model's chat template does not read: {err}") from err
         self.verbatim, self.calls = verbatim, calls
-        self.knows_tools = "tool_calls" in self.source or self._shows(_probe(tools=[_tool(PROBE)]))
-        self.shows_calls = self.knows_tools and self._shows(_probe(messages=[
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [_call(PROBE_CALL)]},
-            {"role": "tool", "content": "", "tool_call_id": PROBE_CALL.id}]), fails=True)
+        shown = self._shows(_probe([HI, {"role": "assistant", "content": "Sure."}, HI]))  # tools by any turn
+        self.knows_tools = "tool_calls" in self.source if shown is None else shown  # None: the probe refused
+        self.shows_calls = self.knows_tools and self._shows(_probe(_asked(PROBE_CALL)), PROBE_CALL.name) is not False
+        self.takes_system = bool(self._shows(_probe([{"role": "system", "content": PROBE_TEXT}, HI]), PROBE_TEXT))
+        self.takes_tool_role = bool(self._shows(_probe(_asked(PROBE_CALL, self.shows_calls, PROBE_TEXT)), PROBE_TEXT))
+        self.many_calls = not self.shows_calls or self._shows(_probe(_asked(PROBE_CALL, also=True))) is not None
+        self.short_ids = self.shows_calls and self._shows(_probe(_asked(LONG_CALL))) is None
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
 
-    def _shows(self, kwargs: dict[str, Any], fails: bool = False) -> bool:
-        """Whether the template renders ``PROBE``'s name from ``kwargs`` (``fails`` where it refuses them)."""
+    def _shows(self, kwargs: dict[str, Any], text: str = PROBE.name) -> bool | None:
+        """Whether the template renders ``text`` from ``kwargs``; None where it refuses them."""
         try:
-            return PROBE.name in self.compiled.render(**self.specials, **kwargs)
+            return text in self.compiled.render(**self.specials, **kwargs)
         except (jinja2.TemplateError, ValueError, TypeError, AttributeError, KeyError, IndexError):
-            return fails
+            return None
 
     def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None,
                continue_final: bool = False) -> str:
@@ -112,12 +123,14 @@ class ChatTemplate:
         text, in the system turn; else as the template has it."""
         system = conversation[0]["content"]
         marked = [{"role": "system", "content": SYSTEM_MARK}, *conversation[1:]]
-        head, mark, after = self._render(marked, kwargs).partition(SYSTEM_MARK)
-        _, plain_mark, plain_after = self._render(marked, {**kwargs, "tools": None}).partition(SYSTEM_MARK)
+        try:  # a template may refuse the conversation without its tools (Hermes 3's tool_use one)
+            head, mark, after = self._render(marked, kwargs).partition(SYSTEM_MARK)
+            _, plain_mark, plain_after = self._render(marked, {**kwargs, "tools": None}).partition(SYSTEM_MARK)
+        except InvalidRequestError:
+            return self._render(conversation, kwargs)
         block = after[: len(after) - len(plain_after)]
-        system_end = plain_after.split("\n", 1)[0].strip()  # a block holding it is a turn of its own (Granite's)
-        if (not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after
-                or system_end and system_end in block):
+        closed = commonprefix([after, plain_after]).strip()  # the system turn ends before the block (Granite's)
+        if not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after or closed:
             return self._render(conversation, kwargs)
         gap = block[: len(block) - len(block.lstrip())] or "\n\n"
         schemas, end, rules = block.lstrip().rpartition(TOOLS_END)
@@ -131,23 +144,38 @@ class ChatTemplate:
             schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
         system = "\n\n".join(parts)
-        turns = [self._turn(m) for m in messages if m.role != "system"]
-        return ([{"role": "system", "content": system}] if system else []) + turns
+        turns = [self._turn(m) for m in (messages if self.many_calls else _one_call_each(messages)) if m.role != "system"]
+        if not self.takes_tool_role:  # the results are the user's turns: one turn of the user at a time
+            turns = _joined(turns)
+        if system and not self.takes_system:  # the system text opens the first turn, as Gemma 3's template has it
+            opens = bool(turns) and turns[0]["role"] == "user"
+            first = turns[0] if opens else {"role": "user", "content": ""}
+            turns = [{**first, "content": f"{system}\n\n{first['content']}".rstrip()}, *turns[opens:]]
+        return ([{"role": "system", "content": system}] if system and self.takes_system else []) + turns
 
     def _turn(self, m: Message) -> dict[str, Any]:
+        if m.role == "tool":
+            wrapped = self.knows_tools and self.takes_tool_role
+            turn = {"role": "tool" if self.takes_tool_role else "user",
+                    "content": m.content if wrapped else f"<tool_response>\n{m.content}\n</tool_response>"}
+            return turn | ({"tool_call_id": self._id(m.tool_call_id)} if m.tool_call_id else {})
         turn: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.role == "assistant" and m.reasoning:
             turn["reasoning_content"] = turn["thinking"] = m.reasoning  # gpt-oss templates read "thinking"
         if m.tool_calls:
             if self.shows_calls:
-                turn["tool_calls"] = [_call(c) for c in m.tool_calls]
+                turn["tool_calls"] = [_call(c, self._id(c.id)) for c in m.tool_calls]
             else:
                 turn["content"] = "\n".join([m.content, calls_text(m.tool_calls, self.calls)]).strip()
-        if m.role == "tool" and m.tool_call_id:
-            turn["tool_call_id"] = m.tool_call_id
-        if m.role == "tool" and not self.knows_tools:
-            turn["content"] = f"<tool_response>\n{m.content}\n</tool_response>"
         return turn
+
+    def _id(self, ident: str) -> str:
+        """A call's id as the template takes it: Mistral's take nine letters and digits only (and refuse
+        the conversation otherwise), so any other id is made nine of them, the same each time."""
+        if not self.short_ids or (len(ident) == 9 and ident.isascii() and ident.isalnum()):
+            return ident
+        number = int.from_bytes(sha256(ident.encode()).digest()[:8], "big")
+        return "".join(ALNUM[number // 62**i % 62] for i in range(9))
 
 
 def _continued(rendered: str, final: Message) -> str:
@@ -193,8 +221,40 @@ def _arguments(call: ToolCall) -> Any:
         return call.arguments
 
 
-def _call(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": _arguments(call)}}
+def _call(call: ToolCall, ident: str | None = None) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": _arguments(call)}
+    return {"id": call.id if ident is None else ident, "type": "function", "function": function}
+
+
+def _one_call_each(messages: tuple[Message, ...]) -> list[Message]:
+    """``messages`` with each assistant turn of several calls made turns of one call, each followed by its
+    result (by id, else in order), for templates that take one call a turn (Llama 3's)."""
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool" and out and any(r is m for r in out):
+            continue
+        if m.role != "assistant" or len(m.tool_calls) < 2:
+            out.append(m)
+            continue
+        results = list(takewhile(lambda r: r.role == "tool", messages[i + 1:]))
+        by_id = {r.tool_call_id: r for r in results if r.tool_call_id}
+        for k, c in enumerate(m.tool_calls):
+            out.append(replace(m, tool_calls=(c,)) if k == 0 else Message("assistant", tool_calls=(c,)))
+            result = by_id.get(c.id) or (results[k] if not by_id and k < len(results) else None)
+            out += [result] if result else []
+        out += [r for r in results if not any(r is o for o in out)]
+    return out
+
+
+def _joined(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``turns`` with the user's turns in a row made one (their texts a line apart)."""
+    out: list[dict[str, Any]] = []
+    for turn in turns:
+        if out and turn["role"] == out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{turn['content']}"}
+        else:
+            out.append(turn)
+    return out
 
 
 def calls_text(calls: tuple[ToolCall, ...], fmt: CallFormat) -> str:
@@ -205,10 +265,19 @@ def calls_text(calls: tuple[ToolCall, ...], fmt: CallFormat) -> str:
     return "\n".join(f"{fmt.open}\n{json.dumps(p, ensure_ascii=False)}\n{fmt.close}" for p in payloads)
 
 
-def _probe(**kwargs: Any) -> dict[str, Any]:
-    """A template's arguments for a probe: a user's "Hi" and no tools, but for ``kwargs``."""
-    return {"messages": [{"role": "user", "content": "Hi"}], "tools": None, "documents": None,
-            "add_generation_prompt": True, **kwargs}
+def _asked(call: ToolCall, shown: bool = True, result: str = "", also: bool = False) -> list[dict[str, Any]]:
+    """A user's "Hi", an assistant's turn making ``call`` (and ``also`` another one) as ``tool_calls`` where
+    they are ``shown``, else in its text, then the call's ``result``."""
+    calls = [call, replace(call, id=call.id[::-1])] if also else [call]
+    turn = {"role": "assistant", "content": "", "tool_calls": [_call(c) for c in calls]} if shown else {
+        "role": "assistant", "content": "Sure."}
+    return [HI, turn, *({"role": "tool", "content": result, "tool_call_id": c.id} for c in calls)]
+
+
+def _probe(messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A template's arguments for a probe: ``messages`` (a user's "Hi") and ``PROBE`` for its tools (some
+    templates refuse a conversation without tools)."""
+    return {"messages": messages or [HI], "tools": [_tool(PROBE)], "documents": None, "add_generation_prompt": True}
 
 
 def _tool(tool: Tool) -> dict[str, Any]:

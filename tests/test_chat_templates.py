@@ -1,0 +1,121 @@
+"""What a chat template takes, found by rendering probes through it, and the conversation fitted to it:
+templates laid out as real families' are (Gemma 2: no system role, turns that alternate; Phi-3.5: only
+system, user and assistant turns; Llama 3: one call a turn; Mistral: call ids of nine letters and
+digits; Hermes' tool_use: no conversation without tools; DeepSeek-R1-Distill: names tool_calls but shows
+no tools). Each used to refuse the request, or to lose the tools or a tool's result."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mashbox.engine.request import Message, Tool, ToolCall
+from mashbox.engine.text.template import ChatTemplate
+
+WEATHER = Tool("get_weather", "Weather in a city", {"type": "object", "properties": {"city": {"type": "string"}}})
+PARIS, ROME = (ToolCall(f"call_{c * 24}", "get_weather", f'{{"city": "{city}"}}') for c, city in (("a", "Paris"),
+                                                                                                   ("b", "Rome")))
+TWO_CALLS = (Message("system", "Be brief."), Message("user", "Paris and Rome?"),
+             Message("assistant", "Checking.", tool_calls=(PARIS, ROME)),
+             Message("tool", "RESULT_ROME", tool_call_id=ROME.id), Message("tool", "RESULT_PARIS", tool_call_id=PARIS.id))
+
+GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+          "{% endif %}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + m['content'] | trim"
+          " + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+PHI35 = ("{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
+         "{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+LLAMA3 = ("{% for m in messages %}{% if m.tool_calls %}{% if m.tool_calls | length != 1 %}"
+          "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+          "{{ '<|assistant|>' + {'name': m.tool_calls[0].function.name, 'parameters': m.tool_calls[0].function.arguments}"
+          " | tojson + '<|eot|>' }}{% elif m.role == 'tool' %}{{ '<|ipython|>' + m.content + '<|eot|>' }}"
+          "{% else %}{{ '<|' + m.role + '|>' + m.content + '<|eot|>' }}{% endif %}"
+          "{% if loop.first and tools %}{{ '<|tools|>' + tools | tojson + '<|eot|>' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+MISTRAL = ("{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{% for c in m.tool_calls %}"
+           "{% if c.id is not string or c.id | length != 9 %}"
+           "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+           "{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>"
+           "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}[/TOOL_RESULTS]"
+           "{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}"
+           "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}")
+HERMES_TOOL_USE = ("<|im_start|>system\nYou may call functions: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+                   "</tools><|im_end|>\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+R1_DISTILL = ("{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}{% elif m.tool_calls %}"
+              "<|Assistant|>{% for c in m.tool_calls %}<|call|>{{ c.function.name }}{% endfor %}"
+              "{% else %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}<|Assistant|>")
+
+
+def template(source: str) -> ChatTemplate:
+    class Tokenizer:
+        chat_template = source
+        special_tokens_map = {"bos_token": "<bos>", "eos_token": "<eos>"}
+
+    return ChatTemplate(Tokenizer())
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_turn():
+    """Gemma 2's template refuses a system turn, and any turn out of alternation: the system text (and
+    mashbox's tool prompt, with the tools) opens the first user turn, and the results of the calls are a
+    user turn of their own, one after the call, as Gemma 3's template does it."""
+    rendered = template(GEMMA2).render(TWO_CALLS, (WEATHER,))
+    assert rendered.startswith("<bos><start_of_turn>user\n# Tools") and "get_weather" in rendered
+    assert "Be brief." in rendered and rendered.index("Be brief.") < rendered.index("Paris and Rome?")
+    model, user = rendered.split("<start_of_turn>model\n")[1], rendered.split("<start_of_turn>user\n")[2]
+    assert model.startswith("Checking.\n<tool_call>") and model.count("<tool_call>") == 2
+    assert user == ("<tool_response>\nRESULT_ROME\n</tool_response>\n<tool_response>\nRESULT_PARIS\n</tool_response>"
+                    "<end_of_turn>\n<start_of_turn>model\n")
+    assert template(GEMMA2).render((Message("system", "Be brief."), Message("user", "Hi"))).startswith(
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>")
+
+
+def test_a_template_that_skips_the_tool_role_gets_the_results_as_the_users():
+    """Phi-3.5's template renders only system, user and assistant turns: the results came to nothing."""
+    rendered = template(PHI35).render(TWO_CALLS, (WEATHER,))
+    assert "RESULT_ROME" in rendered and "RESULT_PARIS" in rendered
+    assert rendered.endswith("<|user|>\n<tool_response>\nRESULT_ROME\n</tool_response>\n<tool_response>\n"
+                             "RESULT_PARIS\n</tool_response><|end|>\n<|assistant|>\n")
+
+
+def test_a_template_of_one_call_a_turn_gets_each_call_in_its_own_turn_with_its_result():
+    """Llama 3's templates refuse a turn of two calls (which mashbox parses, and a client sends back): each
+    call becomes a turn of its own, followed by its result, matched by id."""
+    rendered = template(LLAMA3).render(TWO_CALLS, (WEATHER,))
+    turns = re.findall(r"<\|(\w+)\|>(.*?)<\|eot\|>", rendered)
+    assert [role for role, _ in turns] == ["system", "tools", "user", "assistant", "ipython", "assistant", "ipython"]
+    assert '"Paris"' in turns[3][1] and turns[4][1] == "RESULT_PARIS"
+    assert '"Rome"' in turns[5][1] and turns[6][1] == "RESULT_ROME"
+
+
+def test_call_ids_are_made_nine_letters_and_digits_where_the_template_takes_no_other():
+    """Mistral's templates refuse any other id (mashbox's and OpenAI's are ``call_`` and 24 more): each id
+    is made nine, the same for a call and its result, the same at every render (a cached prefix holds)."""
+    rendered = template(MISTRAL).render(TWO_CALLS, (WEATHER,))
+    ids = re.findall(r"\[CALL_ID\](\w+)\[ARGS\]", rendered)
+    assert len(ids) == 2 and len(set(ids)) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert re.findall(r"\[TOOL_RESULTS\](\w+)\[TOOL_CONTENT\]RESULT_(\w+)", rendered) == [(ids[1], "ROME"),
+                                                                                           (ids[0], "PARIS")]
+    assert template(MISTRAL).render(TWO_CALLS, (WEATHER,)) == rendered
+    nine = (Message("user", "Hi"), Message("assistant", tool_calls=(ToolCall("abc123XYZ", "get_weather", "{}"),)))
+    assert "[CALL_ID]abc123XYZ[ARGS]" in template(MISTRAL).render(nine, (WEATHER,)), "an id of nine stays"
+
+
+@pytest.mark.parametrize("conversation", [TWO_CALLS[:2], TWO_CALLS[1:2]])
+def test_a_template_that_needs_tools_renders_with_them(conversation):
+    """Hermes' tool_use template loops over the tools unchecked: putting the tools first rendered it once
+    without them, and the request was refused."""
+    rendered = template(HERMES_TOOL_USE).render(conversation, (WEATHER,))
+    assert '"name": "get_weather"' in rendered and rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_that_names_calls_but_shows_no_tools_gets_mashboxs_tool_prompt():
+    """DeepSeek-R1-Distill's template renders calls made but never the tools: the model was never told of
+    them."""
+    chat = template(R1_DISTILL)
+    assert not chat.knows_tools
+    rendered = chat.render(TWO_CALLS[1:2], (WEATHER,))
+    assert '"name": "get_weather"' in rendered and "<tool_call>" in rendered
