@@ -107,14 +107,16 @@ def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) ->
     if stream is None:
         return None
     text: list[str] = []
+    cut = False
     try:
         for chunk in stream:
             choice = chunk.choices[0] if chunk.choices else None
             if choice and choice.delta.content:
                 text.append(choice.delta.content)
                 print(choice.delta.content, end="", flush=True)
-            if choice and choice.finish_reason == "length" and options.get("max_tokens"):
-                print(f" [cut: --max-tokens {options['max_tokens']}]", end="")
+            cut = cut or bool(choice and choice.finish_reason == "length")
+            if cut and chunk.usage:  # the last chunk: what cut the answer
+                print(_cut(chunk.usage.completion_tokens, options.get("max_tokens")), end="")
     except KeyboardInterrupt:
         stream.close()  # the request stops and its slot is freed
         print(" [stopped]", end="")
@@ -125,11 +127,19 @@ def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) ->
     return "".join(text)
 
 
+def _cut(written: int, most: int | None) -> str:
+    """What cut an answer of ``written`` tokens: --max-tokens where it reached ``most``, else the context."""
+    if most and written >= most:
+        return f" [cut: --max-tokens {most}]"
+    return " [cut: the context is full; /reset, or a larger --ctx]"
+
+
 def _fitting(engine: Any, conversation: Conversation, options: dict[str, Any]) -> Iterator[Any] | None:
     """The answer's stream, once the conversation fits the context (oldest turns dropped first)."""
     while True:
         try:
-            return engine.chat(messages=conversation.messages, stream=True, **options)
+            return engine.chat(messages=conversation.messages, stream=True, stream_options={"include_usage": True},
+                               **options)
         except ContextLengthError as err:
             if not conversation.drop_oldest():
                 conversation.turns.pop()

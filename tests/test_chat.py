@@ -96,6 +96,15 @@ def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkey
     assert out.count("[cut: --max-tokens 3]") == 2 and out.count(chat.SEPARATOR) == 2
 
 
+def test_an_answer_cut_by_the_context_says_so_not_max_tokens(tiny_engine, monkeypatch, capsys):
+    """ctx 512: a question that leaves a few tokens of room is answered up to the end of the context, which
+    is what cut it, not --max-tokens."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 480 + "\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 400, "temperature": 0}, interactive=False) == 0
+    out, _ = capsys.readouterr()
+    assert "[cut: the context is full; /reset, or a larger --ctx]" in out and "--max-tokens" not in out
+
+
 def test_sigterm_at_the_prompt_leaves_the_terminal_as_it_was(tiny_model_dir):
     """readline holds the terminal raw at the prompt: killed there, the chat left it without echo."""
     import termios

@@ -22,6 +22,7 @@ from mashbox import (
 )
 from mashbox.engine.events import Finish
 from mashbox.engine.text.detokenizer import Detokenizer
+from mashbox.server.errors import api_error
 
 
 def run(engine, prompt, **sampling):
@@ -693,3 +694,14 @@ def test_stream_of_a_dict_is_an_invalid_request(tiny_engine):
     assert err.value.param == "request"
     listed = EngineRequest(messages=[Message("user", "hi")], sampling=SamplingParams(max_tokens=2))  # a list is fine
     assert isinstance(list(tiny_engine.stream(listed))[-1], Finish)
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_with_its_count(tiny_engine):
+    """20,000 words at ctx 512: refused with the prompt's real length, which Claude Code reads from Anthropic's
+    wording to know how much of its history to cut, not the lower bound its characters give (740 here)."""
+    messages = (Message("user", "hi " * 20_000),)
+    with pytest.raises(ContextLengthError) as refused:
+        tiny_engine.chat(messages=[{"role": "user", "content": messages[0].content}])
+    counted = len(tiny_engine.tokenizer.encode(tiny_engine.template.render(messages), add_special_tokens=False))
+    assert refused.value.tokens == counted > 20_000 and "at least" not in refused.value.message
+    assert api_error(refused.value, 1).anthropic_message == f"prompt is too long: {counted} tokens > 511 maximum"

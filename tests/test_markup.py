@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mashbox.engine.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from mashbox.engine.text.markup import Markup
+from mashbox.engine.text.markup import HERMES, Markup
 
 
 def parse(pieces, **options):
@@ -236,3 +236,15 @@ def test_broken_call_lines_that_repeat_and_runs_of_blank_lines_end_the_answer():
         events = m.push("The word is x." + blank + "y")
         assert coalesce(events + m.flush()) == [("text", "The word is x.")] and m.repeated
     assert parse(["x" + "\n" * 32 + "y"]) == [("text", "x" + "\n" * 32 + "y")]
+
+
+@pytest.mark.parametrize("forced", [True, False])
+@pytest.mark.parametrize("tail", ["", "</tool", "</tool_call"])
+def test_a_whole_call_cut_off_in_its_closing_tag_is_that_call(forced, tail):
+    """max_tokens or the context may end an answer inside the closing tag of a call written whole: it was
+    dropped (forced) or came back as text, and one more token of budget gave the call."""
+    markup = Markup(calls=HERMES, names=frozenset({"get_weather"}), cut_calls_are_text=not forced)
+    events = markup.push('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' + tail)
+    events += markup.flush()
+    assert [type(e).__name__ for e in events] == ["ToolCallStart", "ToolCallDelta", "ToolCallEnd"]
+    assert events[1].arguments == '{"city": "Paris"}'

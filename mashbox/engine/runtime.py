@@ -109,14 +109,15 @@ class Runtime:
     def encode(self, request: EngineRequest) -> list[int]:
         """The prompt tokens ``request`` runs on (after the chat template).
 
-        A prompt that cannot fit the context whatever its tokens is refused first, from a cheap
-        lower bound, so that a huge request costs no rendering or tokenizing."""
+        A prompt of more than ``COUNTED_CHARS`` characters that cannot fit the context whatever its
+        tokens is refused first, from a cheap lower bound, so that a huge request costs no rendering or
+        tokenizing; a shorter one is counted (an agent reads the count to know how much to cut)."""
         self._check_open()
         if not isinstance(request, EngineRequest):
             raise InvalidRequestError("request", f"must be an EngineRequest (got {type(request).__name__}); "
                                                  "a dict is a request of chat(), complete(), respond() or message()")
         floor = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
-        if floor > self.ctx:
+        if floor > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
             field = "prompt" if request.prompt is not None else "messages"
             raise ContextLengthError(
                 field, f"the prompt is at least {floor} tokens but the context holds {self.ctx}; shorten it or raise ctx",
@@ -256,6 +257,8 @@ def _release(core: EngineCore) -> None:
 
 
 PREDICTED_CHARS = 16  # characters of a prediction read per token the answer may have: its tokens hold fewer
+COUNTED_CHARS = 1 << 21  # a prompt too long for the context is counted up to about this many characters (a
+# tenth of a second or so); a longer one is refused from its lower bound
 
 
 def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfig:

@@ -169,8 +169,10 @@ class Markup:
         held, self.held = self.held, ""
         if self.repeated or self.done:
             return events
-        if self.state == "call":
-            self._end_call(self.body + held, events, closed=False)
+        if self.state == "call":  # cut off: a whole call whose closing tag was begun is that call
+            body = self.body + held
+            whole = body[: len(body) - overlap(body, self.calls.close)] if self.calls.close else body
+            self._end_call(whole if self.calls.parse(whole.strip()) else body, events, closed=False)
         elif held and not self._cut_open_tag(held):
             self._emit(held, events)
         if self.bare and not self.bare.text.strip():
