@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mashbox.engine.load import catalog, loader
-from mashbox.engine.load.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve
+from mashbox.engine.load.catalog import PackageFile, SplitFile, assemble, assemble_split, resolve, stamp
 from mashbox.engine.load.loader import LoadedModel, converted_dir, hf_model, load
 from mashbox.engine.request import Message
 from mashbox.engine.text.template import ChatTemplate
@@ -123,8 +123,7 @@ def test_saving_a_tokenizer_copy_removes_the_stale_ones(tmp_path: Path, smol_tok
         path = folder / name
         path.mkdir(parents=True)
         if gguf is not None:
-            stat = gguf.stat() if gguf.exists() else os.stat_result((0,) * 10)
-            made_from = {"path": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            made_from = {"path": str(gguf), "stamp": stamp(gguf) if gguf.exists() else [0, 0, 0, 0]}
             (path / "source.json").write_text(json.dumps(made_from))
         if complete:
             (path / "complete").write_text("ok\n")

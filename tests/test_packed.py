@@ -54,6 +54,21 @@ def test_a_second_start_maps_what_the_first_packed(tmp_path, lib, gguf, monkeypa
     assert list(tmp_path.iterdir()) == files  # nothing written again
 
 
+def test_weights_rewritten_with_the_same_size_and_time_get_a_file_of_their_own(tmp_path, lib, gguf):
+    """Other weights copied over a GGUF with its size and time kept (``cp -p``, ``touch -r``, a re-quantized
+    file of the same shape) mapped the old file's packed matrices: the old model answered, unsaid."""
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(gguf.read_bytes())
+    before = Packer.kept(lib, tmp_path / "packed", weights, "gguf").path
+    times = weights.stat()
+    changed = bytearray(gguf.read_bytes())
+    changed[-64:] = bytes(64)
+    weights.write_bytes(bytes(changed))
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert weights.stat().st_size == times.st_size and weights.stat().st_mtime_ns == times.st_mtime_ns
+    assert Packer.kept(lib, tmp_path / "packed", weights, "gguf").path != before
+
+
 def vm_flags(address: int) -> list[str]:
     """The kernel's flags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
     inside = False
@@ -153,6 +168,31 @@ def test_files_of_changed_or_missing_weights_and_half_written_ones_are_removed(t
     last = Packer.kept(lib, folder, gguf, "gguf")
     runner(gguf, lib, last)
     assert sorted(folder.iterdir()) == sorted([last.path, new_tmp])
+
+
+def test_a_half_written_file_goes_at_the_next_start_with_nothing_to_save(tmp_path, lib, gguf):
+    """A start killed while writing left a model-size temporary file; the starts after it map the saved file
+    and save nothing, which is when half-written files were removed."""
+    folder = tmp_path / "packed"
+    runner(gguf, lib, Packer.kept(lib, folder, gguf, "gguf"))
+    left, writing = folder / "tiny-z.tmp", folder / "tiny-w.tmp"
+    left.write_bytes(b"half"), writing.write_bytes(b"half")
+    os.utime(left, (time.time() - 3600,) * 2)
+    again = Packer.kept(lib, folder, gguf, "gguf")
+    runner(gguf, lib, again)
+    assert not again._new and not left.exists() and writing.exists()
+
+
+def test_two_forms_of_one_gguf_keep_a_file_each(tmp_path, lib, gguf):
+    """A notebook's int8 Engine and a server's default form of the same GGUF removed each other's file, so
+    every start packed again."""
+    folder = tmp_path / "packed"
+    for mode in ("gguf", "q8"):
+        runner(gguf, lib, Packer.kept(lib, folder, gguf, mode))
+    assert len(list(folder.glob("*.mbpack"))) == 2
+    again = Packer.kept(lib, folder, gguf, "gguf")
+    runner(gguf, lib, again)
+    assert not again._new
 
 
 def test_a_folder_that_cannot_be_written_leaves_the_model_running_from_memory(tmp_path, lib, gguf, caplog):

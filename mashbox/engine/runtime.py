@@ -21,7 +21,7 @@ from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore, ThinkBudget
 from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.info import ModelInfo
-from mashbox.engine.load.catalog import cache_dir
+from mashbox.engine.load.catalog import cache_dir, stamp
 from mashbox.engine.load.loader import LoadedModel, load, pick_device
 from mashbox.engine.load.progress import loading
 from mashbox.engine.model import native
@@ -281,8 +281,7 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
     """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
     if config.cache_disk_gib <= 0:
         return None
-    stat = weights.stat() if weights.exists() else None
-    parts = [info.id, str(weights), stat and (stat.st_size, stat.st_mtime_ns), info.ctx, info.dtype,
+    parts = [info.id, str(weights), stamp(weights) if weights.exists() else None, info.ctx, info.dtype,
              info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens, torch.__version__,
              native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()

@@ -95,6 +95,13 @@ def cache_dir() -> Path:
     return Path(base) / "mashbox"
 
 
+def stamp(path: Path) -> list[int]:
+    """What tells that a file's bytes changed, short of reading them: its size, its inode and its times of
+    change; the mtime a copy may keep (``cp -p``, ``rsync -a``, ``touch -r``), the ctime none can set."""
+    stat = path.stat()
+    return [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
 def package_file(ref: PackageFile) -> Path | None:
     """The path of a file inside an installed package (not imported), or None if not there."""
     try:

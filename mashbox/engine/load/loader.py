@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a mod
 import torch  # noqa: E402
 
 from mashbox.engine.load import checkpoint, gguf_file  # noqa: E402
-from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, resolve  # noqa: E402
+from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, resolve, stamp  # noqa: E402
 from mashbox.engine.model import native  # noqa: E402
 from mashbox.engine.model.form import pick_dtype  # noqa: E402
 from mashbox.engine.text.template import FALLBACKS  # noqa: E402
@@ -272,14 +272,12 @@ def converted_dir(source: ModelSource) -> Path | None:
     """Where the tokenizer copy of a GGUF source lives in the cache; None for HF sources."""
     if source.kind != "gguf":
         return None
-    made_from = _made_from(source.path)
-    key = "|".join(str(made_from[k]) for k in ("path", "size", "mtime_ns")).encode()
+    key = json.dumps(_made_from(source.path)).encode()
     return cache_dir() / "converted" / f"{source.path.stem}-{hashlib.sha256(key).hexdigest()[:12]}-tokenizer"
 
 
 def _made_from(gguf: Path) -> dict:
-    stat = gguf.stat()
-    return {"path": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": str(gguf), "stamp": stamp(gguf)}
 
 
 def _stale(copy: Path) -> bool:

@@ -27,10 +27,12 @@ import tempfile
 import time
 from hashlib import sha256
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from mashbox.engine.load.catalog import stamp
 from mashbox.engine.model import quant
 
 MAGIC = b"MBPACK01"
@@ -46,8 +48,8 @@ class Packer:
     """Packs a model's matrices for the kernels in order: as views of ``path`` where it was saved by
     an earlier start, else in memory (``save`` then writes them there). ``path`` None: in memory only."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path | None = None, source: Path | None = None) -> None:
-        self.lib, self.path, self.source = lib, path, source
+    def __init__(self, lib: ctypes.CDLL, path: Path | None = None, origin: dict[str, Any] | None = None) -> None:
+        self.lib, self.path, self.origin = lib, path, origin or {}  # origin: the weights' path, stamps and form
         self._saved, self._data = _index(path) if path is not None else ([], None)
         self._made: list[quant.Blocks] = []  # every packed matrix, in order
         self._new = False  # whether any was packed here: the file is (re)written
@@ -55,15 +57,16 @@ class Packer:
     @classmethod
     def kept(cls, lib: ctypes.CDLL, folder: Path, weights: Path, mode: str) -> Packer:
         """A packer whose file, in ``folder``, is named for ``weights`` (a GGUF, or an HF folder): its
-        path, then its files' sizes and times and the kernels' build (the layout is theirs)."""
+        path, then its files' ``stamp``, the weights' form and the kernels' build (the layout is theirs).
+        Files left half-written by a start that stopped while writing are removed."""
         weights = weights.resolve()
-        try:
-            files = sorted(weights.iterdir()) if weights.is_dir() else [weights]
-            made = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-        except OSError:  # weights that cannot be listed are packed in memory
+        made = _made(weights)
+        if made is None:  # weights that cannot be listed are packed in memory
             return cls(lib)
+        _remove_half_written(folder)
         key = sha256(json.dumps([made, Path(lib._name).name, mode]).encode()).hexdigest()[:16]
-        return cls(lib, folder / f"{_prefix(weights)}-{key}{SUFFIX}", weights)
+        return cls(lib, folder / f"{_prefix(weights)}-{key}{SUFFIX}", {"source": str(weights), "made": made,
+                                                                        "mode": mode})
 
     def pack(self, blocks: quant.Blocks) -> quant.Blocks:
         """``blocks`` packed for the kernels (as ``quant.pack``): the saved file's next matrix where it is
@@ -97,7 +100,7 @@ class Packer:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.stem, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    _write(f, self._made, self.source)
+                    _write(f, self._made, self.origin)
                     _let_go(f)
                 os.replace(tmp, self.path)
             finally:
@@ -106,15 +109,25 @@ class Packer:
             log.warning("the packed weights could not be saved to %s (%s): the next start packs them again",
                         self.path, err)
             return
-        _prune(self.path, self.source)
+        _prune(self.path, self.origin)
         log.info("packed weights saved to %s: the next start maps them", self.path)
+
+
+def _made(weights: Path) -> list[list[Any]] | None:
+    """The ``stamp`` of each file of ``weights`` (a file, or a folder's files), by name; None where they cannot
+    be listed."""
+    try:
+        files = sorted(weights.iterdir()) if weights.is_dir() else [weights]
+        return [[f.name, *stamp(f)] for f in files if f.is_file()]
+    except OSError:
+        return None
 
 
 def _prefix(weights: Path) -> str:
     return f"{weights.stem}-{sha256(str(weights).encode()).hexdigest()[:8]}"
 
 
-def _write(f, made: list[quant.Blocks], source: Path) -> None:
+def _write(f, made: list[quant.Blocks], origin: dict[str, Any]) -> None:
     entries = []
     for blocks in made:
         f.seek(-(-f.tell() // ALIGN) * ALIGN)
@@ -122,7 +135,7 @@ def _write(f, made: list[quant.Blocks], source: Path) -> None:
         entries.append([blocks.fmt % quant.PACKED, blocks.rows, blocks.k, f.tell(), data.numel()])
         f.write(memoryview(data.numpy()))
     at = f.tell()
-    f.write(json.dumps({"source": str(source), "matrices": entries}).encode())
+    f.write(json.dumps({**origin, "matrices": entries}).encode())
     f.write(TAIL.pack(at, MAGIC))
 
 
@@ -170,20 +183,27 @@ def _read(data: mmap.mmap) -> dict:
     return index
 
 
-def _prune(kept: Path, source: Path) -> None:
-    """Remove the other packed files of these weights (made for other kernels, or from the weights before
-    they changed), those whose weights are gone, and temporary files left half-written."""
-    prefix = _prefix(source)
+def _prune(kept: Path, origin: dict[str, Any]) -> None:
+    """Remove the other packed files of these weights in this form (made for other kernels), those whose
+    weights are gone or changed since, and temporary files left half-written."""
+    _remove_half_written(kept.parent)
     for path in kept.parent.iterdir():
-        if path.suffix == ".tmp":
-            stale = _age(path) > HALF_WRITTEN_S
-        elif path.suffix == SUFFIX and path != kept:
-            made_from = _source(path)
-            stale = path.name.startswith(prefix + "-") or not made_from or not Path(made_from).exists()
-        else:
+        if path.suffix != SUFFIX or path == kept:
             continue
-        if stale:
+        other = _origin(path)
+        source = other.get("source")
+        gone = not source or other.get("made") != _made(Path(source))
+        if gone or (source, other.get("mode")) == (origin["source"], origin["mode"]):
             path.unlink(missing_ok=True)
+
+
+def _remove_half_written(folder: Path) -> None:
+    """Remove the temporary files in ``folder`` that a start left half-written (old enough not to be another's
+    being written)."""
+    with contextlib.suppress(OSError):
+        for path in folder.glob("*.tmp"):
+            if _age(path) > HALF_WRITTEN_S:
+                path.unlink(missing_ok=True)
 
 
 def _age(path: Path) -> float:
@@ -193,10 +213,11 @@ def _age(path: Path) -> float:
         return 0.0
 
 
-def _source(path: Path) -> str:
-    """The weights a packed file was made from ("" where unreadable)."""
+def _origin(path: Path) -> dict[str, Any]:
+    """What a packed file was made from: its index but the matrices ({} where unreadable)."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _read(data)["source"]
+            index = _read(data)
     except (OSError, *UNREADABLE):
-        return ""
+        return {}
+    return {k: v for k, v in index.items() if k != "matrices"}
