@@ -4,6 +4,8 @@ and safe against files that do not read."""
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +192,36 @@ def test_the_folder_keeps_within_its_cap_least_recently_used_out_first(tmp_path:
     store.close()
     kept = [PageStore(tmp_path / "pages", 2**30, "ns", page=4).stored(store.keys(p, "")) for p in prompts]
     assert kept == [0, 0, 1, 1]
+
+
+def test_a_page_that_cannot_be_removed_is_passed_over_and_the_cap_holds(tmp_path: Path):
+    """The least recently used page cannot go (a directory in its place, a file marked immutable): the
+    trim stopped there for good, and the folder grew past its cap ten times over."""
+    folder = tmp_path / "pages"
+    kept(tmp_path / "probe", [0, 1, 2, 3])
+    size = next((tmp_path / "probe").glob("*.safetensors")).stat().st_size
+    stuck = folder / ("0" * 64 + ".safetensors")
+    stuck.mkdir(parents=True)
+    os.utime(stuck, (time.time() - 3600,) * 2)
+    store = PageStore(folder, int(size * 3.5), "ns", page=4)
+    for i in range(12):
+        store.save(store.keys([i] * 4, "")[0], [i] * 4, *page())
+    store.close()
+    pages = [f for f in folder.glob("*.safetensors") if f.is_file()]
+    assert stuck.is_dir() and 1 <= len(pages) <= 3
+
+
+def test_a_temporary_file_safetensors_left_goes_when_old(tmp_path: Path):
+    """safetensors writes through a temporary file of its own (``.tmpXXXXXX``): a writer killed then left it."""
+    prompt = list(range(4))
+    keys = kept(tmp_path, prompt)
+    left, fresh = tmp_path / ".tmp3yXUti", tmp_path / ".tmpysUXYa"
+    left.write_bytes(b"x" * 1000), fresh.write_bytes(b"")
+    os.utime(left, (time.time() - 3600,) * 2)
+    store = PageStore(tmp_path, 1, "ns", page=4)  # a cap it is over: the folder is counted again
+    store.save(store.keys([9] * 4, "")[0], [9] * 4, *page())
+    store.close()
+    assert not left.exists() and fresh.exists() and keys
 
 
 def _run(engine: Engine, salt: str = "") -> tuple[int, str]:

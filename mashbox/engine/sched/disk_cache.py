@@ -37,6 +37,7 @@ log = logging.getLogger("mashbox.engine")
 FORMAT = "mashbox-kv-page/1"
 RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes, whatever its index says
 STALE_S = 600.0  # a temp file this old was left by a writer that died
+STUCK = 3  # pages in a row that cannot be removed: the folder cannot be trimmed now
 QUEUED_BYTES = 256 << 20  # pages waiting for the writer, at most: past it (a slow or failing disk) pages are not kept
 
 
@@ -170,13 +171,13 @@ class PageStore:
         if self.bytes <= self.cap and self._written * RESCAN <= self.cap:
             return
         self._scan()
-        while True:
-            with self._lock:
+        stuck = 0
+        while stuck < STUCK:  # pages in a row that stay: a folder that cannot be trimmed (read-only now),
+            with self._lock:  # tried again after the next write; one that stays alone is passed over
                 if self.bytes <= self.cap or len(self._files) <= 1:
                     return
                 key = next(iter(self._files))
-            if not self._remove(key):
-                return  # a folder that cannot be trimmed (read-only now): tried again after the next write
+            stuck = 0 if self._remove(key) else stuck + 1
 
     def _scan(self) -> None:
         """The index read again from the folder, least recently used first; stale temp files removed."""
@@ -187,7 +188,7 @@ class PageStore:
             else:  # written whole then renamed, a page is never empty: this one lost its bytes (a crash)
                 log.warning("skipped the cached prompt page %s (it is empty); removing it", path)
                 _unlink(path)
-        for path, stat in _stats(self.folder, ".*.tmp"):
+        for path, stat in [*_stats(self.folder, ".*.tmp"), *_stats(self.folder, ".tmp*")]:  # ours, safetensors'
             if time.time() - stat.st_mtime > STALE_S:
                 _unlink(path)
         with self._lock:  # pages claimed here and not yet written stay claimed
