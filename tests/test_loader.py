@@ -110,6 +110,34 @@ def test_corrupt_cached_copy_is_named_then_built_again(smol: LoadedModel, caplog
     assert again.tokenizer.encode(text) == smol.tokenizer.encode(text)
 
 
+@pytest.mark.parametrize("lost", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_cached_copy_missing_a_file_is_named_then_built_again(smol: LoadedModel, caplog, lost) -> None:
+    """Without tokenizer.json the model did not load at all; without tokenizer_config.json it loaded with no
+    chat template, and every chat was refused."""
+    converted = converted_dir(resolve("smollm2-135m"))
+    (converted / lost).unlink()
+    with caplog.at_level("WARNING", logger="mashbox.engine"):
+        again = load("smollm2-135m")
+    assert f"The cached copy '{converted}' lacks {lost}" in caplog.text and (converted / lost).is_file()
+    assert again.tokenizer.chat_template == smol.tokenizer.chat_template
+    assert again.tokenizer.encode("The capital of France") == smol.tokenizer.encode("The capital of France")
+
+
+def test_a_tokenizer_copy_the_disk_cannot_take_is_said_and_leaves_nothing(tmp_path: Path, smol_tokenizer,
+                                                                         monkeypatch, caplog) -> None:
+    """tokenizers says a full disk as a plain Exception: the load failed, and each try left a folder."""
+    def full(self, folder):
+        (folder / "tokenizer.json").write_text("{")
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(Tokenizer, "save", full)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with caplog.at_level("WARNING", logger="mashbox.engine"):
+        loader._save_tokenizer(Tokenizer.of(smol_tokenizer), tmp_path / "converted" / "m-tokenizer", gguf)
+    assert list((tmp_path / "converted").iterdir()) == [] and "No space left on device" in caplog.text
+
+
 def test_saving_a_tokenizer_copy_removes_the_stale_ones(tmp_path: Path, smol_tokenizer) -> None:
     """Copies whose GGUF is gone or changed go, and those made before copies named their GGUF, and
     those an older mashbox made with the whole model in them; copies of a GGUF still there, and

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 
 CTX_CAP = 8192
 _DONE = "complete"  # marker file in a converted directory, written last
-_SOURCE = "source.json"  # the GGUF a converted directory was made from: path, size, mtime
+_SOURCE = "source.json"  # the GGUF a converted directory was made from: its path and stamp
+_COPIED = ("tokenizer.json", "tokenizer_config.json")  # what a complete converted directory holds
 log = logging.getLogger("mashbox.engine")
 
 
@@ -129,6 +130,8 @@ def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], 
     """The GGUF's tokenizer: from its copy in the cache, made on the first load (``gguf``: the file,
     its header read, whose chat template a converted tokenizer without one takes)."""
     if (converted / _DONE).is_file():
+        if missing := [name for name in _COPIED if not (converted / name).is_file()]:
+            raise _CacheUnreadable(f"The cached copy '{converted}' lacks {' and '.join(missing)}")
         step("reading the tokenizer")
         with _cached(converted / "tokenizer.json"):
             return Tokenizer.read(converted)
@@ -315,7 +318,9 @@ def _save_tokenizer(tokenizer: Tokenizer, dest: Path, gguf: Path) -> None:
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
         _prune_converted(dest.parent, dest)
-    except OSError:
+    except Exception as err:  # tokenizers says a full disk as its own error, not OSError
+        log.warning("the tokenizer copy could not be kept in %s (%s: %s); the next load converts it again",
+                    dest.parent, type(err).__name__, err)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
