@@ -58,3 +58,8 @@ class NotReadyError(MashboxError):
 class GenerationError(MashboxError):
     """A request failed while it ran (a device fault, an internal error); other requests go on. A
     non-streamed call raises it; a stream ends with its protocol's error event instead."""
+
+
+class StorageError(MashboxError):
+    """A file the server keeps (the agent tasks' database) cannot be used: the message says which and why.
+    The server answers 500 with it; what is wrong is the server's set-up, not the request."""

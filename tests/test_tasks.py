@@ -32,6 +32,8 @@ from mashbox.engine.events import (
 )
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
+from mashbox.errors import StorageError
+from mashbox.server.errors import api_error
 from mashbox.server.task_store import TaskStore
 
 SHORT = {"max_tokens": 8, "stop": [" "], "temperature": 0}  # an answer that ends by itself, at its first space
@@ -366,6 +368,31 @@ def test_store_expires_unfinished_and_deletes_finished(tmp_path):
     now[0] += 61
     store.sweep(set())
     assert store.get("t", "waiting") is None  # expired is final: deleted a time to live later
+
+
+def test_a_second_server_on_the_same_file_leaves_the_firsts_running_tasks_alone(tmp_path):
+    """Two servers (two models, say) share the default file: the second's first open failed every task the
+    first was running. Tasks left running by servers that stopped still fail at the next open."""
+    first, second = (TaskStore(tmp_path / "t.sqlite3", ttl_s=60) for _ in range(2))
+    running = {"object": "task", "id": "job", "status": "working", "created_at": 1, "output": []}
+    first.save("t", running)
+    assert second.get("t", "job")["status"] == "working"
+    first.close(), second.close()
+    third = TaskStore(tmp_path / "t.sqlite3", ttl_s=60)
+    assert third.get("t", "job")["status"] == "failed"
+    third.close()
+
+
+def test_a_tasks_file_that_cannot_be_opened_is_said(tmp_path):
+    """A cache folder that is a file, a read-only one, a database that is none: every /v1/tasks call was a
+    500 "internal error: OperationalError"; now its message names the file and what to do."""
+    (tmp_path / "cache").write_text("a file where the folder should be")
+    store = TaskStore(tmp_path / "cache" / "tasks.sqlite3", ttl_s=60)
+    with pytest.raises(StorageError) as failed:
+        store.get("t", "job")
+    error = api_error(failed.value, 1)
+    assert error.status == 500 and str(tmp_path / "cache" / "tasks.sqlite3") in error.message
+    assert "--tasks-db" in error.message
 
 
 def test_expiry_needs_no_request(backend, tmp_path):

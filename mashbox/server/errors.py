@@ -20,6 +20,7 @@ from mashbox.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NotReadyError,
+    StorageError,
 )
 from mashbox.server.admission import QueueFull
 
@@ -98,6 +99,9 @@ def api_error(exc: Exception, retry_after: int, body: bytes = b"") -> ApiError:
         return ApiError(429, exc.message, retry_after=exc.retry_after, overloaded=exc.scope == "server")
     if isinstance(exc, HTTPException):
         return ApiError(exc.status_code, _body_error(exc, body) or _detail(exc))
+    if isinstance(exc, StorageError):
+        log.error("%s", exc)
+        return ApiError(500, str(exc))
     log.error("unexpected error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}")
 

@@ -1,13 +1,15 @@
 """Tasks kept in SQLite (standard library): one row per task, its object as JSON, per tenant.
 
 The file is opened on first use (a server that never sees a task never creates it). On open, tasks
-that were running when the server stopped become ``failed``. ``sweep`` ends tasks left untouched for
+that were running when the server stopped become ``failed``, unless another server has the file open
+(a lock beside it, shared while each runs, tells): those may be its tasks, running. ``sweep`` ends tasks left untouched for
 ``ttl_s``: unfinished ones become ``expired``, finished ones are deleted, so the file stays bounded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import sqlite3
 import threading
@@ -18,7 +20,7 @@ from typing import Any
 
 from mashbox.api.task_items import FINAL
 from mashbox.api.task_loop import EXPIRED as EXPIRED_CODE
-from mashbox.errors import InvalidRequestError
+from mashbox.errors import InvalidRequestError, StorageError
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, id TEXT NOT NULL, status TEXT NOT NULL,
@@ -46,16 +48,43 @@ class TaskStore:
     def __init__(self, path: Path, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
         self.path, self.ttl_s, self._clock = path, ttl_s, clock
         self._db: sqlite3.Connection | None = None
+        self._holder: Any = None  # the lock file, held open (``_share``)
         self._lock = threading.RLock()
+
+    def close(self) -> None:
+        """Let the file go (its lock too)."""
+        with self._lock:
+            for held in (self._db, self._holder):
+                if held is not None:
+                    held.close()
+            self._db = self._holder = None
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            db.executescript(SCHEMA)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+                db.executescript(SCHEMA)
+                alone = self._share()
+            except (OSError, sqlite3.Error) as err:
+                raise StorageError(f"the agent tasks cannot be kept in {self.path} ({type(err).__name__}: {err}); "
+                                   "start the server with --tasks-db naming a file it can write") from err
             self._db = db
-            self._fail_running()
+            if alone:
+                self._fail_running()
         return self._db
+
+    def _share(self) -> bool:
+        """Hold the file's lock, shared with the other servers using it, for as long as this one runs;
+        whether no other held it (then the tasks left running are those of servers that stopped)."""
+        self._holder = open(self.path.with_name(self.path.name + ".lock"), "a+b")  # noqa: SIM115 (held open)
+        try:
+            fcntl.flock(self._holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        fcntl.flock(self._holder, fcntl.LOCK_SH)
+        return alone
 
     def _fail_running(self) -> None:
         marks = ",".join("?" * len(RUNNING))
