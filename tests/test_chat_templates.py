@@ -6,12 +6,16 @@ no tools). Each used to refuse the request, or to lose the tools or a tool's res
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import pytest
 
+from mashbox import Engine, EngineRequest
 from mashbox.engine.request import Message, Tool, ToolCall
 from mashbox.engine.text.template import ChatTemplate
+from mashbox.engine.text.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "Weather in a city", {"type": "object", "properties": {"city": {"type": "string"}}})
 PARIS, ROME = (ToolCall(f"call_{c * 24}", "get_weather", f'{{"city": "{city}"}}') for c, city in (("a", "Paris"),
@@ -119,3 +123,28 @@ def test_a_template_that_names_calls_but_shows_no_tools_gets_mashboxs_tool_promp
     assert not chat.knows_tools
     rendered = chat.render(TWO_CALLS[1:2], (WEATHER,))
     assert '"name": "get_weather"' in rendered and "<tool_call>" in rendered
+
+
+def test_a_models_tool_use_template_renders_its_requests_with_tools(tiny_model_dir, tmp_path):
+    """Hermes 2 Pro and 3 name two templates: ``default`` knows no tools, ``tool_use`` does (as transformers
+    picks it when tools are passed). mashbox took the default alone, and its own tool prompt instead of the
+    one the model was trained on; the copy it saves keeps both."""
+    folder = tmp_path / "hermes"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # the config's list of named templates, as Hermes' has
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+                                                              "{% endfor %}"},
+                               {"name": "tool_use", "template": HERMES_TOOL_USE}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.read(folder)
+    assert tokenizer.tool_template == HERMES_TOOL_USE and tokenizer.chat_template.startswith("{% for m")
+    (tmp_path / "copy").mkdir()
+    tokenizer.save(tmp_path / "copy")
+    assert Tokenizer.read(tmp_path / "copy").tool_template == HERMES_TOOL_USE
+    with Engine(str(folder), ctx=512, slots=1, quiet=True) as engine:
+        ask = (Message("user", "Weather?"),)
+        with_tools = engine.tokenizer.decode(engine.encode(EngineRequest(messages=ask, tools=(WEATHER,))))
+        plain = engine.tokenizer.decode(engine.encode(EngineRequest(messages=ask)))
+    assert with_tools.startswith("<|im_start|>system\nYou may call functions: <tools>") and "# Tools" not in with_tools
+    assert plain == "[user]Weather?"

@@ -186,6 +186,6 @@ def test_a_llama3_turn_also_ends_at_end_of_message(smol_tokenizer, tmp_path: Pat
     hf.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|eom_id|>"]})
     hf.chat_template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
     eot, eom = hf.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>"])
-    assert turn_ends(hf) == {eot, eom}
+    assert turn_ends(Tokenizer.of(hf)) == {eot, eom}
     hf.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-    assert eom not in turn_ends(hf)
+    assert eom not in turn_ends(Tokenizer.of(hf))

@@ -39,6 +39,7 @@ from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
 from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, looping_call
 from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends
+from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -77,8 +78,9 @@ class Runtime:
         check_fits(self.ctx, config.slots + graphs, per_token, available(device),
                    "this machine" if device.type == "cpu" else str(device))
         self.eos_ids = _eos_ids(loaded)
-        self._template: ChatTemplate | None = None
-        self.calls = call_format(self.tokenizer.chat_template or "", self._has_token)
+        self._templates: dict[bool, ChatTemplate] = {}
+        templates = (self.tokenizer.chat_template, self.tokenizer.tool_template)
+        self.calls = call_format("".join(t for t in templates if t), self._has_token)
         self.grammars = Grammars(self.tokenizer, self.eos_ids, self.calls)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, {form.kv_name})")
         packer = Packer.kept(form.lib, cache_dir() / "packed", Path(loaded.weights), form.mode) if form.lib else None
@@ -100,9 +102,18 @@ class Runtime:
 
     @property
     def template(self) -> ChatTemplate:
-        if self._template is None:
-            self._template = ChatTemplate(self.tokenizer, self.config.verbatim_template, self.calls)
-        return self._template
+        """The model's chat template."""
+        return self._template_for(tools=False)
+
+    def _template_for(self, tools: bool) -> ChatTemplate:
+        """The chat template for a request with ``tools`` or without: the one named tool_use where the model
+        has one (Hermes 2 Pro and 3), else its own."""
+        tools = tools and self.tokenizer.tool_template is not None
+        if tools not in self._templates:
+            source = Tokenizer(self.tokenizer.backend_tokenizer, self.tokenizer.special_tokens_map,
+                               self.tokenizer.tool_template) if tools else self.tokenizer
+            self._templates[tools] = ChatTemplate(source, self.config.verbatim_template, self.calls)
+        return self._templates[tools]
 
     # -- the core: canonical requests in, engine events out ---------------
 
@@ -129,7 +140,8 @@ class Runtime:
     def _rendered(self, request: EngineRequest) -> str:
         """A chat request's prompt text, after the chat template."""
         tools = request.tools if request.tool_choice != "none" else ()
-        return self.template.render(request.messages, tools, request.enable_thinking, request.continue_final)
+        template = self._template_for(bool(tools))
+        return template.render(request.messages, tools, request.enable_thinking, request.continue_final)
 
     def stream(self, request: EngineRequest) -> Iterator[Event]:
         """Submit ``request``; iterate its events: ``Queued`` at once, ``Started`` once it has a slot,

@@ -145,6 +145,7 @@ def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], 
         tokenizer = Tokenizer.of(_gguf_call(source, reader.from_pretrained))
     if not tokenizer.chat_template:  # the file's, else the turns of its architecture where mashbox knows them
         tokenizer.chat_template = gguf.fields.get("tokenizer.chat_template") or FALLBACKS.get(arch)
+    tokenizer.tool_template = tokenizer.tool_template or gguf.fields.get("tokenizer.chat_template.tool_use")
     _save_tokenizer(tokenizer, converted, source.path)
     return tokenizer
 

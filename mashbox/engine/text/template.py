@@ -192,7 +192,7 @@ def _continued(rendered: str, final: Message) -> str:
 def turn_ends(tokenizer: Tokenizer) -> set[int]:
     """The ids of the tokens its chat template ends a turn with (an answer ends there too, where the
     model's end id is another token: Gemma's ``<end_of_turn>`` beside ``<eos>``)."""
-    template = tokenizer.chat_template or ""
+    template = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
     ends = [token for token in TURN_ENDS if token in template]
     ids = {tokenizer.backend_tokenizer.token_to_id(token) for token in ends + [ALSO_ENDS.get(t, t) for t in ends]}
     return {i for i in ids if i is not None}

@@ -19,18 +19,20 @@ import tokenizers
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CONFIG = "tokenizer_config.json"
 _TEMPLATE = "chat_template.jinja"
+_TOOL_TEMPLATE = "tool_use.jinja"  # beside it, in additional_chat_templates/
 
 
 class Tokenizer:
     """Text to token ids and back, the special tokens by name, and the chat template's source."""
 
     def __init__(self, backend: tokenizers.Tokenizer, specials: dict[str, str],
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, tool_template: str | None = None) -> None:
         self.backend_tokenizer = backend
         self.backend_tokenizer.no_padding()
         self.backend_tokenizer.no_truncation()
         self.special_tokens_map = specials
         self.chat_template = chat_template
+        self.tool_template = tool_template  # the template named tool_use, for requests with tools (Hermes')
         self.eos_token_id = self._id(specials.get("eos_token"))
         self.bos_token_id = self._id(specials.get("bos_token"))
 
@@ -41,13 +43,15 @@ class Tokenizer:
         config = json.loads((folder / _CONFIG).read_text()) if (folder / _CONFIG).is_file() else {}
         specials = {name: text for name in SPECIAL if (text := _content(config.get(name)))}
         template = (folder / _TEMPLATE).read_text() if (folder / _TEMPLATE).is_file() else config.get("chat_template")
-        return cls(backend, specials, _default_template(template))
+        tool_file = folder / "additional_chat_templates" / _TOOL_TEMPLATE
+        tools = tool_file.read_text() if tool_file.is_file() else _named(template, "tool_use")
+        return cls(backend, specials, _default_template(template), tools)
 
     @classmethod
     def of(cls, hf: Any) -> Tokenizer:
         """The tokenizer of a transformers fast tokenizer."""
         specials = {name: str(text) for name in SPECIAL if (text := getattr(hf, name, None))}
-        return cls(hf.backend_tokenizer, specials, _default_template(hf.chat_template))
+        return cls(hf.backend_tokenizer, specials, _default_template(hf.chat_template), _named(hf.chat_template, "tool_use"))
 
     def save(self, folder: Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, chat template) to ``folder``."""
@@ -56,6 +60,9 @@ class Tokenizer:
         config = {**self.special_tokens_map, "tokenizer_class": "PreTrainedTokenizerFast"}
         if self.chat_template:
             config["chat_template"] = self.chat_template
+        if self.chat_template and self.tool_template:  # named, as transformers writes several
+            config["chat_template"] = [{"name": "default", "template": self.chat_template},
+                                       {"name": "tool_use", "template": self.tool_template}]
         (folder / _CONFIG).write_text(json.dumps(config, ensure_ascii=False, indent=2))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -97,6 +104,14 @@ def _default_template(template: Any) -> str | None:
     elif isinstance(template, dict):
         template = template.get("default") or next(iter(template.values()), None)
     return template if isinstance(template, str) and template else None
+
+
+def _named(template: Any, name: str) -> str | None:
+    """The template called ``name`` where the config names several (a list of name and template, or a dict)."""
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    named = template.get(name) if isinstance(template, dict) else None
+    return named if isinstance(named, str) and named else None
 
 
 def _merges_as_text(file: Path) -> None:
