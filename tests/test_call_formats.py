@@ -66,6 +66,7 @@ WEATHER = Tool("get_weather", "Weather in a city", {
 TIME = Tool("get_time", "", {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
                              "required": ["zone"], "additionalProperties": False})
 NAMES = frozenset({WEATHER.name, TIME.name})
+OSLO = '{"city": "Oslo", "days": 1}'
 
 
 def family(smol_tokenizer, template: str, markers: tuple[str, ...]):
@@ -115,6 +116,7 @@ GRANITE_CALLS = ('Let me check.<|tool_call|>[{"name": "get_weather", "arguments"
 PHI_CALL = 'Checking.<|tool_call|>[{"name": "get_time", "arguments": {"zone": "CET"}}]<|/tool_call|> Done.'
 MISTRAL_LIST = 'Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'
 MISTRAL_NAMED = '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 1}'
+NO_CALL = "[TOOL_CALLS]I cannot call a tool here."
 MISTRAL_ID = 'Checking.[TOOL_CALLS]get_weather[CALL_ID]abc123XYZ[ARGS]{"city": "Paris", "days": 2} Done.'  # Small 3.2
 
 
@@ -126,8 +128,7 @@ MISTRAL_ID = 'Checking.[TOOL_CALLS]get_weather[CALL_ID]abc123XYZ[ARGS]{"city": "
     (MISTRAL_TEMPLATE, MISTRAL_MARKERS, MISTRAL_NAMED, "",
      [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Rome", "days": 1})]),
     (MISTRAL_TEMPLATE, MISTRAL_MARKERS, MISTRAL_ID, "Checking. Done.", [("get_weather", {"city": "Paris", "days": 2})]),
-    (MISTRAL_TEMPLATE, MISTRAL_MARKERS, "[TOOL_CALLS]I cannot call a tool here.", "[TOOL_CALLS]I cannot call a tool here.",
-     []),
+    (MISTRAL_TEMPLATE, MISTRAL_MARKERS, NO_CALL, NO_CALL, []),
 ])
 def test_a_familys_calls_after_text_are_calls(smol_tokenizer, template, markers, written, text, calls):
     """Written token by token as the model writes them (each marker its one special token), through the
@@ -173,7 +174,7 @@ def test_granites_template_gets_its_tools_turn_and_the_calls_made_in_its_form(gr
     template = ChatTemplate(Tokenizer.of(granite), calls=fmt)
     assert template.knows_tools and not template.shows_calls
     conversation = (Message("system", "Be brief."), Message("user", "Weather in Oslo?"),
-                    Message("assistant", "", tool_calls=(ToolCall("c1", "get_weather", '{"city": "Oslo", "days": 1}'),)),
+                    Message("assistant", "", tool_calls=(ToolCall("c1", "get_weather", OSLO),)),
                     Message("tool", "12 C", tool_call_id="c1"))
     rendered = template.render(conversation, (WEATHER,))
     assert rendered.startswith("<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n"

@@ -22,7 +22,8 @@ PARIS, ROME = (ToolCall(f"call_{c * 24}", "get_weather", f'{{"city": "{city}"}}'
                                                                                                    ("b", "Rome")))
 TWO_CALLS = (Message("system", "Be brief."), Message("user", "Paris and Rome?"),
              Message("assistant", "Checking.", tool_calls=(PARIS, ROME)),
-             Message("tool", "RESULT_ROME", tool_call_id=ROME.id), Message("tool", "RESULT_PARIS", tool_call_id=PARIS.id))
+             Message("tool", "RESULT_ROME", tool_call_id=ROME.id),
+             Message("tool", "RESULT_PARIS", tool_call_id=PARIS.id))
 
 GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
           "{% endif %}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -34,8 +35,8 @@ PHI35 = ("{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistan
          "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 LLAMA3 = ("{% for m in messages %}{% if m.tool_calls %}{% if m.tool_calls | length != 1 %}"
           "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
-          "{{ '<|assistant|>' + {'name': m.tool_calls[0].function.name, 'parameters': m.tool_calls[0].function.arguments}"
-          " | tojson + '<|eot|>' }}{% elif m.role == 'tool' %}{{ '<|ipython|>' + m.content + '<|eot|>' }}"
+          "{% set f = m.tool_calls[0].function %}"
+          "{{ '<|assistant|>' + {'name': f.name, 'parameters': f.arguments} | tojson + '<|eot|>' }}{% elif m.role == 'tool' %}{{ '<|ipython|>' + m.content + '<|eot|>' }}"
           "{% else %}{{ '<|' + m.role + '|>' + m.content + '<|eot|>' }}{% endif %}"
           "{% if loop.first and tools %}{{ '<|tools|>' + tools | tojson + '<|eot|>' }}{% endif %}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")

@@ -2,8 +2,9 @@
 
 The file is opened on first use (a server that never sees a task never creates it). On open, tasks
 that were running when the server stopped become ``failed``, unless another server has the file open
-(a lock beside it, shared while each runs, tells): those may be its tasks, running. ``sweep`` ends tasks left untouched for
-``ttl_s``: unfinished ones become ``expired``, finished ones are deleted, so the file stays bounded.
+(a lock beside it, shared while each runs, tells): those may be its tasks, running. ``sweep`` ends
+tasks left untouched for ``ttl_s``: unfinished ones become ``expired``, finished ones are deleted, so
+the file stays bounded.
 """
 
 from __future__ import annotations

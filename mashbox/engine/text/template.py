@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from datetime import datetime
 from hashlib import sha256
 from itertools import takewhile
 from os.path import commonprefix
-from datetime import datetime
 from typing import Any
 
 import jinja2
@@ -53,10 +53,12 @@ FALLBACKS = {"gemma2": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
 TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")  # tokens a template closes a turn with
 ALSO_ENDS = {"<|eot_id|>": "<|eom_id|>"}  # Llama 3 ends a turn that awaits a tool's result with <|eom_id|>
 
-PROBE = Tool("mashbox_probe_tool", "", {"type": "object", "properties": {}})  # its name shows where a template
-PROBE_CALL = ToolCall("abcdefghi", "mashbox_probe_call", "{}")  # renders tools, or calls, or the text of a turn
+# Probes rendered through a template tell what it takes: where their names show, it renders tools, calls, the
+# text of a turn; where it raises, it refuses them. The probe call's id is nine characters, as Mistral's must be.
+PROBE = Tool("mashbox_probe_tool", "", {"type": "object", "properties": {}})
+PROBE_CALL = ToolCall("abcdefghi", "mashbox_probe_call", "{}")
 LONG_CALL = ToolCall("call_" + "0123456789abcdef" * 2, PROBE.name, "{}")  # an id as mashbox and OpenAI make them
-PROBE_TEXT = "mashbox_probe_text"  # (Mistral's ids: nine characters)
+PROBE_TEXT = "mashbox_probe_text"
 HI = {"role": "user", "content": "Hi"}
 ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
@@ -130,7 +132,8 @@ class ChatTemplate:
             return self._render(conversation, kwargs)
         block = after[: len(after) - len(plain_after)]
         closed = commonprefix([after, plain_after]).strip()  # the system turn ends before the block (Granite's)
-        if not (mark and plain_mark and after.endswith(plain_after) and block.strip()) or SYSTEM_MARK in after or closed:
+        found = mark and plain_mark and after.endswith(plain_after) and block.strip()
+        if not found or SYSTEM_MARK in after or closed:
             return self._render(conversation, kwargs)
         gap = block[: len(block) - len(block.lstrip())] or "\n\n"
         schemas, end, rules = block.lstrip().rpartition(TOOLS_END)
@@ -144,7 +147,8 @@ class ChatTemplate:
             schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
         system = "\n\n".join(parts)
-        turns = [self._turn(m) for m in (messages if self.many_calls else _one_call_each(messages)) if m.role != "system"]
+        kept = messages if self.many_calls else _one_call_each(messages)
+        turns = [self._turn(m) for m in kept if m.role != "system"]
         if not self.takes_tool_role:  # the results are the user's turns: one turn of the user at a time
             turns = _joined(turns)
         if system and not self.takes_system:  # the system text opens the first turn, as Gemma 3's template has it

@@ -51,7 +51,8 @@ class Tokenizer:
     def of(cls, hf: Any) -> Tokenizer:
         """The tokenizer of a transformers fast tokenizer."""
         specials = {name: str(text) for name in SPECIAL if (text := getattr(hf, name, None))}
-        return cls(hf.backend_tokenizer, specials, _default_template(hf.chat_template), _named(hf.chat_template, "tool_use"))
+        template = hf.chat_template
+        return cls(hf.backend_tokenizer, specials, _default_template(template), _named(template, "tool_use"))
 
     def save(self, folder: Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, chat template) to ``folder``."""
