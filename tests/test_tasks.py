@@ -272,8 +272,11 @@ def test_list_retrieve_delete(tasks):
         [t.id for t in tasks.list(session_id="list-test", ending_before=made[1])] == [made[2]]
 
 
-def test_restart(backend, db, tasks):
-    done = tasks.create(stream=False, user_message_content="Hi.", inference_args={"max_tokens": 3}).result
+def test_restart(backend, tmp_path):
+    db = str(tmp_path / "tasks.sqlite3")
+    for url in serve(backend, Settings(tasks_db=db)):  # a server that stops, then another on its file
+        done = client(url).tasks.create(stream=False, user_message_content="Hi.",
+                                        inference_args={"max_tokens": 3}).result
     with sqlite3.connect(db) as conn:  # a task that was running when its server stopped
         conn.execute("INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES "
                      "('default', 'task_running', 'working', '', '', 1e12, ?)",

@@ -130,6 +130,7 @@ class TaskRuns:
             with suppress(asyncio.CancelledError):
                 await timer
             await asyncio.to_thread(self._file.shutdown)  # the saves queued reach the file
+            self.store.close()  # and its lock goes: the next server on the file is alone
 
     async def start(self, req: CreateTask, tenant: str) -> Live:
         """Start a task; returns once the engine has taken its first generation (a request it
