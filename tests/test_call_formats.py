@@ -249,3 +249,47 @@ def test_a_call_begun_in_the_familys_form_can_only_name_a_declared_tool(smol_tok
     allowed = runner.allowed[len(hf.encode(begun, add_special_tokens=False))]
     assert hf.encode("get", add_special_tokens=False)[0] in allowed
     assert hf.encode("read", add_special_tokens=False)[0] not in allowed
+
+
+def calls_of(events) -> list[str]:
+    return [e.name for e in events if isinstance(e, ToolCallStart)]
+
+
+@pytest.mark.parametrize("fmt", [TOOL_CALL_TOKEN, TOOL_CALL_TOKENS, MISTRAL])
+def test_a_list_of_calls_gives_each_call_as_it_closes(fmt):
+    """A list cut off by max_tokens lost its whole calls with it (Granite, tool_choice required: no call at 20,
+    80 or 120 tokens), and a model writing one call again and again inside a list did so to the end of its
+    budget, the loop never seen. Written a character at a time or whole, the same."""
+    first, second = ('{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}',
+                     '{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    cut = f"{fmt.open}[{first}, {second[:20]}"
+    for pieces in ([cut], list(cut)):
+        markup = Markup(calls=fmt, names=NAMES, cut_calls_are_text=False)
+        events = [e for piece in pieces for e in markup.push(piece)] + markup.flush()
+        assert calls_of(events) == ["get_weather"] and not any(isinstance(e, TextDelta) for e in events)
+    markup = Markup(calls=fmt, names=NAMES)
+    events = markup.push(f"{fmt.open}[{second}, {first}, {second}, {second}, {second}")
+    assert markup.repeated and calls_of(events) == ["get_time", "get_weather"]
+    markup = Markup(calls=fmt, names=NAMES)
+    whole = markup.push(f"{fmt.open}[{first}, {second}]{fmt.close} Done.") + markup.flush()
+    assert calls_of(whole) == ["get_weather", "get_time"] and [e.text for e in whole if isinstance(e, TextDelta)] \
+        == [" Done."]
+
+
+def test_a_familys_markers_out_of_a_call_are_no_text():
+    """The detokenizer keeps a family's markers for the markup; those only a call has (Phi-4-mini's close,
+    Mistral's [ARGS] and [CALL_ID]) written astray came out as the answer's text."""
+    markup = Markup(calls=TOOL_CALL_TOKENS, names=NAMES)
+    events = markup.push('[{"name": "get_time", "arguments": {"zone": "UTC"}}]<|/tool_call|> Done.') + markup.flush()
+    assert calls_of(events) == ["get_time"] and "".join(e.text for e in events if isinstance(e, TextDelta)) == " Done."
+    markup = Markup(calls=MISTRAL, names=NAMES)
+    events = markup.push("Sure[ARGS], here[CALL_ID] it is.") + markup.flush()
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Sure, here it is."
+
+
+def test_a_tool_whose_name_begins_with_a_digit_is_called_in_mistrals_named_form():
+    """``3d_render`` is a valid tool name for OpenAI and Anthropic; the guard steered the model into it, and the
+    markup's name pattern then refused it: the markers came out as text."""
+    markup = Markup(calls=MISTRAL, names=frozenset({"3d_render"}))
+    events = markup.push('[TOOL_CALLS]3d_render[ARGS]{"scene": "cube"}') + markup.flush()
+    assert calls_of(events) == ["3d_render"] and not any(isinstance(e, TextDelta) for e in events)

@@ -47,6 +47,16 @@ MISTRAL = ("{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{% for c in 
            "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}[/TOOL_RESULTS]"
            "{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}"
            "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}")
+ALTERNATING = (  # Mistral's rule: past calls and results aside, the user's and the assistant's turns alternate
+    "{% if messages[0].role == 'system' %}{% set turns = messages[1:] %}[SYSTEM]{{ messages[0].content }}"
+    "{% else %}{% set turns = messages %}{% endif %}"
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% set ns = namespace(i=0) %}{% for m in turns | rejectattr('role', 'equalto', 'tool') "
+    "| selectattr('tool_calls', 'undefined') %}{% if (m.role == 'user') != (ns.i % 2 == 0) %}"
+    "{{ raise_exception('After the optional system message, conversation roles must alternate') }}{% endif %}"
+    "{% set ns.i = ns.i + 1 %}{% endfor %}{% for m in turns %}{% if m.tool_calls %}[TOOL_CALLS]"
+    "{{ m.tool_calls | map(attribute='function') | list | tojson }}{% elif m.role == 'tool' %}"
+    "[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}")
 HERMES_TOOL_USE = ("<|im_start|>system\nYou may call functions: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
                    "</tools><|im_end|>\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -107,6 +117,16 @@ def test_call_ids_are_made_nine_letters_and_digits_where_the_template_takes_no_o
     assert template(MISTRAL).render(TWO_CALLS, (WEATHER,)) == rendered
     nine = (Message("user", "Hi"), Message("assistant", tool_calls=(ToolCall("abc123XYZ", "get_weather", "{}"),)))
     assert "[CALL_ID]abc123XYZ[ARGS]" in template(MISTRAL).render(nine, (WEATHER,)), "an id of nine stays"
+
+
+def test_a_template_of_alternating_turns_gets_the_users_words_joined():
+    """Mistral's templates refuse two turns of the user's in a row, and the user's words right after results
+    (what an Anthropic client sends with every result: Claude Code): they join the turn before them."""
+    chat = template(ALTERNATING)
+    assert chat.render((Message("user", "Hi"), Message("user", "Weather?"))) == "[user]Hi\nWeather?"
+    rendered = chat.render((*TWO_CALLS[1:], Message("user", "And tomorrow?")), (WEATHER,))
+    assert rendered.endswith("[TOOL_RESULTS]RESULT_ROME[/TOOL_RESULTS][TOOL_RESULTS]RESULT_PARIS\nAnd tomorrow?"
+                             "[/TOOL_RESULTS]")
 
 
 @pytest.mark.parametrize("conversation", [TWO_CALLS[:2], TWO_CALLS[1:2]])

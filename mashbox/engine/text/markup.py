@@ -103,7 +103,7 @@ TOOL_CALL_TOKEN = CallFormat("<|tool_call|>", "", listed=True)  # Granite 3: a l
 TOOL_CALL_TOKENS = CallFormat("<|tool_call|>", "<|/tool_call|>", listed=True)  # Phi-4-mini: a list between two
 MISTRAL = CallFormat("[TOOL_CALLS]", "", "[ARGS]", "[CALL_ID]", listed=True)  # a list, or (v11 on) name [ARGS] {...}
 FAMILIES = (TOOL_CALL_TOKENS, TOOL_CALL_TOKEN, MISTRAL, HERMES)  # the first that fits (``call_format``)
-NAME = re.compile(r"[A-Za-z_][\w.\-]*")  # a tool's name written bare (Mistral's later form), and its call's id
+NAME = re.compile(r"\w[\w.\-]*")  # a tool's name written bare (Mistral's later form), and its call's id
 CALL_ID = re.compile(r"[A-Za-z0-9_\-]+")
 LONGEST_NAME = 256
 CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
@@ -133,6 +133,8 @@ class Markup:
         self.state = "think" if in_think else "text"
         self.held = ""
         self.body = ""
+        self.list_at = self.list_made = 0  # of a list of calls being written: where its next call begins, and
+        # how many of its calls came out already (each as it closes)
         self.blank = ""
         self.num_calls = 0
         self.made: set[tuple[str, str]] = set(made)  # (name, arguments) of the calls made: one more is a loop
@@ -213,12 +215,39 @@ class Markup:
     def _untagged_end(self, buf: str, events: list[Event]) -> str:
         """A call with no closing tag takes ``buf`` up to the end of its JSON; what follows is text again."""
         self.body += buf
+        self._listed(events)
         end = self.calls.end(self.body)
         if end is None:
             return ""
         body, rest = self.body[:end], self.body[end:]
         self._end_call(body, events, closed=True)
         return rest
+
+    def _listed(self, events: list[Event]) -> None:
+        """The calls of a list being written (Granite's, Phi-4-mini's, Mistral's), each as it closes: a loop
+        inside the list ends the answer there, and a list cut off keeps its whole calls."""
+        if not self.calls.listed or self.done or self.repeated:
+            return
+        text, decoder = self.body, json.JSONDecoder()
+        if not self.list_at:
+            start = len(text) - len(text.lstrip())
+            if text[start : start + 1] != "[":
+                return
+            self.list_at = start + 1
+        at = self.list_at
+        while not (self.done or self.repeated):
+            at = _past(text, at, ",")
+            if text[at : at + 1] != "{":
+                break
+            try:
+                value, end = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                break
+            if (made := call(value)) is None:
+                break
+            events += self._call_events(*made)
+            self.list_made, at = self.list_made + 1, end
+            self.list_at = at
 
     def _resume(self, tail: str) -> str:
         """Text after a bare call goes back through the machine, before ``tail``."""
@@ -238,6 +267,7 @@ class Markup:
         more text takes them along, a tool call drops them."""
         if self.state == "call":
             self.body += text
+            self._listed(events)
         elif self.state == "think":
             events += [ReasoningDelta(text)] if text else []
         else:
@@ -247,7 +277,7 @@ class Markup:
                     self._bare(self.bare.decide(final=False), events)
                     return
                 text = offered
-            full = self.blank + self._watched(text)
+            full = self.blank + self._watched(self._unmarked(text))
             if run := BLANK_RUN.search(full):  # a model that only writes newlines now says nothing more
                 full, self.repeated = full[: run.start()], True
             body = full.rstrip()
@@ -255,6 +285,13 @@ class Markup:
             events += [TextDelta(body)] if body else []
             if body and self.bare:
                 self.bare.open = False
+
+    def _unmarked(self, text: str) -> str:
+        """``text`` without the markers of a call that only a call has (its close, Mistral's [ARGS] and
+        [CALL_ID]): special tokens the model wrote astray, out of a call."""
+        for marker in self.calls.tags[1:] if self.calls else ():
+            text = text.replace(marker, "")
+        return text
 
     def _bare(self, decision: tuple[str, list[tuple[str, str]] | None, str] | None, events: list[Event]) -> None:
         """Act on a bare-JSON decision: (text to release, calls, text after them)."""
@@ -275,7 +312,7 @@ class Markup:
         elif tag == THINK_CLOSE:
             self.state = "text"
         elif self.calls and tag == self.calls.open:
-            self.state, self.body = "call", ""
+            self.state, self.body, self.list_at, self.list_made = "call", "", 0, 0
             if self.bare:
                 self.blank += self.bare.release()
         else:
@@ -286,12 +323,20 @@ class Markup:
         parsed = self.calls.parse(body.strip()) if self.calls else None
         blank, self.blank = self.blank, ""
         if parsed is None:
+            if self.list_made or (not closed and self._begun(body)):  # some calls out, or none begun: no text
+                return
             if closed or (self.cut_calls_are_text and not cut_call(body, self.names)):
                 raw = self.calls.open + body + (self.calls.close if closed else "")
                 events.append(TextDelta(blank + raw))
             return
-        for name, arguments in parsed:
+        for name, arguments in parsed[self.list_made:]:
             events += self._call_events(name, arguments)
+
+    def _begun(self, body: str) -> bool:
+        """Whether ``body``, cut off after the opening marker, is no more than the start of a call."""
+        begun = body.strip()
+        written = ('[{"name"', '{"name"')
+        return any(w.startswith(begun) for w in written) or bool(self.calls.args and NAME.fullmatch(begun))
 
     def _call_events(self, name: str, arguments: str) -> list[Event]:
         if self.done:  # its one call made: the rest of a list of calls is dropped with the text after it
@@ -407,6 +452,15 @@ def cut_call(text: str, names: frozenset[str]) -> bool:
     if name is None:
         return begun.end() == len(text)  # cut right after "name"
     return name in names if quoted else any(n.startswith(name) for n in names)
+
+
+def _past(text: str, at: int, separator: str) -> int:
+    """Where ``text`` goes on after ``at`` past blanks and one ``separator`` (and the blanks after it)."""
+    at += len(text[at:]) - len(text[at:].lstrip())
+    if text.startswith(separator, at):
+        at += len(separator)
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return at
 
 
 def _left_open(text: str) -> bool:

@@ -81,6 +81,9 @@ class ChatTemplate:
         self.shows_calls = self.knows_tools and self._shows(_probe(_asked(PROBE_CALL)), PROBE_CALL.name) is not False
         self.takes_system = bool(self._shows(_probe([{"role": "system", "content": PROBE_TEXT}, HI]), PROBE_TEXT))
         self.takes_tool_role = bool(self._shows(_probe(_asked(PROBE_CALL, self.shows_calls, PROBE_TEXT)), PROBE_TEXT))
+        self.users_in_row = bool(self._shows(_probe([HI, {"role": "user", "content": PROBE_TEXT}]), PROBE_TEXT))
+        self.user_after_results = bool(self._shows(_probe([*_asked(PROBE_CALL, self.shows_calls), {
+            "role": "user", "content": PROBE_TEXT}]), PROBE_TEXT))
         self.many_calls = not self.shows_calls or self._shows(_probe(_asked(PROBE_CALL, also=True))) is not None
         self.short_ids = self.shows_calls and self._shows(_probe(_asked(LONG_CALL))) is None
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
@@ -149,8 +152,10 @@ class ChatTemplate:
         system = "\n\n".join(parts)
         kept = messages if self.many_calls else _one_call_each(messages)
         turns = [self._turn(m) for m in kept if m.role != "system"]
-        if not self.takes_tool_role:  # the results are the user's turns: one turn of the user at a time
+        if not (self.takes_tool_role and self.users_in_row):  # one turn of the user's at a time (results too)
             turns = _joined(turns)
+        if not self.user_after_results:  # Mistral's: the user's words after results go with the last result
+            turns = _joined(turns, after="tool")
         if system and not self.takes_system:  # the system text opens the first turn, as Gemma 3's template has it
             opens = bool(turns) and turns[0]["role"] == "user"
             first = turns[0] if opens else {"role": "user", "content": ""}
@@ -250,11 +255,12 @@ def _one_call_each(messages: tuple[Message, ...]) -> list[Message]:
     return out
 
 
-def _joined(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``turns`` with the user's turns in a row made one (their texts a line apart)."""
+def _joined(turns: list[dict[str, Any]], after: str = "user") -> list[dict[str, Any]]:
+    """``turns`` with each of the user's that follows one of ``after``'s made one with it (their texts a line
+    apart)."""
     out: list[dict[str, Any]] = []
     for turn in turns:
-        if out and turn["role"] == out[-1]["role"] == "user":
+        if out and turn["role"] == "user" and out[-1]["role"] == after:
             out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{turn['content']}"}
         else:
             out.append(turn)
