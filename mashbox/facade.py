@@ -44,7 +44,6 @@ from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import (
-    ContextLengthError,
     EngineClosedError,
     GenerationError,
     InvalidRequestError,
@@ -175,8 +174,8 @@ class Engine(Runtime):
         translator = protocol.module.Translator(prepared.req, self.model_id)
         try:
             job = self._job(prepared.engine)
-        except ContextLengthError as err:
-            raise protocol.too_long(err) from None
+        except InvalidRequestError as err:
+            raise protocol.named(err) from None
         return prepared.req, translator, prepared.engine, job
 
     def _call(self, name: str, request: Any, fields: dict[str, Any]) -> Any:

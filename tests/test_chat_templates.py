@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from mashbox import Engine, EngineRequest
+from mashbox import Engine, EngineRequest, InvalidRequestError
 from mashbox.engine.request import Message, Tool, ToolCall
 from mashbox.engine.text.template import ChatTemplate
 from mashbox.engine.text.tokenizer import Tokenizer
@@ -169,3 +169,20 @@ def test_a_models_tool_use_template_renders_its_requests_with_tools(tiny_model_d
         plain = engine.tokenizer.decode(engine.encode(EngineRequest(messages=ask)))
     assert with_tools.startswith("<|im_start|>system\nYou may call functions: <tools>") and "# Tools" not in with_tools
     assert plain == "[user]Weather?"
+
+
+def test_a_conversation_the_template_refuses_names_the_protocols_field(tiny_model_dir, tmp_path):
+    """The engine names its conversation ``messages``; the Responses API calls it ``input`` (a prompt too
+    long already said so, a template's refusal did not)."""
+    folder = tmp_path / "picky"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.content == 'refuse' %}{{ raise_exception('not this one') }}{% endif %}"
+        "[{{ m.role }}]{{ m.content }}{% endfor %}")
+    with Engine(str(folder), ctx=512, slots=1, quiet=True) as engine:
+        with pytest.raises(InvalidRequestError) as responses:
+            engine.respond(input="refuse", max_output_tokens=2)
+        with pytest.raises(InvalidRequestError) as chat:
+            engine.chat(messages=[{"role": "user", "content": "refuse"}], max_tokens=2)
+    assert responses.value.param == "input" and "not this one" in responses.value.message
+    assert chat.value.param == "messages"

@@ -24,7 +24,7 @@ from mashbox.api import (
 from mashbox.api.base import RequestModel, parse
 from mashbox.api.frames import COMMENT, DONE, PING, data_frame, event_frame
 from mashbox.engine.request import EngineRequest
-from mashbox.errors import ContextLengthError, ModelNotFoundError
+from mashbox.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +39,14 @@ class Protocol:
     any_model: bool = False  # Anthropic requests may name any model; the answer names it back
     turns: str | None = "messages"  # the body's list of conversation items
 
-    def too_long(self, err: ContextLengthError) -> ContextLengthError:
-        """``err`` naming the field as this protocol names the conversation (Responses: input)."""
-        return ContextLengthError(self.turns or err.param, err.message, tokens=err.tokens, ctx=err.ctx)
+    def named(self, err: InvalidRequestError) -> InvalidRequestError:
+        """``err``, where it names the engine's conversation (a prompt too long, a chat template that refuses
+        it), naming the field as this protocol names it (Responses: input)."""
+        if isinstance(err, ContextLengthError):
+            return ContextLengthError(self.turns or err.param, err.message, tokens=err.tokens, ctx=err.ctx)
+        if err.param != "messages" or not self.turns or self.turns == err.param:
+            return err
+        return InvalidRequestError(self.turns, err.message, code=err.code)
 
 
 CHAT = Protocol("chat", "chat", openai_chat, openai_chat.ChatRequest, data_frame, DONE)

@@ -253,12 +253,9 @@ class Run:
         self._events = self._ctx.backend.astream(self._engine)
         try:
             return await self._next()
-        except ContextLengthError as err:
+        except InvalidRequestError as err:
             self._refused = True
-            raise self._protocol.too_long(err) from None
-        except InvalidRequestError:
-            self._refused = True
-            raise
+            raise self._protocol.named(err) from None
 
     async def _next(self) -> Event:
         """The next event for the client: ``Queued``, then its output and ``Finish``. The engine's
