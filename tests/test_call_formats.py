@@ -293,3 +293,26 @@ def test_a_tool_whose_name_begins_with_a_digit_is_called_in_mistrals_named_form(
     markup = Markup(calls=MISTRAL, names=frozenset({"3d_render"}))
     events = markup.push('[TOOL_CALLS]3d_render[ARGS]{"scene": "cube"}') + markup.flush()
     assert calls_of(events) == ["3d_render"] and not any(isinstance(e, TextDelta) for e in events)
+
+
+@pytest.mark.parametrize("markers, written, refused", [
+    (MISTRAL_MARKERS, '[TOOL_CALLS]get_time[ARGS]{"zone":"UTC"}', '[TOOL_CALLS][{"name"'),  # Small 3.x
+    (("[TOOL_CALLS]",), '[TOOL_CALLS][{"name":"get_time","arguments":{"zone":"UTC"}}]', "[TOOL_CALLS]get_time"),  # Nemo
+])
+def test_a_forced_mistral_call_is_written_in_the_form_its_vocabulary_has(smol_tokenizer, markers, written, refused):
+    """Small 3.x writes (and its template renders) name [ARGS] arguments; the grammar forced the older list."""
+    hf = family(smol_tokenizer, MISTRAL_TEMPLATE, markers)
+    grammars = Grammars(Tokenizer.of(hf), [hf.eos_token_id], format_of(hf))
+    constraint = grammars.for_tools((TIME,), "required", False)
+    for token in hf.encode(written, add_special_tokens=False):
+        row = torch.zeros(len(hf))
+        constraint.mask(row)
+        assert row[token] == 0, hf.decode([token])
+        constraint.accept(token)
+    assert constraint.matcher.is_accepting()
+    other = grammars.for_tools((TIME,), "required", False)
+    marker, first = hf.encode(refused, add_special_tokens=False)[:2]
+    other.accept(marker)
+    row = torch.zeros(len(hf))
+    other.mask(row)
+    assert row[first] != 0, f"{hf.decode([first])!r} after the marker is the other form"

@@ -93,7 +93,14 @@ def tool_grammar(tools: Iterable[Tool], many: bool, tags: tuple[str, str], liste
     return f"{start}\n{call}{calls_body(tools, TOOL_JSON)}"
 
 
-def named_calls(tools: Iterable[Tool], args: str, call_id: str = "") -> str:
+def named_grammar(tools: Iterable[Tool], many: bool, tags: tuple[str, str, str, str]) -> str:
+    """A Lark grammar for one call, or one or more, each its open tag then its name, ``args`` and arguments
+    (Mistral's form from Small 3.1 on, as its chat template renders past calls)."""
+    call = f"{tags[0]} named"
+    return f"start: {call}{f' ({call})*' if many else ''}\n{named_calls(tools, tags[2], tags[3], TOOL_JSON)}"
+
+
+def named_calls(tools: Iterable[Tool], args: str, call_id: str = "", guidance: dict[str, Any] = FLEXIBLE_JSON) -> str:
     """The grammar rule ``named``: a call written as its name, maybe ``call_id`` and an id, ``args`` (tags),
     then its arguments (Mistral's later form). Each tool's parameters are their own schema's root, so their
     references hold as written."""
@@ -101,7 +108,7 @@ def named_calls(tools: Iterable[Tool], args: str, call_id: str = "") -> str:
     calls = []
     for tool in tools:
         parameters = tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
-        guided = json.dumps({**parameters, "x-guidance": FLEXIBLE_JSON})
+        guided = json.dumps({**parameters, "x-guidance": guidance})
         calls.append(f"{json.dumps(tool.name)}{given} {args} %json {guided}")
     return "named: " + " | ".join(calls) + "\n" + ('ID: /[A-Za-z0-9]{1,32}/\n' if call_id else "")
 
@@ -134,8 +141,10 @@ class Grammars:
             return None
         if isinstance(choice, Named):  # a declared tool (EngineRequest checks it is one)
             tools = tuple(t for t in tools if t.name == choice.name)
-        grammar = tool_grammar(tools, choice == "required" and parallel, self.tags()[:2], self.calls.listed)
-        return Constraint(self.tokenizer, grammar)
+        many, tags = choice == "required" and parallel, self.tags()
+        if self.calls.args and self._source.backend_tokenizer.token_to_id(self.calls.args) is not None:
+            return Constraint(self.tokenizer, named_grammar(tools, many, tags))  # the model's own form
+        return Constraint(self.tokenizer, tool_grammar(tools, many, tags[:2], self.calls.listed))
 
     def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
         """Auto mode's guard of the calls the model begins (see ``CallGuard``)."""
