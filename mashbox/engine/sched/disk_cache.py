@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ FORMAT = "mashbox-kv-page/1"
 RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes, whatever its index says
 STALE_S = 600.0  # a temp file this old was left by a writer that died
 STUCK = 3  # pages in a row that cannot be removed: the folder cannot be trimmed now
+ROOM = 1 << 30  # free bytes a page must leave on its disk (the cap may be more than a small disk has)
 QUEUED_BYTES = 256 << 20  # pages waiting for the writer, at most: past it (a slow or failing disk) pages are not kept
 
 
@@ -52,6 +54,7 @@ class PageStore:
         self._written = 0  # bytes written since the folder was last counted
         self._queued = 0  # bytes of the pages waiting for the writer
         self._broken: set[str] = set()  # pages that do not read and could not be removed: misses, said once
+        self._short = False  # whether the disk has too little room for pages (said once)
         self._scan()
         self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_all, name="mashbox-disk-cache", daemon=True)
@@ -149,6 +152,9 @@ class PageStore:
             key, tokens, keys, values = item
             with self._lock:
                 self._queued -= keys.nbytes + values.nbytes
+            if not self._room(keys.nbytes + values.nbytes):
+                self._forget(key)
+                continue
             path, tmp = self._path(key), self.folder / f".{key}.{uuid.uuid4().hex[:12]}.tmp"
             try:  # safetensors says a full disk as its own error, not OSError: any failure is a page not kept
                 save_file({"tokens": tokens, "keys": keys, "values": values}, str(tmp),
@@ -165,6 +171,21 @@ class PageStore:
                 self._files[key] = size
                 self._written += size
             self._trim()
+
+    def _room(self, size: int) -> bool:
+        """Whether the disk keeps ``ROOM`` free after a page of ``size`` bytes; said once as it stops doing so."""
+        try:
+            free = shutil.disk_usage(self.folder).free
+        except OSError:
+            return True  # a write says what is wrong
+        if free - size >= ROOM:
+            self._short = False
+            return True
+        if not self._short:
+            log.warning("prompt pages are not kept in %s while its disk has less than %d GiB free", self.folder,
+                        ROOM >> 30)
+            self._short = True
+        return False
 
     def _trim(self) -> None:
         """Remove the least recently used pages until the folder fits its cap (counted again first)."""
