@@ -32,8 +32,13 @@ FLEXIBLE_JSON = {**TOOL_JSON, "whitespace_flexible": True}  # a call the model b
 KEYS = ("arguments", "parameters")  # where a call the model began holds its arguments (Llama 3's: parameters)
 
 
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The schema of a call's arguments: the tool's parameters where they are an object, else any object."""
+    return tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
+
+
 def call_schema(tool: Tool, key: str = "arguments", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
-    parameters = parameters or (tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"})
+    parameters = parameters or arguments_schema(tool)
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, key: parameters},
@@ -107,8 +112,7 @@ def named_calls(tools: Iterable[Tool], args: str, call_id: str = "", guidance: d
     given = f" ({call_id} ID)?" if call_id else ""
     calls = []
     for tool in tools:
-        parameters = tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
-        guided = json.dumps({**parameters, "x-guidance": guidance})
+        guided = json.dumps({**arguments_schema(tool), "x-guidance": guidance})
         calls.append(f"{json.dumps(tool.name)}{given} {args} %json {guided}")
     return "named: " + " | ".join(calls) + "\n" + ('ID: /[A-Za-z0-9]{1,32}/\n' if call_id else "")
 

@@ -239,19 +239,25 @@ def _one_call_each(messages: tuple[Message, ...]) -> list[Message]:
     """``messages`` with each assistant turn of several calls made turns of one call, each followed by its
     result (by id, else in order), for templates that take one call a turn (Llama 3's)."""
     out: list[Message] = []
+    placed: set[int] = set()  # the results already put after their call (by position in ``messages``)
     for i, m in enumerate(messages):
-        if m.role == "tool" and out and any(r is m for r in out):
+        if i in placed:
             continue
         if m.role != "assistant" or len(m.tool_calls) < 2:
             out.append(m)
             continue
-        results = list(takewhile(lambda r: r.role == "tool", messages[i + 1:]))
-        by_id = {r.tool_call_id: r for r in results if r.tool_call_id}
+        results = list(takewhile(lambda r: r[1].role == "tool", enumerate(messages[i + 1:], i + 1)))
+        by_id = {r.tool_call_id: (j, r) for j, r in results if r.tool_call_id}
         for k, c in enumerate(m.tool_calls):
             out.append(replace(m, tool_calls=(c,)) if k == 0 else Message("assistant", tool_calls=(c,)))
             result = by_id.get(c.id) or (results[k] if not by_id and k < len(results) else None)
-            out += [result] if result else []
-        out += [r for r in results if not any(r is o for o in out)]
+            if result and result[0] not in placed:
+                placed.add(result[0])
+                out.append(result[1])
+        for j, r in results:
+            if j not in placed:
+                placed.add(j)
+                out.append(r)
     return out
 
 
