@@ -27,6 +27,14 @@ class ContextLengthError(InvalidRequestError):
         self.tokens = tokens
         self.ctx = ctx
 
+    @classmethod
+    def of(cls, param: str, tokens: int, ctx: int, *, bound: str = "",
+           hint: str = "shorten it or raise ctx") -> ContextLengthError:
+        """A prompt of ``tokens`` (at least, where ``bound`` says how that is known) in a context of ``ctx``."""
+        length = f"at least {tokens} tokens ({bound})" if bound else f"{tokens} tokens"
+        return cls(param, f"the prompt is {length} but a context of {ctx} takes at most {ctx - 1} prompt tokens "
+                          f"(one is the answer's); {hint}", tokens=tokens, ctx=ctx)
+
 
 class ModelNotFoundError(InvalidRequestError):
     """A request names a model other than the one loaded (``param`` is ``model``); the server answers

@@ -123,7 +123,7 @@ def test_detokenizer_never_splits_utf8(smol_tokenizer, text, splits):
 def test_prompt_longer_than_context_is_refused_before_work(tiny_engine):
     with pytest.raises(ContextLengthError) as err:
         tiny_engine.stream(EngineRequest(prompt="word " * 600))
-    assert err.value.param == "prompt" and "512" in str(err.value)
+    assert err.value.param == "prompt" and "a context of 512 takes at most 511 prompt tokens" in str(err.value)
     with pytest.raises(ContextLengthError) as err:
         tiny_engine.chat(messages=[{"role": "user", "content": "word " * 600}])
     assert err.value.param == "messages"

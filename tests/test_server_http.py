@@ -191,7 +191,7 @@ def test_context_length_is_400_in_the_words_agents_match(http, words):
                               ("/v1/chat/completions", {"messages": turn}, "messages"),
                               ("/v1/responses", {"input": prompt}, "input")]:
         error = openai_error(http.post(path, json=body), 400, param)
-        assert error["code"] == "context_length_exceeded" and "context holds 32768" in error["message"]
+        assert error["code"] == "context_length_exceeded" and "a context of 32768 takes at most 32767 prompt tokens" in error["message"]
     message = anthropic_error(http.post("/v1/messages", json={**MESSAGE, "messages": turn}), 400,
                               "invalid_request_error")
     assert re.fullmatch(r"prompt is too long: (\d+) tokens > 32767 maximum", message), message

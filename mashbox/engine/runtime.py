@@ -130,9 +130,7 @@ class Runtime:
         floor = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
         if floor > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
             field = "prompt" if request.prompt is not None else "messages"
-            raise ContextLengthError(
-                field, f"the prompt is at least {floor} tokens but the context holds {self.ctx}; shorten it or raise ctx",
-                tokens=floor, ctx=self.ctx)
+            raise ContextLengthError.of(field, floor, self.ctx, bound="counted from its characters")
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
         return self.tokenizer.encode(self._rendered(request), add_special_tokens=False)
@@ -168,9 +166,7 @@ class Runtime:
             raise InvalidRequestError(field, "is empty: there is no token to continue from")
         room = self.ctx - len(ids)
         if room < 1:
-            raise ContextLengthError(
-                field, f"the prompt is {len(ids)} tokens but the context holds {self.ctx}; shorten it or raise ctx",
-                tokens=len(ids), ctx=self.ctx)
+            raise ContextLengthError.of(field, len(ids), self.ctx)
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)

@@ -51,8 +51,7 @@ def refuse_overlong(ctx: Context, body: dict[str, Any], turns: str | None) -> No
         return
     n = sum(not (isinstance(item, dict) and item.get("type") == "reasoning") for item in items)
     if n > info.ctx:
-        raise ContextLengthError(turns, f"the prompt is at least {n} tokens ({n} items of at least one each) "
-                                        f"but the context holds {info.ctx}; shorten it", tokens=n, ctx=info.ctx)
+        raise ContextLengthError.of(turns, n, info.ctx, bound=f"{n} items of at least one each", hint="shorten it")
 
 
 @dataclass(frozen=True, slots=True)
