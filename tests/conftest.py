@@ -28,6 +28,15 @@ from mashbox.engine.load.catalog import resolve
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory) -> Path:
+    """What the tests' engines, servers and chats keep (kernels, packed weights, prompt pages, the tasks
+    file, chat history) goes to a folder of this run, never to the user's own ``~/.cache/mashbox``."""
+    path = tmp_path_factory.mktemp("mashbox-cache")
+    os.environ["MASHBOX_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     if saved := os.environ.get("MASHBOX_TEST_TOKENIZER"):  # a saved copy where the model is not installed (gpu_check.sh)

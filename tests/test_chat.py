@@ -42,7 +42,7 @@ class Terminal:
         os.write(self.master, text.encode())
 
 
-def test_in_a_terminal_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir):
+def test_in_a_terminal_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir, own_cache):
     # sampled (the greedy answer of this random model ends within ~100 tokens): 900 tokens take seconds
     term = Terminal(str(tiny_model_dir), "--ctx", "1024", "--slots", "1", "--max-tokens", "900", "--temperature", "1")
     try:
@@ -61,6 +61,7 @@ def test_in_a_terminal_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir):
         term.wait_for("mashbox: a new conversation")
         term.type("/exit\n")
         assert term.proc.wait(30) == 0
+        assert "Tell me a very long story." in (own_cache / "chat_history").read_text(), "not the user's own history"
     finally:
         if term.proc.poll() is None:
             term.proc.kill()
