@@ -94,7 +94,7 @@ class Runtime:
         self._release = weakref.finalize(self, _release, self._core)  # also where the Engine is dropped unclosed
 
     def _has_token(self, text: str) -> bool:
-        return self.tokenizer.backend_tokenizer.token_to_id(text) is not None
+        return self.tokenizer.token_id(text) is not None
 
     @property
     def model_id(self) -> str:

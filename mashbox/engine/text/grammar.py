@@ -146,7 +146,7 @@ class Grammars:
         if isinstance(choice, Named):  # a declared tool (EngineRequest checks it is one)
             tools = tuple(t for t in tools if t.name == choice.name)
         many, tags = choice == "required" and parallel, self.tags()
-        if self.calls.args and self._source.backend_tokenizer.token_to_id(self.calls.args) is not None:
+        if self._source.token_id(self.calls.args or None) is not None:
             return Constraint(self.tokenizer, named_grammar(tools, many, tags))  # the model's own form
         return Constraint(self.tokenizer, tool_grammar(tools, many, tags[:2], self.calls.listed))
 
@@ -157,9 +157,8 @@ class Grammars:
     def tags(self) -> tuple[str, str, str, str]:
         """The open, close, arguments and call id tags of the model's calls in a grammar (see ``tag``; ""
         where its format has none)."""
-        vocab = self._source.backend_tokenizer
         fmt = self.calls
-        return tuple(tag(t, vocab.token_to_id(t)) if t else "" for t in (fmt.open, fmt.close, fmt.args, fmt.call_id))
+        return tuple(tag(t, self._source.token_id(t)) if t else "" for t in (fmt.open, fmt.close, fmt.args, fmt.call_id))
 
     def for_schema(self, schema: dict[str, Any] | None) -> Constraint | None:
         """The constraint of an answer that is one JSON value valid under ``schema``."""

@@ -203,7 +203,7 @@ def turn_ends(tokenizer: Tokenizer) -> set[int]:
     model's end id is another token: Gemma's ``<end_of_turn>`` beside ``<eos>``)."""
     template = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
     ends = [token for token in TURN_ENDS if token in template]
-    ids = {tokenizer.backend_tokenizer.token_to_id(token) for token in ends + [ALSO_ENDS.get(t, t) for t in ends]}
+    ids = {tokenizer.token_id(token) for token in ends + [ALSO_ENDS.get(t, t) for t in ends]}
     return {i for i in ids if i is not None}
 
 

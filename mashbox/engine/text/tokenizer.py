@@ -33,8 +33,8 @@ class Tokenizer:
         self.special_tokens_map = specials
         self.chat_template = chat_template
         self.tool_template = tool_template  # the template named tool_use, for requests with tools (Hermes')
-        self.eos_token_id = self._id(specials.get("eos_token"))
-        self.bos_token_id = self._id(specials.get("bos_token"))
+        self.eos_token_id = self.token_id(specials.get("eos_token"))
+        self.bos_token_id = self.token_id(specials.get("bos_token"))
 
     @classmethod
     def read(cls, folder: Path) -> Tokenizer:
@@ -86,7 +86,8 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def _id(self, token: str | None) -> int | None:
+    def token_id(self, token: str | None) -> int | None:
+        """The id of the vocabulary's one token for ``token`` (a special token's text), or None."""
         return None if token is None else self.backend_tokenizer.token_to_id(token)
 
 
