@@ -64,6 +64,52 @@ def test_a_character_is_placed_in_the_part_of_the_conversation_it_lies_in():
         "the template's opening", "system text", "tools", "tools", "message 1 (user)", "message 2 (assistant)"]
 
 
+def test_a_turn_is_found_after_the_turn_before_it_not_inside_it():
+    """A short answer ("Yes") whose text the question before it holds: a change in the question was told as
+    one in the answer."""
+    messages = (Message("user", "Is drawer 14 open? Yes or no, then describe the cabinet."), Message("assistant", "Yes"),
+                Message("user", "Good."))
+    rendered = "".join(f"<s>{m.role}\n{m.content}\n" for m in messages)
+    assert part_at(rendered, rendered.index("describe"), messages, ()) == "message 0 (user)"
+    assert part_at(rendered, rendered.index("Yes\n"), messages, ()) == "message 1 (assistant)"
+
+
+LONG = "A question about the weather in a city, with some words to fill a block or two of tokens. "
+CALL = {"type": "function_call", "call_id": "call_1", "name": "tool_0", "arguments": '{"x": "a"}'}
+RESULT = {"type": "function_call_output", "call_id": "call_1"}
+USE = {"type": "tool_use", "id": "toolu_1", "name": "tool_0", "input": {"x": "a"}}
+
+
+@pytest.mark.parametrize(("path", "body", "changed", "part"), [
+    ("/v1/messages",  # the system field is no message; message 2 was told as 3
+     {"system": SYSTEM, "messages": [{"role": "user", "content": LONG}, {"role": "assistant", "content": "Sunny."},
+                                     {"role": "user", "content": LONG * 2}]},
+     lambda b: b["messages"][2].update(content=LONG + "Changed."), "message 2 (user)"),
+    ("/v1/messages",  # two tool results in one message are two turns for the template; message 4 was told as 6
+     {"system": SYSTEM, "messages": [
+         {"role": "user", "content": LONG}, {"role": "assistant", "content": [USE, {**USE, "id": "toolu_2"}]},
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": "Sunny, 20 C."}
+                                      for i in ("toolu_1", "toolu_2")]},
+         {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": LONG * 2}]},
+     lambda b: b["messages"][4].update(content=LONG + "Changed."), "message 4 (user)"),
+    ("/v1/responses",  # instructions are no item; input 2 was told as 3
+     {"instructions": SYSTEM, "input": [{"role": "user", "content": LONG}, CALL, {**RESULT, "output": LONG},
+                                        {"role": "user", "content": LONG}]},
+     lambda b: b["input"][2].update(output=LONG[:40] + "Changed."), "message 2 (tool)"),
+])
+def test_a_miss_names_the_requests_own_item(url, path, body, changed, part):
+    tools = {"/v1/messages": [{"name": "tool_0", "input_schema": {"type": "object"}}],
+             "/v1/responses": [{"type": "function", "name": "tool_0", "parameters": {"type": "object"}}]}[path]
+    limit = {"max_tokens": 2, "model": "any"} if path == "/v1/messages" else {"max_output_tokens": 16}
+    body = {**body, "tools": tools, **limit}
+    for _ in range(2):
+        assert httpx.post(url + path, json=body, timeout=60).status_code == 200
+    body = json.loads(json.dumps(body))
+    changed(body)
+    answer = httpx.post(url + path, json=body, timeout=60)
+    assert answer.status_code == 200 and f'part="{part}"' in answer.headers["x-mashbox-cache"], answer.headers
+
+
 @pytest.fixture(scope="module")
 def url(tiny_engine):
     yield from serve(InProcessBackend.of(tiny_engine), Settings())

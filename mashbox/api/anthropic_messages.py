@@ -10,6 +10,7 @@ so callers import one module per protocol.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -202,7 +203,8 @@ class MessagesRequest(CountTokensRequest, SamplingFields):
 
 def to_engine(req: CountTokensRequest) -> EngineRequest:
     thinking = req.thinking
-    messages = (*_system(req.system), *(m for msg in req.messages for m in _messages(msg)))
+    turns = (replace(m, item=k) for k, msg in enumerate(req.messages) for m in _messages(msg))
+    messages = (*_system(req.system), *turns)
     return engine_request(
         messages=messages,
         continue_final=bool(messages) and _prefilled(messages[-1]),

@@ -136,8 +136,10 @@ def to_messages(items: str | list[Any], tools: ToolMap) -> list[Message]:
     if isinstance(items, str):
         return [Message("user", items)]
     builder = _Builder(tools)
-    for item in items:
+    for k, item in enumerate(items):
+        start = len(builder.messages)
         builder.add(item)
+        builder.messages[start:] = [dataclasses.replace(m, item=k) for m in builder.messages[start:]]
     return builder.messages
 
 

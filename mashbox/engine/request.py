@@ -98,6 +98,8 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     reasoning: str | None = None
+    item: int | None = field(default=None, compare=False)  # the request's item it came from, where that is not
+    # its place here (Anthropic's tool results, Responses' instructions); said where a prompt misses the cache
 
     def __post_init__(self) -> None:
         roles = ("system", "user", "assistant", "tool")

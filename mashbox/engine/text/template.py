@@ -209,15 +209,16 @@ def turn_ends(tokenizer: Tokenizer) -> set[int]:
 
 def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: tuple[Tool, ...]) -> str:
     """The part of a rendered conversation that character ``at`` lies in: ``system text``,
-    ``tools`` or ``message N (role)`` (N counting from 0 over ``messages``), each part starting
-    where its own text first appears in ``rendered`` (so a token of a turn's header counts with the
-    part before it); before them all, ``the template's opening``."""
+    ``tools`` or ``message N (role)`` (N: the request's item, else the place in ``messages``, from 0),
+    each part starting where its own text first appears in ``rendered`` after the part before it (so a
+    token of a turn's header counts with the part before it); before them all, ``the template's opening``."""
     starts, pos = [], 0
     for i, m in enumerate(messages):
         probe = m.content[:64] or (m.tool_calls[0].name if m.tool_calls else "")
         if probe and (found := rendered.find(probe, pos)) >= 0:
-            starts.append((found, "system text" if m.role == "system" else f"message {i} ({m.role})"))
-            pos = found
+            n = i if m.item is None else m.item
+            starts.append((found, "system text" if m.role == "system" else f"message {n} ({m.role})"))
+            pos = found + (len(m.content) if rendered.startswith(m.content, found) else len(probe))
     if tools and (found := rendered.find(f'"{tools[0].name}"')) >= 0:
         starts.append((found, "tools"))
     return max(((o, name) for o, name in starts if o <= at), default=(0, "the template's opening"))[1]
