@@ -10,6 +10,7 @@ followed by a separator line.
 
 from __future__ import annotations
 
+import io
 import signal
 import sys
 from collections.abc import Iterator
@@ -60,6 +61,8 @@ def run(engine: Any, system: str | None, options: dict[str, Any], interactive: b
 
 
 def _lines(interactive: bool) -> Iterator[str]:
+    if isinstance(sys.stdin, io.TextIOWrapper):  # strict where PYTHONIOENCODING names no error handler
+        sys.stdin.reconfigure(errors="surrogateescape")  # bytes of another encoding are said below
     while True:
         try:
             line = input("> " if interactive else "")

@@ -149,3 +149,11 @@ def test_a_line_that_is_not_utf8_is_read_with_replacement_characters(tiny_engine
     assert chat.run(tiny_engine, None, {"max_tokens": 4}, interactive=False) == 0
     out, err = capsys.readouterr()
     assert "not UTF-8 text" in err and "refused" not in err and out.count(chat.SEPARATOR) == 1
+
+
+def test_bytes_of_another_encoding_are_said_also_where_stdin_is_strict(tiny_model_dir):
+    """With PYTHONIOENCODING=utf-8 stdin decodes strictly: a Latin-1 line ended the chat in a traceback."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run([sys.executable, "-m", "mashbox", "chat", str(tiny_model_dir), "--max-tokens", "2"],
+                          input=b"caf\xe9 \xe6\x97\xa5\n", capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0 and b"not UTF-8 text" in done.stderr, done.stderr[-2000:]

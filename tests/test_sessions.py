@@ -70,3 +70,16 @@ def test_the_session_is_read_from_what_each_agent_sends(name, model):
                                       {"user_id": '{"session_id": {"deep": 1}}'}, {"user_id": 7}, None])
 def test_metadata_that_holds_no_session_is_no_session(metadata):
     assert session_of({}, SimpleNamespace(metadata=metadata)) is None
+
+
+def test_a_session_id_is_one_printable_line_in_the_log():
+    """Ids are written in the request's log line: a newline in one forged a line of its own, an escape coloured
+    the terminal; a UTF-8 header read as Latin-1 named the session other than its prompt_cache_key."""
+    forged = "abc\n2026-12-06 02:30:00,000 INFO mashbox.server: FORGED\x1b[31m\x00"
+    assert session_of({}, SimpleNamespace(prompt_cache_key=forged)) == \
+        "abc\\n2026-12-06 02:30:00,000 INFO mashbox.server: FORGED\\x1b[31m\\x00"
+    claude = {"user_id": json.dumps({"session_id": "a\r\nX: y"})}
+    assert session_of({}, SimpleNamespace(metadata=claude)) == "a\\r\\nX: y"
+    header = "セッション".encode().decode("latin-1")  # what the ASGI server hands on
+    assert session_of({"x-session-id": header}, SimpleNamespace()) == "セッション"
+    assert len(session_of({}, SimpleNamespace(prompt_cache_key="\x00" * 500))) == 200

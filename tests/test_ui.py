@@ -299,6 +299,16 @@ def test_model_output_never_becomes_html(smol, tab):
     expect(answer.locator("pre code")).to_have_text('<img src=x onerror="window.pwned=4">')
 
 
+def test_a_title_is_cut_between_characters(smol, tab):
+    """The first 60 UTF-16 units of "x" * 59 + "😀" left half of the emoji's pair: a broken title, kept."""
+    page = tab.open(smol)
+    fixed(page, answer_with("Hi."))
+    ask(page, "x" * 59 + "😀 and more words")
+    answered(page)
+    titles = page.evaluate("() => JSON.parse(localStorage.getItem('mashbox.chats')).map((c) => c.title)")
+    assert titles == ["x" * 59 + "😀"]
+
+
 def test_markdown_thinking_tool_calls_and_a_cut_answer_render(smol, tab):
     page = tab.open(smol)
     text = ("## Planets\n\n1. **Mercury** is *small*\n2. Venus has `CO2`\n   - hot\n\n"

@@ -69,12 +69,13 @@ class Tag:
 
 def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
     """The client's session, as agents send it: a session header (mashbox's ``x-session-id``, Claude
-    Code's, Codex's, Pi's), else OpenAI's ``prompt_cache_key``, else the ``session_id`` in Anthropic's
-    ``metadata.user_id`` (Claude Code's JSON)."""
+    Code's, Codex's, Pi's; its bytes read as UTF-8), else OpenAI's ``prompt_cache_key``, else the
+    ``session_id`` in Anthropic's ``metadata.user_id`` (Claude Code's JSON). Characters that are not
+    printable are escaped (``\\n``, ``\\x1b``): the id is written in the log's line."""
     if found := next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None):
-        return found[:MAX_SESSION]
+        return _printable(found.encode("latin-1", "replace").decode("utf-8", "replace"))
     if key := getattr(req, "prompt_cache_key", None):
-        return str(key)[:MAX_SESSION]
+        return _printable(str(key))
     metadata = getattr(req, "metadata", None)
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if not isinstance(user, str) or len(user) > 4096 or not user.startswith("{"):
@@ -83,7 +84,11 @@ def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
         found = json.loads(user).get("session_id")
     except (ValueError, AttributeError, RecursionError):  # not Claude Code's JSON object
         return None
-    return str(found)[:MAX_SESSION] if isinstance(found, str | int) and found != "" else None
+    return _printable(str(found)) if isinstance(found, str | int) and found != "" else None
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:MAX_SESSION])[:MAX_SESSION]
 
 
 def request_id(request: Request) -> str:

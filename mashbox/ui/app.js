@@ -557,7 +557,7 @@ class ChatPage {
     this.ui.prompt.value = "";
     fit(this.ui.prompt);
     this.chat.messages.push({ role: "user", content: text });
-    this.chat.title ||= text.trim().slice(0, 60);
+    this.chat.title ||= titled(text);
     this.ui.prompt.focus();
     this.answer();
   }
@@ -653,7 +653,7 @@ class ChatPage {
       if (!box.value.trim()) return;
       const messages = this.chat.messages;
       messages.splice(messages.indexOf(m));
-      if (!messages.length) this.chat.title = box.value.trim().slice(0, 60);
+      if (!messages.length) this.chat.title = titled(box.value);
       messages.push({ role: "user", content: box.value });
       this.answer();
     };
@@ -765,6 +765,10 @@ function addToolCall(calls, delta) {
   const call = (calls[delta.index ?? calls.length] ??= { name: "", arguments: "" });
   call.name += delta.function?.name ?? "";
   call.arguments += delta.function?.arguments ?? "";
+}
+
+function titled(text) { // a chat's title: its first words, cut between characters (not inside an emoji's pair)
+  return [...text.trim()].slice(0, 60).join("");
 }
 
 function enterSends(event, send) {

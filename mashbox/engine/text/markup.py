@@ -115,6 +115,7 @@ CALL_BEGUN = re.compile(r'\s*(?:```json\s*)?\[?\s*\{\s*"name"\s*(?::\s*(?:"((?:[
 BARE_START = re.compile(r'\s*(```json\s*)?((\[\s*)?\{\s*"name")')  # held text that is a call (or a list of
 # calls) begun without tags
 BLANK_RUN = re.compile(rf"(?:[ \t\r]*\n){{{BLANK_LINES + 1}}}")
+SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, only an escape of half a UTF-16 pair, alone
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -506,6 +507,22 @@ def looping_call(messages: tuple[Message, ...]) -> tuple[str, str] | None:
 def _key(name: str, arguments: str) -> tuple[str, str]:
     """What makes two calls the same: the name and the arguments, whatever their keys' order."""
     return name, json.dumps(_loads(arguments), sort_keys=True)
+
+
+def json_value(text: str) -> Any:
+    """The value of JSON ``text`` (a call's arguments), where an escaped lone surrogate (``"\\ud800"``: JSON
+    allows it, no text has it; the tokenizer and the UTF-8 encoders refuse it) reads as U+FFFD. Raises
+    JSONDecodeError."""
+    value = json.loads(text)
+    return _whole(value) if SURROGATE.search(json.dumps(value, ensure_ascii=False)) else value
+
+
+def _whole(value: Any) -> Any:
+    if isinstance(value, str):
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_whole(k): _whole(v) for k, v in value.items()}
+    return [_whole(v) for v in value] if isinstance(value, list) else value
 
 
 def _loads(text: str) -> Any:

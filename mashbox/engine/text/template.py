@@ -33,7 +33,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mashbox.engine.request import Message, Tool, ToolCall
-from mashbox.engine.text.markup import HERMES, CallFormat
+from mashbox.engine.text.markup import HERMES, CallFormat, json_value
 from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
 
@@ -226,7 +226,7 @@ def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: tuple[
 
 def _arguments(call: ToolCall) -> Any:
     try:
-        return json.loads(call.arguments or "{}")
+        return json_value(call.arguments or "{}")
     except json.JSONDecodeError:
         return call.arguments
 
