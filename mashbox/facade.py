@@ -15,7 +15,6 @@ the return type ``stream`` picks; a request passed whole (a dict or model) may s
 from __future__ import annotations
 
 import difflib
-import re
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal, Unpack, overload
@@ -25,7 +24,7 @@ from pydantic import BaseModel
 from mashbox.api import anthropic_messages, local_tasks
 from mashbox.api.anthropic_messages import AnthropicMessage, TokenCount
 from mashbox.api.anthropic_messages import StreamEvent as MessageEvent
-from mashbox.api.base import parse
+from mashbox.api.base import parse, plain
 from mashbox.api.chat_output import ChatCompletion, ChatCompletionChunk
 from mashbox.api.openai_completions import Completion
 from mashbox.api.openai_responses import Response
@@ -264,31 +263,14 @@ def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method:
     caller's code and an error."""
     if request is None:
         _check_names(fields, model, method)
-        return _text_only(fields)
+        return plain(fields)
     if fields:
         raise InvalidRequestError("request", "pass a request object or keyword fields, not both")
     if isinstance(request, BaseModel):
-        return _text_only(request.model_dump(exclude_unset=True, by_alias=True))
+        return plain(request.model_dump(exclude_unset=True, by_alias=True))
     if not isinstance(request, Mapping):
         raise InvalidRequestError("request", f"must be a dict or a request model, not {type(request).__name__}")
-    return _text_only(request)
-
-
-SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _text_only(body: Any, path: str = "") -> Any:
-    """``body``, where no string holds a lone surrogate (half of a UTF-16 pair, no text: the tokenizer
-    cannot read it); one does raise, naming where, as the server's JSON reader refuses it."""
-    if isinstance(body, str) and SURROGATE.search(body):
-        raise InvalidRequestError(path, "holds a lone surrogate (a half of a UTF-16 pair), which is not text")
-    if isinstance(body, Mapping):
-        for key, value in body.items():
-            _text_only(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(body, list | tuple):
-        for i, value in enumerate(body):
-            _text_only(value, f"{path}.{i}")
-    return body
+    return plain(request)
 
 
 def _warn_ignored(ignored: list[str], stacklevel: int) -> None:

@@ -97,3 +97,62 @@ def test_a_lone_surrogate_is_a_400(http, route):
     raw = json.dumps({**body, field: "HERE"}).replace('"HERE"', value)
     message = error_message(route, post(http, route, raw))
     assert "\\ud800 at byte" in message and "half of a UTF-16 surrogate pair" in message, message  # not "truncated"
+
+
+TOOLS = {  # route -> a tool whose schema nests HERE
+    "chat": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": "HERE"}}}],
+    "responses": [{"type": "function", "name": "f", "parameters": {"type": "object", "x": "HERE"}}],
+    "messages": [{"name": "f", "input_schema": {"type": "object", "x": "HERE"}}],
+    "count_tokens": [{"name": "f", "input_schema": {"type": "object", "x": "HERE"}}],
+}
+
+
+@pytest.mark.parametrize("route", TOOLS)
+def test_a_schema_nested_deeper_than_its_readers_take_is_a_400_naming_it(http, route):
+    """600 levels decode (the decoder takes about a thousand), but sending the request to the worker (pickle)
+    and echoing Responses' tools (pydantic) recurse too: a 500 with a RecursionError, retried by the SDKs."""
+    path, body, _ = ROUTES[route]
+    raw = json.dumps({**body, "tools": TOOLS[route]}).replace('"HERE"', nested(600))
+    response = post(http, route, raw)
+    message = error_message(route, response)
+    named = message if route in ANTHROPIC else response.json()["error"]["param"]
+    assert "nests more than 128 levels deep" in message and named.startswith("tools.0."), response.text
+
+
+@pytest.mark.parametrize("route", ["chat", "responses"])
+def test_a_calls_arguments_may_escape_a_lone_surrogate(http, route):
+    """Valid text whose JSON escapes half a UTF-16 pair (a model may write one; its agent sends it back):
+    the template's reading of the arguments handed the tokenizer a lone surrogate, a 500."""
+    arguments = '{"q": "\\ud800 x", "\\udfff": 1}'
+    if route == "chat":
+        call = {"id": "c", "type": "function", "function": {"name": "s", "arguments": arguments}}
+        turns = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    else:
+        turns = [*USER, {"type": "function_call", "call_id": "c", "name": "s", "arguments": arguments},
+                 {"type": "function_call_output", "call_id": "c", "output": "ok"}]
+    path, body, field = ROUTES[route]
+    assert http.post(path, json={**body, field: turns}).status_code == 200
+
+
+def test_a_wrong_method_says_which_methods_the_path_takes(http):
+    response = http.get("/v1/chat/completions")
+    assert response.status_code == 405  # and, as RFC 9110 says it must, which methods it takes
+    assert set(response.headers["allow"].split(", ")) == {"OPTIONS", "POST"}
+
+
+def test_a_body_over_the_limit_is_a_413_that_says_the_limit(http):
+    raw = '{"prompt": "' + "x" * 10_000_001 + '"}'
+    assert "larger than 10 MB" in error_message("completions", post(http, "completions", raw), 413)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "zstd", "br"])
+def test_a_compressed_body_is_a_415_that_says_so(http, coding):
+    response = http.post("/v1/chat/completions", content=b"\x1f\x8b\x08\x00", headers={
+        "content-type": "application/json", "content-encoding": coding})
+    assert f"Content-Encoding {coding}" in error_message("chat", response, 415)
+
+
+def test_a_path_the_router_reads_as_messages_answers_in_anthropics_shape(http):
+    url = str(http.base_url).rstrip("/") + "//v1//messages"  # whole: a base URL would read //v1 as a host
+    response = http.post(url, content=b"{}", headers={"content-type": "text/plain"})
+    assert response.status_code == 415 and response.json()["type"] == "error"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mashbox.engine.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from mashbox.engine.text.markup import HERMES, Markup
+from mashbox.engine.text.markup import HERMES, Markup, json_value
 
 
 def parse(pieces, **options):
@@ -251,3 +251,13 @@ def test_a_whole_call_cut_off_in_its_closing_tag_is_that_call(forced, tail):
     events += markup.flush()
     assert [type(e).__name__ for e in events] == ["ToolCallStart", "ToolCallDelta", "ToolCallEnd"]
     assert events[1].arguments == '{"city": "Paris"}'
+
+
+def test_arguments_escaping_a_lone_surrogate_read_as_text():
+    """JSON may escape half a UTF-16 pair; no text holds one, and the tokenizer and UTF-8 writers refuse it (an
+    Anthropic answer's tool_use input with one failed to serialize)."""
+    from mashbox.api.base import json_object
+
+    assert json_value('{"q": ["\\ud800 x"], "\\udfff": "\\ud83d\\ude00"}') == {"q": ["\ufffd x"], "\ufffd": "😀"}
+    assert json_object('{"q": "\\udc00"}') == {"q": "\ufffd"}
+    assert json_value('{"q": "plain"}') == {"q": "plain"}

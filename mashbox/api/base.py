@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
@@ -24,12 +25,15 @@ from pydantic import (
 )
 
 from mashbox.engine.request import EngineRequest, SamplingParams
+from mashbox.engine.text.markup import SURROGATE, json_value
 from mashbox.errors import InvalidRequestError
 
 NO_LOGPROBS = "log probabilities are not supported"
 TEXT_ONLY = "is not supported: this server runs a text-only model; send text parts only"
 STRUCTURED = "structured output is not supported; only {'type': 'text'} is accepted"
 
+MAX_DEPTH = 128  # levels a request's JSON may nest: each reader after the decoder recurses (pickling to the
+# worker, pydantic's dumps, the chat template), and none of them takes a thousand as the decoder does
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -157,10 +161,23 @@ class ErrorBody(OutModel):
     request_id: str | None = None
 
 
+def plain(body: Any, path: str = "", depth: int = 1) -> Any:
+    """``body``, where no string holds a lone surrogate (half of a UTF-16 pair, no text: the tokenizer cannot
+    read it) and nothing nests more than ``MAX_DEPTH`` levels; else raise, naming where."""
+    if isinstance(body, str) and SURROGATE.search(body):
+        raise InvalidRequestError(path, "holds a lone surrogate (a half of a UTF-16 pair), which is not text")
+    items = body.items() if isinstance(body, Mapping) else enumerate(body) if isinstance(body, list | tuple) else ()
+    for key, value in items:
+        if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
+            raise InvalidRequestError(path, f"nests more than {MAX_DEPTH} levels deep")
+        plain(value, f"{path}.{key}" if path else str(key), depth + 1)
+    return body
+
+
 def json_object(text: str) -> dict[str, Any]:
     """Tool-call arguments as an object; ``{}`` when they are not a JSON object."""
     try:
-        value = json.loads(text or "{}")
+        value = json_value(text or "{}")
     except json.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}

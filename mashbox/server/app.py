@@ -8,10 +8,11 @@ from typing import Any
 from litestar import Litestar, Request
 from litestar.di import Provide
 
+from mashbox.api.base import plain
 from mashbox.server import openapi
 from mashbox.server.backend import Backend
 from mashbox.server.context import Context
-from mashbox.server.errors import ApiError, handler
+from mashbox.server.errors import MAX_BODY, ApiError, handler
 from mashbox.server.gate import Gate
 from mashbox.server.routes import HANDLERS, UI_HANDLERS
 from mashbox.server.settings import Settings
@@ -25,6 +26,7 @@ def create_app(backend: Backend, settings: Settings) -> Litestar:
         route_handlers=[*HANDLERS, *TASK_HANDLERS, *(UI_HANDLERS if settings.ui else [])],
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handler(settings.retry_after_s)},
+        request_max_body_size=MAX_BODY,
         lifespan=[lambda _app: ctx.tasks.sweeping()],
         request_class=BodyRequest,
         openapi_config=None,
@@ -35,13 +37,15 @@ def create_app(backend: Backend, settings: Settings) -> Litestar:
 
 
 class BodyRequest(Request):
-    """A request whose JSON body, if nested too deeply for the decoder, is the client's error."""
+    """A request whose JSON body, if nested too deeply for the decoder or for what reads it after
+    (``MAX_DEPTH``), is the client's error."""
 
     async def json(self) -> Any:
         try:
-            return await super().json()
+            body = await super().json()
         except RecursionError:
             raise ApiError(400, "the JSON body is nested too deeply to decode") from None
+        return plain(body)
 
 
 def _version() -> str:

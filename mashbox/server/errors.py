@@ -31,6 +31,8 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
 OVERLOADED = 529
+MAX_BODY = 10_000_000  # bytes of a request body the server reads (Litestar's default, said in its 413)
+SLASHES = re.compile("/{2,}")
 
 
 class ApiError(Exception):
@@ -59,6 +61,7 @@ def is_task(path: str) -> bool:
 
 
 def is_anthropic(path: str) -> bool:
+    path = SLASHES.sub("/", path)  # as the router reads it: //v1//messages is /v1/messages
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
@@ -136,6 +139,8 @@ def _detail(exc: HTTPException) -> str:
         return f"{exc.detail}; see GET /openapi.json for the methods each path takes"
     if exc.status_code == 404:
         return "no such route; see GET /openapi.json"
+    if exc.status_code == 413:
+        return f"the body is larger than {MAX_BODY // 10**6} MB, the most this server reads"
     extra = exc.extra if isinstance(exc.extra, list) and exc.extra else None
     return f"{exc.detail}: {extra[0].get('message', '')}" if extra and isinstance(extra[0], dict) else exc.detail
 
@@ -148,6 +153,8 @@ def handler(retry_after: int) -> Callable[[Request, Exception], Response]:
         read = request._connection_state.body  # what a body that failed to decode was (Empty: none read)
         error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"")
         status, body, headers = answer(request.url.path, error, request_id)
+        if isinstance(exc, HTTPException) and exc.headers:  # Litestar's own: a 405's Allow
+            headers = {**exc.headers, **headers}
         return Response(body, status_code=status, headers=headers)
 
     return handle

@@ -19,7 +19,8 @@ a ``Refusal`` into its route's error shape. Checks run in this order:
    health paths excepted) without a valid key in ``Authorization: Bearer`` or
    ``x-api-key``, whatever the route. Keys are compared in constant time with
    every configured key. Without keys no key is checked; any key sent is ignored.
-4. 415 a POST with a body whose Content-Type is not application/json (parameters allowed).
+4. 415 a POST with a body whose Content-Type is not application/json (parameters allowed), or whose
+   body is compressed (a Content-Encoding other than identity: read as it is, it was "not valid JSON").
 
 Keys are never logged nor put in messages; a key file line without a tenant
 name makes the key its own tenant, ``key:<first 12 hex of its sha256>``.
@@ -226,9 +227,13 @@ def _type_refusal(method: str, headers: dict[str, str]) -> Refusal | None:
     if headers.get("content-length", "0").strip() == "0" and "transfer-encoding" not in headers:
         return None  # no body (cancel, pause, resume): nothing to read as JSON
     media_type = headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type == "application/json":
-        return None
-    return Refusal(415, "the request body must be JSON (Content-Type: application/json)", "invalid_request_error")
+    if media_type != "application/json":
+        return Refusal(415, "the request body must be JSON (Content-Type: application/json)", "invalid_request_error")
+    coding = headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("identity", ""):
+        return Refusal(415, f"Content-Encoding {coding} is not read here: send the body uncompressed",
+                       "invalid_request_error")
+    return None
 
 
 def _sent_keys(headers: dict[str, str]) -> list[str]:
