@@ -47,6 +47,36 @@ def test_a_session_keeps_its_conversation_past_side_requests(tiny_model_dir):
         assert _run(engine, sessions=False) == [0, 0]  # without sessions: least recently used went first
 
 
+def _asides(engine: Engine, session: str) -> None:
+    for n in range(20):  # each evicts: one-off titles of the session, and other clients' prompts
+        _cached(engine, f"Write a title for chat {n}: " + "word " * 280, session if n % 2 else None)
+
+
+def test_a_session_whose_history_was_rewritten_keeps_its_new_conversation(tiny_model_dir):
+    """A compaction: the session's next turns go on with a new history, not its old line, and were taken for
+    side requests (evicted first, the dead line kept) until the line came back, which it never does."""
+    with Engine(str(tiny_model_dir), ctx=1024, slots=2, cache_ram_mib=1, quiet=True) as engine:
+        for turns in (1, 2, 3):
+            _cached(engine, _line("alpha", turns), "s")
+        for turns in (1, 2):  # the history rewritten: it shares nothing with the old line
+            _cached(engine, _line("omega", turns), "s")
+        _asides(engine, "s")
+        second_turn = len(engine.encode(EngineRequest(prompt=_line("omega", 2)))) // 32 * 32
+        assert _cached(engine, _line("omega", 3), "s") == second_turn
+
+
+def test_a_session_that_went_back_a_turn_keeps_it(tiny_model_dir):
+    """A turn sent again (regenerated, edited after): the line is that turn now, whose KV only the longer
+    entry of the turn after it held, and that entry was no session's: evicted by side requests (one slot: no
+    slot keeps the turn)."""
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, cache_ram_mib=1, quiet=True) as engine:
+        for turns in (1, 2, 3, 2):
+            _cached(engine, _line("alpha", turns), "s")
+        _asides(engine, "s")
+        second_turn = len(engine.encode(EngineRequest(prompt=_line("alpha", 2)))) // 32 * 32
+        assert _cached(engine, _line("alpha", 2) + " Then something else.", "s") >= second_turn
+
+
 def _captured(name: str) -> tuple[dict, dict]:
     capture = json.loads((CLIENTS / name).read_text())
     return {k.lower(): v for k, v in capture["headers"].items()}, capture["body"]

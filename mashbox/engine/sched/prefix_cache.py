@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -102,9 +102,42 @@ class Live:
 
 CacheOp = Save | Restore | Copy | Drop | Load
 SESSIONS = 64  # sessions whose conversation is kept warm, the most recently seen
+ASIDES = 4  # a session's latest prompts off its line: one a later prompt goes on with becomes the line
 
 
-def _agreement(cached: tuple[int, ...], prompt: list[int], block: int) -> int:
+@dataclass(slots=True)
+class Session:
+    """The conversation a client session goes on with (its ``line``: the prompt of its latest turn), the
+    line before it, and its latest prompts off the line (``asides``: side requests, or a conversation
+    begun anew)."""
+
+    line: tuple[int, ...] = ()
+    before: tuple[int, ...] = ()  # kept warm too: a side request may have been taken for a new line
+    asides: list[tuple[int, ...]] = field(default_factory=list)
+
+    def follow(self, prompt: tuple[int, ...], block: int) -> None:
+        """A prompt that goes on with the line (shares at least half of it: the next turn, or a turn
+        again) is the line now; one that goes on past an aside too (a history rewritten, then its next
+        turn); any other is an aside."""
+        if not self.line or _goes_on(self.line, prompt, block):
+            self.line = prompt
+        elif moved := next((a for a in self.asides if len(prompt) > len(a) and _goes_on(a, prompt, block)), ()):
+            self.asides.remove(moved)
+            self.before, self.line = self.line, prompt
+        else:
+            self.asides = [*self.asides, prompt][-ASIDES:]
+
+    def holds(self, tokens: tuple[int, ...]) -> bool:
+        """Whether ``tokens`` are a start of a line, or go on from one (they hold all its KV)."""
+        return any(line and (line[: len(tokens)] == tokens or tokens[: len(line)] == line)
+                   for line in (self.line, self.before))
+
+
+def _goes_on(line: tuple[int, ...], prompt: tuple[int, ...], block: int) -> bool:
+    return 2 * _agreement(line, prompt, block) >= len(line)
+
+
+def _agreement(cached: tuple[int, ...], prompt: Sequence[int], block: int) -> int:
     """How many first tokens ``cached`` and ``prompt`` share (compared a block at a time, then
     token by token in the first block that differs)."""
     n, limit = 0, min(len(cached), len(prompt))
@@ -125,7 +158,7 @@ class PrefixCache:
         self._used: list[int] = [0] * num_slots
         self._clock = 0
         self.host = HostTier(host_bytes, bytes_per_token)
-        self._heads: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()  # (salt, session) -> its line
+        self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # by (salt, session id)
 
     def admit(self, prompt: list[int], free: list[int], salt: str = "",
               live: list[Live] = (), session: str | None = None) -> tuple[Match, list[CacheOp]]:  # type: ignore[assignment]
@@ -159,21 +192,17 @@ class PrefixCache:
         return Match(slot, tokens, differs), ops
 
     def _follow(self, salt: str, session: str, prompt: list[int]) -> None:
-        """Take ``prompt`` as the line of ``session`` where it goes on with the line so far (shares at
-        least half of it: the next turn); a prompt of the session that does not (a side request)
-        leaves the line as it was."""
-        key, whole = (salt, session), tuple(prompt[: len(prompt) // self.block * self.block])
-        line = self._heads.pop(key, None)
-        if line is None or 2 * _agreement(line, prompt, self.block) >= len(line):
-            line = whole
-        self._heads[key] = line
-        while len(self._heads) > SESSIONS:
-            self._heads.popitem(last=False)
+        """``prompt``'s whole blocks, followed by ``session`` (see ``Session.follow``)."""
+        key = (salt, session)
+        held = self._sessions.pop(key, None) or Session()
+        held.follow(tuple(prompt[: len(prompt) // self.block * self.block]), self.block)
+        self._sessions[key] = held
+        while len(self._sessions) > SESSIONS:
+            self._sessions.popitem(last=False)
 
     def warm(self, salt: str, tokens: tuple[int, ...]) -> bool:
-        """Whether ``tokens`` are a prefix of a session's line (held under the same salt)."""
-        n = len(tokens)
-        return n > 0 and any(s == salt and line[:n] == tokens for (s, _), line in self._heads.items())
+        """Whether ``tokens`` hold a session's line, or some of it (held under the same salt)."""
+        return len(tokens) > 0 and any(s == salt and held.holds(tokens) for (s, _), held in self._sessions.items())
 
     def _differs(self, prompt: list[int], salt: str, live: list[Live], served: int) -> int | None:
         """Where ``prompt`` leaves the cached prefix (slots, host memory, busy slots) that agrees
