@@ -156,3 +156,15 @@ def test_a_path_the_router_reads_as_messages_answers_in_anthropics_shape(http):
     url = str(http.base_url).rstrip("/") + "//v1//messages"  # whole: a base URL would read //v1 as a host
     response = http.post(url, content=b"{}", headers={"content-type": "text/plain"})
     assert response.status_code == 415 and response.json()["type"] == "error"
+
+
+def test_a_backslash_then_the_text_ud800_is_no_surrogate(http):
+    """A truncated body holding the text C:\\ud800\\dir (an escaped backslash, then ud800) was said to hold half
+    a surrogate pair; what is wrong is that it ends too soon."""
+    message = error_message("chat", post(http, "chat", '{"messages": [{"role": "user", "content": "C:\\\\ud800\\\\dir'))
+    assert "ends in the middle of a value" in message and "surrogate" not in message, message
+
+
+def test_a_byte_order_mark_is_named(http):
+    raw = "\ufeff" + json.dumps(ROUTES["chat"][1])
+    assert "byte order mark" in error_message("chat", post(http, "chat", raw))

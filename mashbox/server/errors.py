@@ -110,7 +110,21 @@ def api_error(exc: Exception, retry_after: int, body: bytes = b"") -> ApiError:
 
 
 _HIGH, _LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+BOM = b"\xef\xbb\xbf"
 LONE_SURROGATE = re.compile(_HIGH + rb"(?!" + _LOW + rb")|(?<!" + _HIGH + rb")" + _LOW)  # half of a pair, alone
+
+
+def _lone_surrogate(body: bytes) -> re.Match[bytes] | None:
+    """The first escape of half a surrogate pair, alone, that is an escape: not ``\\\\ud800``, a backslash
+    then the text ud800."""
+    return next((m for m in LONE_SURROGATE.finditer(body) if _backslashes_before(body, m.start()) % 2 == 0), None)
+
+
+def _backslashes_before(body: bytes, at: int) -> int:
+    n = 0
+    while n < at and body[at - n - 1] == ord("\\"):
+        n += 1
+    return n
 
 
 def _body_error(exc: HTTPException, body: bytes) -> str | None:
@@ -118,9 +132,11 @@ def _body_error(exc: HTTPException, body: bytes) -> str | None:
     if isinstance(exc.__cause__, SerializationException):  # msgspec: "Input data was truncated", "... (byte 7)"
         reason = _lower(str(exc.__cause__).removeprefix("JSON is malformed: "))
         where = "it ends in the middle of a value (input data was truncated)" if "truncated" in reason else reason
-        if (lone := LONE_SURROGATE.search(body)) and ("truncated" in reason or "surrogate" in reason):
+        if (lone := _lone_surrogate(body)) and ("truncated" in reason or "surrogate" in reason):
             where = (f"{lone[0][:6].decode()} at byte {lone.start()} is half of a UTF-16 surrogate pair without "
                      "the other half, which is not text")
+        if body.startswith(BOM):
+            where = "it begins with a byte order mark (EF BB BF), which JSON sent over HTTP has not"
         return f"the body is not valid JSON: {where}"
     for item in exc.extra if isinstance(exc.extra, list) else ():
         if isinstance(item, dict) and item.get("key") == "data" and item.get("source") == "body":
