@@ -302,6 +302,11 @@ def test_bad_input(url, tasks):
             ({"structured_output": {"type": "json_schema", "json_schema": {"name": "x"}}}, "structured_output"),
             ({"client_tools": [WEATHER], "inference_args": {"tool_choice": {"name": "nope"}}},
              "inference_args.tool_choice"),
+            ({"inference_args": {"tool_choice": "required"}}, "inference_args.tool_choice"),  # no tool to call
+            # a stop string cut the JSON short, yet the task "completed"; a forced call was dropped unsaid
+            ({"structured_output": PERSON, "inference_args": {"stop": ["}"]}}, "inference_args.stop"),
+            ({"structured_output": PERSON, "client_tools": [WEATHER], "inference_args": {"tool_choice": "required"}},
+             "inference_args.tool_choice"),
             ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type"),
             ({"stream": "yes"}, "stream"), ({"stream": None}, "stream")]):
         response = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False,

@@ -44,7 +44,7 @@ from mashbox.api.task_items import (
     to_messages,
 )
 from mashbox.engine.events import Event, Finish, Queued, Usage
-from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall
+from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall, ToolChoice
 from mashbox.errors import InvalidRequestError
 
 Generate = Callable[[EngineRequest], AsyncIterator[Event]]
@@ -103,19 +103,34 @@ class Interrupted(Exception):
 def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt: str = "") -> EngineRequest:
     """The task's first generation; a request the loop cannot run raises ``InvalidRequestError``."""
     args, schema = req.args(), req.structured_output
-    if schema is not None and req.stream:
-        raise InvalidRequestError("structured_output", "is only for tasks without stream; send stream: false")
-    tools = offered_tools(req, client_tools(req) + tuple(t.tool for t in server_tools))
     choice = args.choice()
+    if schema is not None:
+        _structured(req, args.sampling().stop, choice)
+    tools = offered_tools(req, client_tools(req) + tuple(t.tool for t in server_tools))
     if isinstance(choice, Named) and choice.name not in {t.name for t in tools}:
         raise InvalidRequestError("inference_args.tool_choice", f"names a tool the task does not offer: {choice.name!r}")
     messages = to_messages(req)
     if not messages:
         raise InvalidRequestError("user_message_content", "is empty and there is no history: nothing to answer")
-    return engine_request(
-        messages=tuple(messages), sampling=args.sampling(), tools=() if schema else tools,
-        tool_choice="auto" if schema else choice, parallel_tool_calls=args.parallel_tool_calls is not False,
-        enable_thinking=args.enable_thinking, cache_salt=cache_salt, response_schema=schema)
+    try:
+        return engine_request(
+            messages=tuple(messages), sampling=args.sampling(), tools=() if schema else tools,
+            tool_choice="auto" if schema else choice, parallel_tool_calls=args.parallel_tool_calls is not False,
+            enable_thinking=args.enable_thinking, cache_salt=cache_salt, response_schema=schema)
+    except InvalidRequestError as err:
+        raise request_param(err) from None
+
+
+def _structured(req: CreateTask, stop: tuple[str, ...], choice: ToolChoice) -> None:
+    """Refuse what a task with ``structured_output`` cannot honour: its answer is one JSON value, whole."""
+    if req.stream:
+        raise InvalidRequestError("structured_output", "is only for tasks without stream; send stream: false")
+    if stop:
+        raise InvalidRequestError("inference_args.stop", "would cut the structured_output's JSON short (its "
+                                                         "answer ends where the JSON does); leave stop out")
+    if choice not in ("auto", "none"):
+        raise InvalidRequestError("inference_args.tool_choice", "asks for a tool call, but a task with "
+                                                                "structured_output calls no tools")
 
 
 class TaskLoop:
