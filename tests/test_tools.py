@@ -392,3 +392,15 @@ def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_to
     assert [type(e) for e in fresh.push(call) + fresh.flush()] == [ToolCallStart, ToolCallDelta, ToolCallEnd]
     required = tiny_engine._job(EngineRequest(messages=looping.messages, tools=tools, tool_choice="required"))
     assert not required.markup.made
+
+
+@pytest.mark.parametrize(("schema", "said"), [({"type": "foo"}, "Invalid type: foo"),
+                                              ({"type": "string", "pattern": "(?=a)"}, "")])
+def test_a_schema_that_cannot_be_enforced_says_why_in_its_own_words(smol_tokenizer, schema, said):
+    """Not where in mashbox's grammar text the error arose, nor that text (the schema, 'x-guidance' and all)."""
+    tok = Tokenizer.of(smol_tokenizer)
+    with pytest.raises(InvalidRequestError) as refused:
+        Grammars(tok, [tok.eos_token_id]).for_schema(schema)
+    message = refused.value.message
+    assert message.startswith("the schema cannot be enforced: ") and said in message, message
+    assert "x-guidance" not in message and "\n" not in message and "start:" not in message, message

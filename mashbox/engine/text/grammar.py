@@ -14,6 +14,7 @@ valid under that tool's schema. Works on CPU and GPU.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -220,6 +221,11 @@ class CallGuard:
         return constraint if constraint.matcher.try_consume_tokens(ids) == len(ids) else None
 
 
+def _said(error: str) -> str:
+    """llguidance's error without where in mashbox's own grammar text it arose, nor that text."""
+    return re.sub(r"^at \d+\(\d+\): ", "", error.strip().splitlines()[0]) if error.strip() else error
+
+
 class Constraint:
     """One request's grammar state: masks its logits, follows its tokens."""
 
@@ -227,7 +233,7 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             what = "the schema" if field == "response_schema" else "a tool's parameters schema"
-            raise InvalidRequestError(field, f"{what} cannot be enforced: {self.matcher.get_error()}")
+            raise InvalidRequestError(field, f"{what} cannot be enforced: {_said(self.matcher.get_error())}")
         self.vocab_size = tokenizer.vocab_size
 
     def mask(self, logits: torch.Tensor) -> None:
