@@ -169,7 +169,8 @@ def plain(body: Any, path: str = "", depth: int = 1) -> Any:
     items = body.items() if isinstance(body, Mapping) else enumerate(body) if isinstance(body, list | tuple) else ()
     for key, value in items:
         if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
-            raise InvalidRequestError(path, f"nests more than {MAX_DEPTH} levels deep")
+            named = ".".join(path.split(".")[:6])  # where it begins to: the whole path is as deep
+            raise InvalidRequestError(f"{named}...", f"nests more than {MAX_DEPTH} levels deep")
         plain(value, f"{path}.{key}" if path else str(key), depth + 1)
     return body
 
