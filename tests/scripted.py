@@ -45,24 +45,28 @@ def scripted_events(runner, tok, new: int, markup: Markup, guard=None) -> list:
 
 class MaskedScriptRunner(ScriptedRunner):
     """Writes ``script`` as a model would through the real runner's constraint steps: the row of
-    each sampled token is masked by the request's constraint (if any), then the token accepted.
-    Records, for each step, the tokens the mask left (None: no constraint)."""
+    each sampled token (the model's weight on the script's token) is masked by the request's constraint
+    (if any), then the token accepted (the best one left where the mask took the script's). Records, for each step, the tokens the mask left (None: no
+    constraint; every token where the constraint let go)."""
 
-    def __init__(self, script: list[int], vocab: int) -> None:
+    def __init__(self, script: list[int], vocab: int, lean: float = 20.0) -> None:
         super().__init__(script)
         self.vocab = vocab
+        self.lean = lean  # the script's token's logit above every other's
         self.allowed: list[set[int] | None] = []
 
     def run(self, plan) -> list[int]:
         tokens = super().run(plan)
-        for token, work in zip(tokens, [w for w in plan.work if w.sample]):
+        for k, (token, work) in enumerate(zip(tokens, [w for w in plan.work if w.sample])):
             constraint = work.seq.constraint
             if constraint is None:
                 self.allowed.append(None)
                 continue
             row = torch.zeros(self.vocab)
+            row[token] = self.lean
             constraint.mask(row)
-            self.allowed.append(set((row == 0).nonzero().flatten().tolist()))
-            if token in self.allowed[-1]:
-                constraint.accept(token)
+            self.allowed.append(set(torch.isfinite(row).nonzero().flatten().tolist()))
+            if token not in self.allowed[-1]:  # masked away: the model writes the best it may instead
+                token = tokens[k] = int(row.argmax())
+            constraint.accept(token)
         return tokens

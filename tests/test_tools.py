@@ -3,6 +3,7 @@ constrained decoding makes even random weights produce valid calls."""
 
 import copy
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
 from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
 from mashbox.engine.request import ToolCall
-from mashbox.engine.text.grammar import Grammars
+from mashbox.engine.text.grammar import TENTATIVE, Grammars
 from mashbox.engine.text.markup import Markup, looping_call
 from mashbox.engine.text.tokenizer import Tokenizer
 
@@ -354,7 +355,7 @@ def test_the_agents_own_tools_are_guarded(tiny_engine, capture):
     tools = tuple(Tool(f["name"], "", f.get("input_schema") or f.get("parameters") or {}) for f in specs if "name" in f)
     tok = tiny_engine.tokenizer
     assert tiny_engine.grammars.for_tools(tools, "required") is not None, "tool_choice required compiles too"
-    constraint = tiny_engine.grammars.guard(tools).follow(("bare", '{"name": "'), tok.encode('{"name": "'))
+    constraint = tiny_engine.grammars.guard(tools).follow(("tag", '{"name": "'), tok.encode('{"name": "'))
     row = torch.zeros(len(tok))
     constraint.mask(row)
     starts = {tok.decode([i]) for i in (row == 0).nonzero().flatten().tolist()}
@@ -404,3 +405,37 @@ def test_a_schema_that_cannot_be_enforced_says_why_in_its_own_words(smol_tokeniz
     message = refused.value.message
     assert message.startswith("the schema cannot be enforced: ") and said in message, message
     assert "x-guidance" not in message and "\n" not in message and "start:" not in message, message
+
+
+def test_a_call_begun_without_tags_is_the_models_only_where_it_leans_to_a_declared_tool(tiny_engine, smol_tokenizer):
+    """JSON of the model's own that begins {"name": ("Alice", "left-pad") was forced into a call to a declared
+    tool: a bare or fenced start is held to the tools only while the model puts TENTATIVE of its weight on a
+    declared name; a tagged one always."""
+    tok = smol_tokenizer
+    tools = (Tool("get_weather", "", WEATHER["function"]["parameters"]),)
+    alice, get = tok.encode("Alice", add_special_tokens=False)[0], tok.encode("get", add_special_tokens=False)[0]
+    begun = tok.encode('{"name": "', add_special_tokens=False)
+
+    def masked(form: str, on_tool: float) -> torch.Tensor:
+        constraint = tiny_engine.grammars.guard(tools).follow((form, '{"name": "'), begun)
+        row = torch.full((len(tok),), -40.0)
+        row[alice], row[get] = math.log(1 - on_tool), math.log(on_tool)
+        constraint.mask(row)
+        return row
+
+    assert torch.isfinite(masked("bare", TENTATIVE - 0.05)[alice]), "its own JSON: left free"
+    assert not torch.isfinite(masked("bare", TENTATIVE + 0.05)[alice]), "leaning to the tool: held to it"
+    assert not torch.isfinite(masked("fenced", TENTATIVE + 0.05)[alice])
+    assert not torch.isfinite(masked("tag", 0.01)[alice]), "a tag is a call whatever the weight"
+
+
+def test_a_models_own_json_that_begins_with_name_stays_text(tiny_engine, smol_tokenizer):
+    tok = smol_tokenizer
+    written = '{"name": "Alice", "age": 30}'
+    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
+    runner = MaskedScriptRunner(script, len(tok))
+    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
+    markup = Markup(names=frozenset(t.name for t in tools))
+    events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == written
+    assert not any(isinstance(e, ToolCallStart) for e in events)
