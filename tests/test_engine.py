@@ -120,6 +120,16 @@ def test_detokenizer_never_splits_utf8(smol_tokenizer, text, splits):
     assert (len(ids) > len([p for p in pieces if p])) == splits, "a split character is held back, whole"
 
 
+@pytest.mark.parametrize(("text", "cut", "said"), [("ok \ufffd", 0, "ok \ufffd"), ("ok \ufffd\ufffd", 0, "ok \ufffd\ufffd"),
+                                                 ("ok 🎉", 1, "ok "), ("a\ufffd🎉", 1, "a\ufffd")])
+def test_a_replacement_character_the_answer_wrote_is_kept_at_its_end(smol_tokenizer, text, cut, said):
+    """Its three bytes are a whole character (the model may write one): the end of an answer dropped every
+    U+FFFD, taking them all for a character cut off; one that is cut off is still left out."""
+    ids = smol_tokenizer.encode(text, add_special_tokens=False)
+    detok = Detokenizer(smol_tokenizer)
+    assert "".join(detok.push(i) for i in ids[: len(ids) - cut]) + detok.flush() == said
+
+
 def test_prompt_longer_than_context_is_refused_before_work(tiny_engine):
     with pytest.raises(ContextLengthError) as err:
         tiny_engine.stream(EngineRequest(prompt="word " * 600))
