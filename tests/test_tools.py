@@ -3,7 +3,6 @@ constrained decoding makes even random weights produce valid calls."""
 
 import copy
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from transformers import AutoTokenizer
 from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
 from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
 from mashbox.engine.request import ToolCall
-from mashbox.engine.text.grammar import TENTATIVE, Grammars
+from mashbox.engine.text.grammar import Grammars
 from mashbox.engine.text.markup import Markup, looping_call
 from mashbox.engine.text.tokenizer import Tokenizer
 
@@ -409,24 +408,28 @@ def test_a_schema_that_cannot_be_enforced_says_why_in_its_own_words(smol_tokeniz
 
 def test_a_call_begun_without_tags_is_the_models_only_where_it_leans_to_a_declared_tool(tiny_engine, smol_tokenizer):
     """JSON of the model's own that begins {"name": ("Alice", "left-pad") was forced into a call to a declared
-    tool: a bare or fenced start is held to the tools only while the model puts TENTATIVE of its weight on a
-    declared name; a tagged one always."""
+    tool: a bare or fenced start is held to the tools only while the model's own pick is allowed, or an allowed
+    token but for its case (Claude Code's Read where the model leans to "read"); a tagged one always."""
     tok = smol_tokenizer
     tools = (Tool("get_weather", "", WEATHER["function"]["parameters"]),)
-    alice, get = tok.encode("Alice", add_special_tokens=False)[0], tok.encode("get", add_special_tokens=False)[0]
     begun = tok.encode('{"name": "', add_special_tokens=False)
 
-    def masked(form: str, on_tool: float) -> torch.Tensor:
+    def masked(form: str, pick: str) -> tuple[torch.Tensor, object]:
         constraint = tiny_engine.grammars.guard(tools).follow((form, '{"name": "'), begun)
-        row = torch.full((len(tok),), -40.0)
-        row[alice], row[get] = math.log(1 - on_tool), math.log(on_tool)
+        row = torch.zeros(len(tok))
+        row[tok.encode(pick, add_special_tokens=False)[0]] = 5.0  # the model's pick, by far
         constraint.mask(row)
-        return row
+        return row, constraint
 
-    assert torch.isfinite(masked("bare", TENTATIVE - 0.05)[alice]), "its own JSON: left free"
-    assert not torch.isfinite(masked("bare", TENTATIVE + 0.05)[alice]), "leaning to the tool: held to it"
-    assert not torch.isfinite(masked("fenced", TENTATIVE + 0.05)[alice])
-    assert not torch.isfinite(masked("tag", 0.01)[alice]), "a tag is a call whatever the weight"
+    alice = tok.encode("Alice", add_special_tokens=False)[0]
+    row, constraint = masked("bare", "Alice")
+    assert torch.isfinite(row).all() and constraint.released, "its own JSON: left free"
+    row, constraint = masked("bare", "get")
+    assert not torch.isfinite(row[alice]) and not constraint.released and constraint.tentative
+    row, constraint = masked("fenced", "Get")
+    assert not torch.isfinite(row[alice]) and not constraint.tentative, "a tool but for its case: held from here on"
+    row, constraint = masked("tag", "Alice")
+    assert not torch.isfinite(row[alice]), "a tag is a call whatever the model leans to"
 
 
 def test_a_models_own_json_that_begins_with_name_stays_text(tiny_engine, smol_tokenizer):
@@ -439,3 +442,17 @@ def test_a_models_own_json_that_begins_with_name_stays_text(tiny_engine, smol_to
     events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == written
     assert not any(isinstance(e, ToolCallStart) for e in events)
+
+
+def test_a_local_shell_call_runs_something_for_some_time(tiny_engine, smol_tokenizer):
+    """Codex's local_shell: a forced call wrote {"command": ["ls"], "timeout_ms": 0}, which kills the command at
+    once; an empty argv runs nothing."""
+    from mashbox.api.responses_tools import LOCAL_SHELL_PARAMETERS
+
+    tool = Tool("local_shell", "", LOCAL_SHELL_PARAMETERS)
+    for arguments, whole in [('{"command":["ls"],"timeout_ms":5', True), ('{"command":["ls"],"timeout_ms":0', False),
+                             ('{"command":[]', False)]:
+        constraint = tiny_engine.grammars.for_tools((tool,), "required")
+        ids = smol_tokenizer.encode(f'<tool_call>\n{{"name":"local_shell","arguments":{arguments}',
+                                    add_special_tokens=False)
+        assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments

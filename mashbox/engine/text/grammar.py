@@ -31,10 +31,6 @@ STRICT_JSON = {"whitespace_flexible": False}
 TOOL_JSON = {**STRICT_JSON, "lenient": True}  # keywords llguidance lacks (propertyNames) ignored in tool schemas
 FLEXIBLE_JSON = {**TOOL_JSON, "whitespace_flexible": True}  # a call the model began, as it lays it out
 KEYS = ("arguments", "parameters")  # where a call the model began holds its arguments (Llama 3's: parameters)
-TENTATIVE = 0.15  # a call begun without tags is the model's only where it puts at least this on a declared tool's
-# name: JSON of its own that starts {"name": (a person's, a package's) stays text. Measured on qwen2.5-coder-0.5b
-# (docs/agents.md): data JSON put 0-0.11 there, Claude Code's Read (the model leaning to an invented "read...")
-# 0.21, calls it meant 0.89-1
 NAMED = re.compile(r'"name"\s*:\s*"(?:[^"\\]|\\.)*"')  # a call's name, written whole
 
 
@@ -206,8 +202,8 @@ class CallGuard:
     def follow(self, call: tuple[str, str] | None, output_ids: list[int]) -> Constraint | None:
         """The constraint for the next token: ``call`` is the markup's open call (its form and its
         text so far) or None, ``output_ids`` every token of the answer so far. A call begun without
-        tags is held to the tools only while the model puts ``TENTATIVE`` of its weight on what they
-        allow, until its name is written: else it is the model's own JSON, and stays free."""
+        tags is held to the tools only where the model leans to one of them (``Constraint.tentative``)
+        until its name is written: else it is the model's own JSON ({"name": "Alice", ...}), left free."""
         active = self.active
         if call is None or self.given_up or (active and (active.matcher.is_stopped() or active.released)):
             self.active, self.given_up = None, call is not None
@@ -216,9 +212,9 @@ class CallGuard:
             self.active = active = self._begin(*call, self.tokenizer.decode_bytes(output_ids))
             self.given_up = active is None
             if active is not None and call[0] != "tag":
-                active.floor = TENTATIVE
-        if active is not None and active.floor and NAMED.search(call[1]):
-            active.floor = 0.0  # a declared tool's name: the call's
+                active.tentative = True
+        if active is not None and active.tentative and NAMED.search(call[1]):
+            active.tentative = False  # a declared tool's name: the call's
         return active
 
     def _begin(self, form: str, text: str, written: bytes) -> Constraint | None:
@@ -247,20 +243,29 @@ class Constraint:
             what = "the schema" if field == "response_schema" else "a tool's parameters schema"
             raise InvalidRequestError(field, f"{what} cannot be enforced: {_said(self.matcher.get_error())}")
         self.vocab_size = tokenizer.vocab_size
-        self.floor = 0.0  # the least weight the model must put on what the grammar allows, else it lets go
+        self.tokenizer = tokenizer
+        self.tentative = False  # held only where the model's own pick is allowed, or an allowed token but for
+        # its case (Claude Code's Read where the model leans to "read..."); else it lets go
         self.released = False
 
     def mask(self, logits: torch.Tensor) -> None:
-        """Set disallowed tokens of one logits row to -inf, in place (or let go: ``floor``)."""
+        """Set disallowed tokens of one logits row to -inf, in place (or let go: ``tentative``)."""
         if self.released:
             return
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = torch.from_numpy(bits[: self.vocab_size].astype(bool)).to(logits.device)
-        if self.floor and torch.softmax(logits[: self.vocab_size].float(), 0)[allowed].sum().item() < self.floor:
-            self.released = True
-            return
+        if self.tentative and not allowed[top := int(logits[: self.vocab_size].argmax())]:
+            if not self._alike(top, allowed):
+                self.released = True  # JSON of the model's own: it writes on free
+                return
+            self.tentative = False  # a tool it meant, but for its case: held from here on
         logits[: self.vocab_size].masked_fill_(~allowed, float("-inf"))
         logits[self.vocab_size :] = float("-inf")
+
+    def _alike(self, token: int, allowed: torch.Tensor) -> bool:
+        """Whether an allowed token is ``token`` but for its case."""
+        word = self.tokenizer.decode_bytes([token]).lower()
+        return any(self.tokenizer.decode_bytes([i]).lower() == word for i in allowed.nonzero().flatten().tolist())
 
     def accept(self, token: int) -> None:
         if not self.released:
