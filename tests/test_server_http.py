@@ -338,6 +338,47 @@ def test_openapi_is_valid_3_1_and_names_the_model(http, tiny_server):
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
 
 
+@pytest.mark.parametrize(("path", "body", "schema"), [
+    ("/v1/messages", {**MESSAGE, "model": "any"}, "MessageStreamEvent"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}, "ResponseStreamEvent"),
+])
+def test_every_event_of_a_stream_fits_the_openapi_description(http, path, body, schema):
+    """The streams were described by their first event's schema alone (message_start, response.created):
+    every later event failed it."""
+    from jsonschema import Draft202012Validator
+    from referencing import Registry
+    from referencing.jsonschema import DRAFT202012
+
+    doc = http.get("/openapi.json").json()
+    registry = Registry().with_resource("urn:doc", DRAFT202012.create_resource(doc))
+    check = Draft202012Validator({"$ref": f"urn:doc#/components/schemas/{schema}"}, registry=registry)
+    text = http.post(path, json={**body, "stream": True}).text
+    events = [json.loads(data) for _, data in frames(text) if data != "[DONE]"]
+    assert len({e["type"] for e in events}) >= 5
+    for event in events:
+        assert not list(check.iter_errors(event)), (event["type"], [e.message for e in check.iter_errors(event)][:3])
+
+
+def test_openapi_names_the_id_a_model_from_a_path_is_served_under(tmp_path):
+    """Made before the model loads, the document named the path the server was started with, an id every
+    request then refused (404 model_not_found)."""
+    from mashbox.engine.load.catalog import resolve, served_id
+    from mashbox.server.launch import Launch, _backend
+    from mashbox.server.openapi import document
+    from mashbox.server.settings import Settings
+
+    model = tmp_path / "My-Model.Q4_1.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))  # resolves; never loads
+    assert served_id(str(model)) == "My-Model.Q4_1" == resolve(str(model)).id
+    assert served_id(str(tmp_path)) == tmp_path.name and served_id("smollm2-135m") == "smollm2-135m"
+    for in_process in (True, False):
+        backend = _backend(Launch(str(model), Settings(), {}, in_process=in_process))
+        try:
+            assert document(backend.model_id, "0")["info"]["x-model"] == "My-Model.Q4_1"
+        finally:
+            backend.close()
+
+
 def test_openapi_describes_every_route(http):
     from mashbox.server.routes import HANDLERS
     from mashbox.server.task_routes import TASK_HANDLERS

@@ -74,9 +74,9 @@ LOCAL_SHELL = "local_shell"
 LOCAL_SHELL_PARAMETERS: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "command": {"type": "array", "items": {"type": "string"}, "description": "argv of the command"},
+        "command": {"type": "array", "items": {"type": "string"}, "minItems": 1, "description": "argv of the command"},
         "workdir": {"type": "string", "description": "working directory"},
-        "timeout_ms": {"type": "integer", "description": "time limit in milliseconds"},
+        "timeout_ms": {"type": "integer", "minimum": 1, "description": "time limit in milliseconds"},  # 0: killed at once
     },
     "required": ["command"],
 }

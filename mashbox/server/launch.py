@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mashbox.engine.load.catalog import served_id
 from mashbox.server import logs
 from mashbox.server.backend import Backend, Change, InProcessBackend
 from mashbox.server.settings import Settings
@@ -150,7 +151,7 @@ def _backend(launch: Launch) -> Backend:
         return WorkerBackend(launch.model, launch.engine_options)
     from mashbox.facade import Engine  # torch loads in this process only with --in-process
 
-    return InProcessBackend(launch.model, lambda: Engine(launch.model, **launch.engine_options))
+    return InProcessBackend(served_id(launch.model), lambda: Engine(launch.model, **launch.engine_options))
 
 
 def _reload_keys(settings: Settings) -> None:

@@ -7,7 +7,7 @@ checks that every route the app serves is described here.
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -53,7 +53,7 @@ class Route(NamedTuple):
     summary: str
     answer: type[BaseModel] | dict[str, Any] | None = None
     request: type[BaseModel] | None = None
-    event: type[BaseModel] | None = None
+    event: type[BaseModel] | tuple[str, Any] | None = None  # a stream's event: a model, or a named union of them
     errors: dict[str, str] = {}
 
 
@@ -95,11 +95,11 @@ ROUTES = [
     Route("post", "/v1/completions", "Text completion", openai_completions.Completion,
           openai_completions.CompletionRequest, openai_completions.Completion, OPENAI_ERRORS),
     Route("post", "/v1/messages", "Messages (Anthropic)", anthropic_output.AnthropicMessage,
-          anthropic_messages.MessagesRequest, anthropic_output.MessageStart, ANTHROPIC_ERRORS),
+          anthropic_messages.MessagesRequest, ("MessageStreamEvent", anthropic_output.StreamEvent), ANTHROPIC_ERRORS),
     Route("post", "/v1/messages/count_tokens", "Count tokens", anthropic_output.TokenCount,
           anthropic_messages.CountTokensRequest, errors={"400": "Bad request.", "529": ANTHROPIC_ERRORS["529"]}),
     Route("post", "/v1/responses", "Responses (OpenAI)", responses_output.Response,
-          openai_responses.ResponsesRequest, responses_output.ResponseLifecycle, OPENAI_ERRORS),
+          openai_responses.ResponsesRequest, ("ResponseStreamEvent", responses_output.StreamEvent), OPENAI_ERRORS),
     Route("get", "/metrics", "Metrics (Prometheus text)"),
     Route("get", "/openapi.json", "This description", {"type": "object"}),
     *_task_routes(),
@@ -110,6 +110,9 @@ def document(model_id: str, version: str) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
     schemas, refs = _schemas()
     schemas.update(Error=ERROR, AnthropicError=ANTHROPIC_ERROR, Health=HEALTH, TaskError=TASK_ERROR)
+    for name, union in (r.event for r in ROUTES if isinstance(r.event, tuple)):  # one event of the stream
+        schemas[name] = {"oneOf": [refs[m, "serialization"] for m in _members(union)],
+                         "discriminator": {"propertyName": "type"}}
     schemas["Model"]["properties"]["id"]["examples"] = [model_id]
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
@@ -149,7 +152,9 @@ def _content(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
         return {}
     schema = route.answer if isinstance(route.answer, dict) else refs[route.answer, "serialization"]
     content = {"application/json": {"schema": _named(schema)}}
-    if route.event is not None:
+    if isinstance(route.event, tuple):
+        content["text/event-stream"] = {"schema": {"$ref": f"#/components/schemas/{route.event[0]}"}}
+    elif route.event is not None:
         content["text/event-stream"] = {"schema": refs[route.event, "serialization"]}
     return {"content": content}
 
@@ -172,8 +177,14 @@ def _operation_id(route: Route) -> str:
     return f"{route.method}_{words or 'root'}"
 
 
+def _members(union: Any) -> tuple[type[BaseModel], ...]:
+    """The models of an ``Annotated[A | B | ..., Field(discriminator=...)]``."""
+    return get_args(get_args(union)[0])
+
+
 def _schemas() -> tuple[dict[str, Any], dict[Any, Any]]:
     wanted = {(r.request, "validation") for r in ROUTES if r.request is not None}
     wanted |= {(m, "serialization") for r in ROUTES for m in (r.answer, r.event) if isinstance(m, type)}
+    wanted |= {(m, "serialization") for r in ROUTES if isinstance(r.event, tuple) for m in _members(r.event[1])}
     refs, top = models_json_schema(sorted(wanted, key=lambda w: (w[0].__name__, w[1])), ref_template=REF)
     return top.get("$defs", {}), refs

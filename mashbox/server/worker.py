@@ -28,6 +28,7 @@ from typing import Any
 from mashbox.engine.channel import Channel
 from mashbox.engine.events import Event, Finish
 from mashbox.engine.info import ModelInfo
+from mashbox.engine.load.catalog import served_id
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
 from mashbox.errors import EngineClosedError
@@ -87,6 +88,7 @@ class WorkerBackend:
 
     def __init__(self, model: str, engine_options: dict[str, Any], *, stop_timeout: float = 10.0) -> None:
         self._model = model
+        self._served = served_id(model)  # its id before it loads
         self._options = dict(engine_options)
         self._stop_timeout = stop_timeout
         self.changes: queue.SimpleQueue[Change] = queue.SimpleQueue()
@@ -118,7 +120,7 @@ class WorkerBackend:
 
     @property
     def model_id(self) -> str:
-        return self._info.id if self._info else self._model
+        return self._info.id if self._info else self._served
 
     @property
     def info(self) -> ModelInfo | None:

@@ -140,6 +140,15 @@ def resolve(model: str, *, cache: Path | None = None) -> ModelSource:
         "HF model directory (with config.json) works too.")
 
 
+def served_id(model: str) -> str:
+    """The id ``model`` is served under, known before it loads (as ``resolve`` names it): a catalog id,
+    else its GGUF file's name without .gguf, or its folder's name."""
+    if model in catalog():
+        return model
+    path = Path(model).expanduser().resolve()
+    return path.name if path.is_dir() else path.stem
+
+
 def _known(entries: dict[str, CatalogEntry]) -> str:
     return ", ".join(sorted(entries))
 
