@@ -10,6 +10,7 @@ import socket
 import sqlite3
 import threading
 import time
+from types import SimpleNamespace
 from typing import Literal
 
 import agentlin_client
@@ -401,6 +402,35 @@ def test_a_tasks_file_that_cannot_be_opened_is_said(tmp_path):
     error = api_error(failed.value, 1)
     assert error.status == 500 and str(tmp_path / "cache" / "tasks.sqlite3") in error.message
     assert "--tasks-db" in error.message
+
+
+class FullDisk(TaskStore):
+    """A tasks file on a disk that filled up: it opens and reads, every write fails as SQLite says it."""
+
+    def _conn(self):
+        db = super()._conn()
+
+        def execute(sql, *args):
+            if sql.lstrip().startswith("INSERT"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return db.execute(sql, *args)
+
+        return SimpleNamespace(execute=execute)
+
+
+def test_a_task_that_cannot_be_kept_is_not_handed_out(backend, tmp_path, monkeypatch):
+    """On a full disk every create answered 200 with a task id that every later look then said was no task
+    (the save's failure only logged, with no file named)."""
+    monkeypatch.setattr("mashbox.server.context.TaskStore", FullDisk)
+    db = tmp_path / "t.sqlite3"
+    for url in serve(backend, Settings(tasks_db=str(db))):
+        answer = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, "task_id": "kept",
+                                                     "inference_args": {"max_tokens": 2}}, timeout=60)
+        assert answer.status_code == 500, answer.text
+        message = answer.json()["error"]["message"]
+        assert str(db) in message and "--tasks-db" in message and "disk is full" in message
+        assert httpx.get(url + "/v1/tasks/kept", timeout=60).status_code == 404
+        assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
 
 
 def test_expiry_needs_no_request(backend, tmp_path):

@@ -24,7 +24,7 @@ from mashbox.api.base import new_id
 from mashbox.api.task_events import TaskLifecycleEvent
 from mashbox.api.task_items import FINAL, CreateTask, RpcError, TaskObject
 from mashbox.api.task_loop import GENERATION_FAILED, Action, TaskLoop, request_param
-from mashbox.errors import InvalidRequestError
+from mashbox.errors import InvalidRequestError, StorageError
 from mashbox.server.admission import Admission, Ticket
 from mashbox.server.backend import Backend
 from mashbox.server.errors import ApiError
@@ -50,6 +50,7 @@ class Live:
         self.events: list[dict[str, Any]] = []
         self.touched = time.monotonic()  # its last event
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.saved: Future[None] | None = None  # its first save (queued): the create answers once it is kept
         self.finished = False
         self.runner: asyncio.Future[None] | None = None  # its loop's asyncio task (held: tasks are weakly kept)
         self._tick = asyncio.Event()
@@ -99,16 +100,19 @@ class TaskRuns:
         """``call`` on the store's thread, awaited (behind every call queued before it)."""
         return await asyncio.wrap_future(self._file.submit(partial(call, *args, **kwargs)))
 
-    def _save(self, tenant: str, task: dict[str, Any]) -> None:
-        """Save on the store's thread without waiting; a failure is logged."""
+    def _save(self, tenant: str, task: dict[str, Any]) -> Future[None] | None:
+        """Save on the store's thread without waiting (a failure is logged); its future."""
         def saved(done: Future[None]) -> None:
             if (error := done.exception()) is not None:
-                log.error("saving task %s failed: %s", task["id"], error)
+                log.error("%s", error)
 
         try:
-            self._file.submit(self.store.save, tenant, task).add_done_callback(saved)
+            future = self._file.submit(self.store.save, tenant, task)
         except RuntimeError:  # the server is stopping (its thread is gone): saved here
             self.store.save(tenant, task)
+            return None
+        future.add_done_callback(saved)
+        return future
 
     @asynccontextmanager
     async def sweeping(self) -> AsyncIterator[None]:
@@ -149,6 +153,12 @@ class TaskRuns:
         self._live[tenant, task_id] = live
         live.runner = asyncio.ensure_future(self._drive(live))
         await live.accepted
+        try:
+            if live.saved is not None:
+                await asyncio.wrap_future(live.saved)
+        except StorageError:  # not kept: no id handed out that a later look would not find
+            live.runner.cancel()
+            raise
         log.info("task %s started (tenant %s)", task_id, tenant)
         return live
 
@@ -174,7 +184,7 @@ class TaskRuns:
             if live.accepted.done():
                 self._save(live.tenant, live.task.dump())
             elif event.type == "task.queued":
-                self._save(live.tenant, live.task.dump())
+                live.saved = self._save(live.tenant, live.task.dump())
                 live.accepted.set_result(None)
         live.add(event.dump())
 

@@ -95,12 +95,17 @@ class TaskStore:
 
     def save(self, tenant: str, task: dict[str, Any]) -> None:
         with self._lock:
-            self._conn().execute(
-                "INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES (?,?,?,?,?,?,?) "
-                "ON CONFLICT (tenant, id) DO UPDATE SET status=excluded.status, updated_at=excluded.updated_at, "
-                "body=excluded.body",
-                (tenant, task["id"], task["status"], task.get("session_id", ""), task.get("user_id", ""),
-                 self._clock(), json.dumps(task, ensure_ascii=False)))
+            db = self._conn()
+            try:
+                db.execute(
+                    "INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES (?,?,?,?,?,?,?) "
+                    "ON CONFLICT (tenant, id) DO UPDATE SET status=excluded.status, updated_at=excluded.updated_at, "
+                    "body=excluded.body",
+                    (tenant, task["id"], task["status"], task.get("session_id", ""), task.get("user_id", ""),
+                     self._clock(), json.dumps(task, ensure_ascii=False)))
+            except sqlite3.Error as err:  # a full disk, a file gone read-only
+                raise StorageError(f"task {task['id']} cannot be saved in {self.path} ({type(err).__name__}: {err}); "
+                                   "free space there, or start the server with --tasks-db naming another file") from err
 
     def get(self, tenant: str, task_id: str) -> dict[str, Any] | None:
         with self._lock:
