@@ -89,7 +89,7 @@ def test_serves_while_loading_answers_then_stops_cleanly(tiny_model_dir):
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
-    assert f"serving {tiny_model_dir} on {url} (loading...)" in err and "ready" in err
+    assert f"serving {tiny_model_dir.name} on {url} (loading...)" in err and "ready" in err  # the id it answers to
     assert "Traceback" not in err
     assert gone(restarted["worker_pid"])
     assert "loading the model again (restart 1)" in err

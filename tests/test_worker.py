@@ -164,6 +164,25 @@ def test_killed_worker_restarts_and_ends_its_streams_with_an_error(worker):
     assert drained(worker.changes) == [("loading", restarts + 1), ("ready", restarts + 1)]
 
 
+def test_a_worker_killed_again_while_it_loads_again_is_started_once_more(worker):
+    """Out of memory twice: the worker killed, then its new one killed while it loaded the model that had
+    loaded before; the whole server stopped (exit 1, connections refused)."""
+    assert worker.wait(60) == "ready"
+    first = worker.worker_pid
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while worker.worker_pid in (first, None):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    second = worker.worker_pid
+    assert worker.state == "loading"
+    os.kill(second, signal.SIGKILL)
+    while worker.worker_pid in (first, second, None) and worker.state != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert worker.wait(60) == "ready", worker.error
+
+
 def test_request_in_flight_when_the_worker_dies_is_answered_over_http(worker, tiny_engine):
     from server import serve
 

@@ -5,7 +5,8 @@ typed messages of ``worker_messages``: a sender thread writes commands, a
 reader thread hands each reply to the channel of the request it answers.
 
 When the worker dies, the backend reports ``loading``, counts a restart and
-starts a new one. Every stream it was answering ends with
+starts a new one (and again, ``RELOADS`` times in a row, if that one dies while
+loading: a model that loaded once can load again; a load that fails says why and ends). Every stream it was answering ends with
 ``Finish(reason="error")``: the HTTP layer re-sends, once, a request whose
 client has received nothing (commands sent meanwhile wait for the new
 worker). A token count, which nothing above re-sends, is sent again once.
@@ -53,6 +54,7 @@ from mashbox.server.worker_messages import (
 )
 
 log = logging.getLogger("mashbox.server")
+RELOADS = 3  # a worker that dies while loading again (out of memory, say) is started again this many times in a row
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +105,7 @@ class WorkerBackend:
         self._info: ModelInfo | None = None
         self._threads = 0
         self._restarts = 0
+        self._reloads = 0  # workers in a row that died while loading again, after the model had loaded
         self._closed = False
         self._stats: EngineStats | None = None
         with self._lock:
@@ -304,7 +307,7 @@ class WorkerBackend:
         with self._changed:
             if self._closed:  # loaded as the server stopped: nothing to announce
                 return
-            worker.ready = True
+            worker.ready, self._reloads = True, 0
             self._info, self._threads, self._state = info, threads, "ready"
             self._changed.notify_all()
             self._announce()
@@ -323,12 +326,14 @@ class WorkerBackend:
         with self._changed:
             if self._closed or worker is not self._worker:
                 return
-            if worker.failed or not worker.ready:
+            again = not worker.ready and self._info is not None and self._reloads < RELOADS  # it loaded before
+            if worker.failed or not (worker.ready or again):
                 self._error = worker.failed or f"the worker {_exit(worker.process.exitcode)} while loading"
                 self._state = "failed"
                 self._lose_all(self._error, final=True)
             else:
                 log.warning("worker %s %s; starting it again", worker.process.pid, _exit(worker.process.exitcode))
+                self._reloads += again
                 self._restarts += 1
                 self._stats = None
                 self._worker = self._start()
