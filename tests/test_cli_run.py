@@ -384,3 +384,31 @@ def test_a_server_whose_stderr_nobody_reads_goes_on_serving_and_stops(tiny_model
         assert process.wait(timeout=30) == 0
     finally:
         process.kill()
+
+
+def test_a_second_ctrl_c_ends_the_answers_at_once_each_with_its_error_event():
+    """The first Ctrl-C lets answers end (5 s); a second one, uvicorn's, cut every stream mid-answer (no error
+    event, no [DONE]) and logged a traceback for each."""
+    import openai
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = mashbox("--port", str(port), "--ctx", "8192", "--slots", "2", "--cache-disk", "0")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        poll_health(url, process)
+        long = client.chat.completions.create(stream=True, max_tokens=6000, model="smollm2-135m", messages=[
+            {"role": "user", "content": "Write a very long story about a lighthouse."}])
+        next(iter(long))
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            list(long)
+        assert time.monotonic() - start < 3  # not the 5 s the first one gives
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0 and "Traceback" not in err and "Exception in ASGI" not in err, err

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from mashbox.engine.load.catalog import served_id
@@ -97,11 +98,30 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
 
     config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
                             log_level="warning", timeout_graceful_shutdown=GRACE_S)
-    server = uvicorn.Server(config)
+    server = _server(config, backend)
     watch = Watch(backend, server, _url(settings))
     threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
     server.run(sockets=[sock])
     return watch.status
+
+
+def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's, but a second Ctrl-C ends the answers still running at once, each with its protocol's
+        error event (uvicorn's own cut their connections, a traceback each); a third cuts them."""
+
+        hurried = False
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if sig == signal.SIGINT and self.should_exit and not self.hurried:
+                self.hurried = True  # the backend's close may wait on the worker: not in the handler
+                threading.Thread(target=backend.close, name="mashbox-stop", daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 class Watch:
