@@ -5,9 +5,9 @@ typed messages of ``worker_messages``: a sender thread writes commands, a
 reader thread hands each reply to the channel of the request it answers.
 
 When the worker dies, the backend reports ``loading``, counts a restart and
-starts a new one (and again, ``RELOADS`` times in a row, if that one dies while
-loading: a model that loaded once can load again; a load that fails says why and ends). Every stream it was answering ends with
-``Finish(reason="error")``: the HTTP layer re-sends, once, a request whose
+starts a new one (again, ``RELOADS`` times in a row, where that one dies while
+loading: a model that loaded once can load again; a load that fails says why and
+ends). Every stream it was answering ends with ``Finish(reason="error")``: the HTTP layer re-sends, once, a request whose
 client has received nothing (commands sent meanwhile wait for the new
 worker). A token count, which nothing above re-sends, is sent again once.
 """
