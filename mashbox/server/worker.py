@@ -7,9 +7,10 @@ reader thread hands each reply to the channel of the request it answers.
 When the worker dies, the backend reports ``loading``, counts a restart and
 starts a new one (again, ``RELOADS`` times in a row, where that one dies while
 loading: a model that loaded once can load again; a load that fails says why and
-ends). Every stream it was answering ends with ``Finish(reason="error")``: the HTTP layer re-sends, once, a request whose
-client has received nothing (commands sent meanwhile wait for the new
-worker). A token count, which nothing above re-sends, is sent again once.
+ends). Every stream it was answering ends with ``Finish(reason="error")``: the
+HTTP layer re-sends, once, a request whose client has received nothing (commands
+sent meanwhile wait for the new worker). A token count, which nothing above
+re-sends, is sent again once.
 """
 
 from __future__ import annotations
