@@ -282,16 +282,21 @@ def test_a_call_begun_in_auto_mode_can_only_name_a_declared_tool(tiny_engine, sm
     assert all(a is None for a in runner.allowed[call_end + 1:]), "text after the call is free again"
 
 
+def _guarded(engine, tok, written: str) -> tuple[list[int], MaskedScriptRunner, list]:
+    """``written`` (then the end), as a model in auto mode writes it through the guard of WEATHER and TIME."""
+    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
+    runner = MaskedScriptRunner(script, len(tok))
+    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
+    markup = Markup(names=frozenset(t.name for t in tools))
+    return script, runner, scripted_events(runner, tok, len(script), markup, engine.grammars.guard(tools))
+
+
 def test_a_call_begun_with_llama_3s_parameters_key_is_guarded_as_written(tiny_engine, smol_tokenizer):
     """Llama 3's templates ask for {"name": ..., "parameters": ...}: the guard lets the model write that key
     (each token of the call allowed), and the call comes out with its arguments."""
     tok = smol_tokenizer
     written = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
-    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
-    runner = MaskedScriptRunner(script, len(tok))
-    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
-    markup = Markup(names=frozenset(t.name for t in tools))
-    events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
+    script, runner, events = _guarded(tiny_engine, tok, written)
     starts = [e for e in events if isinstance(e, ToolCallStart)]
     assert [e.name for e in starts] == ["get_weather"]
     first_masked = next(i for i, allowed in enumerate(runner.allowed) if allowed is not None)
@@ -304,11 +309,7 @@ def test_a_list_of_calls_is_guarded_to_its_end(tiny_engine, smol_tokenizer):
     tok = smol_tokenizer
     written = ('[{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}, '
                '{"name": "get_time", "arguments": {"zone": "CET"}}]')
-    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
-    runner = MaskedScriptRunner(script, len(tok))
-    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
-    markup = Markup(names=frozenset(t.name for t in tools))
-    events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
+    script, runner, events = _guarded(tiny_engine, tok, written)
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["get_weather", "get_time"]
     texts = [tok.decode(script[: i + 1]) for i in range(len(script) - 1)]
     second = next(i for i, text in enumerate(texts) if text.endswith('{"name": "'))
@@ -435,11 +436,7 @@ def test_a_call_begun_without_tags_is_the_models_only_where_it_leans_to_a_declar
 def test_a_models_own_json_that_begins_with_name_stays_text(tiny_engine, smol_tokenizer):
     tok = smol_tokenizer
     written = '{"name": "Alice", "age": 30}'
-    script = tok.encode(written, add_special_tokens=False) + [tok.eos_token_id]
-    runner = MaskedScriptRunner(script, len(tok))
-    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
-    markup = Markup(names=frozenset(t.name for t in tools))
-    events = scripted_events(runner, tok, len(script), markup, tiny_engine.grammars.guard(tools))
+    script, runner, events = _guarded(tiny_engine, tok, written)
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == written
     assert not any(isinstance(e, ToolCallStart) for e in events)
 
