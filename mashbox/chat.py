@@ -41,6 +41,7 @@ class Conversation:
 
 def run(engine: Any, system: str | None, options: dict[str, Any], interactive: bool) -> int:
     conversation = Conversation(system)
+    _tolerant_streams()
     if interactive:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if our parent ignored it
         signal.signal(signal.SIGTERM, _terminated)
@@ -60,9 +61,16 @@ def run(engine: Any, system: str | None, options: dict[str, Any], interactive: b
     return 0
 
 
+def _tolerant_streams() -> None:
+    """Streams are strict where PYTHONIOENCODING names no error handler: bytes of another encoding
+    read are said (``_lines``), and a character the output's encoding lacks is written escaped."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def _lines(interactive: bool) -> Iterator[str]:
-    if isinstance(sys.stdin, io.TextIOWrapper):  # strict where PYTHONIOENCODING names no error handler
-        sys.stdin.reconfigure(errors="surrogateescape")  # bytes of another encoding are said below
     while True:
         try:
             line = input("> " if interactive else "")
@@ -73,11 +81,17 @@ def _lines(interactive: bool) -> Iterator[str]:
         except KeyboardInterrupt:  # at the prompt: a new prompt, as in a shell
             print()
             continue
-        text = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bytes of another encoding
-        if text != line:
-            _say("this line is not UTF-8 text: the bytes that are not were read as \ufffd")
+        text = _decoded(line.encode("utf-8", "surrogateescape"))  # UTF-8 bytes read in a narrower encoding
         if text.strip():
             yield text.strip()
+
+
+def _decoded(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        _say("this line is not UTF-8 text: the bytes that are not were read as \ufffd")
+        return data.decode("utf-8", "replace")
 
 
 def _terminated(*_: object) -> None:

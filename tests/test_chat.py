@@ -159,3 +159,15 @@ def test_bytes_of_another_encoding_are_said_also_where_stdin_is_strict(tiny_mode
     done = subprocess.run([sys.executable, "-m", "mashbox", "chat", str(tiny_model_dir), "--max-tokens", "2"],
                           input=b"caf\xe9 \xe6\x97\xa5\n", capture_output=True, env=env, timeout=300)
     assert done.returncode == 0 and b"not UTF-8 text" in done.stderr, done.stderr[-2000:]
+
+
+def test_utf8_is_read_and_any_text_written_where_the_streams_are_ascii(tiny_engine, monkeypatch, capsys):
+    """With PYTHONIOENCODING=ascii a UTF-8 line was said to be "not UTF-8 text", and an answer's first
+    character outside ASCII ended the chat in a UnicodeEncodeError."""
+    out = io.BytesIO()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Repeat: café 日本\n".encode()), encoding="ascii"))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, encoding="ascii", write_through=True))
+    assert chat.run(tiny_engine, None, {"max_tokens": 2}, interactive=False) == 0
+    print("café", end="", flush=True)
+    assert "not UTF-8 text" not in capsys.readouterr().err
+    assert out.getvalue().endswith(rb"caf\xe9")
