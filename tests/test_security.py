@@ -70,6 +70,25 @@ def test_bad_key_files(text, error):
     assert "sk-a" not in str(info.value)
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_key(tmp_path):
+    """A key file saved by Notepad (BOM, CRLF) refused its first key, silently."""
+    path = tmp_path / "keys"
+    path.write_bytes(b"\xef\xbb\xbfsk-first\r\nsk-second\r\n")
+    assert set(load_keys(str(path), None)) == {"sk-first", "sk-second"}
+
+
+@pytest.mark.parametrize("key", ["sk-üml", "sk-bob€", "sk-\x7f"])
+def test_a_key_no_client_can_send_is_refused_at_start(tmp_path, key):
+    """A non-ASCII key was taken, then refused to every client (httpx cannot send it, curl's UTF-8 was
+    read as Latin-1)."""
+    path = tmp_path / "keys"
+    path.write_text(f"sk-fine\n{key} team\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="line 2: a key holds a character other than printable ASCII"):
+        load_keys(str(path), None)
+    with pytest.raises(ValueError, match="MASHBOX_API_KEY: a key holds"):
+        load_keys(None, key)
+
+
 def test_missing_key_file_names_the_path(tmp_path):
     missing = str(tmp_path / "nope.keys")
     with pytest.raises(ValueError, match="nope.keys"):
@@ -119,6 +138,10 @@ def test_keys_on_v1_routes(headers, expected):
         ("GET", "/", False),
         ("HEAD", "/", False),
         ("GET", "/ui/app.js", False),
+        ("GET", "/tasks/..", True),  # the router takes ".." for a task id: keyed as sent
+        ("DELETE", "/tasks/..", True),
+        ("POST", "/tasks/../cancel", True),
+        ("GET", "/v1/tasks/./x", True),
     ],
 )
 def test_which_paths_need_a_key(method, path, keyed_path):
@@ -190,14 +213,29 @@ def test_forbidden_comes_before_unauthorized():
 
 
 def test_named_host_and_server_host_are_answered():
-    settings = keyed(host="10.0.0.5")
-    ok = {"Host": "10.0.0.5:8000", "x-api-key": "sk-alpha"}
+    settings = Settings(host="127.0.0.1")
+    ok = {"Host": "127.0.0.1:8000"}
     assert status(settings, "GET", "/v1/models", ok) is None
-    assert status(settings, "GET", "/v1/models", {**ok, "Origin": "http://10.0.0.5:8000"}) is None
+    assert status(settings, "GET", "/v1/models", {**ok, "Origin": "http://127.0.0.1:8000"}) is None
     assert status(settings, "GET", "/v1/models", {**ok, "Host": "other.example"}) == 403
     assert status(settings, "GET", "/v1/models", {**ok, "Host": "api.example"}, server_host="api.example") is None
     with_port = {**ok, "Host": "API.example:443"}
     assert status(settings, "GET", "/v1/models", with_port, server_host="api.example:443") is None
+
+
+def test_a_lan_address_answers_the_names_it_is_reached_by():
+    """Bound to one LAN address, requests by the machine's DNS name were refused (403) where 0.0.0.0
+    took them: keys are required on both."""
+    settings = keyed(host="192.0.2.2")
+    ok = {"Host": "box.lan:8000", "x-api-key": "sk-alpha"}
+    assert status(settings, "GET", "/v1/models", ok) is None
+    assert status(settings, "GET", "/v1/models", {"Host": "box.lan:8000"}) == 401
+    assert status(settings, "GET", "/v1/models", {**ok, "Origin": "http://evil.example"}) == 403
+    assert status(Settings(), "GET", "/v1/models", {"Host": "box.lan:8000"}) == 403  # loopback: rebinding
+
+
+def test_a_bracketed_address_is_the_address():
+    assert Settings(host="[::1]").host == "::1"
 
 
 def test_wildcard_bind_answers_any_host_but_needs_keys():

@@ -112,6 +112,7 @@ def test_a_key_anywhere_but_bearer_or_x_api_key_is_refused(one_slot, headers):
     response = httpx.get(f"{one_slot.url}/v1/models", headers=headers)
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
+    assert response.headers["www-authenticate"].startswith("Bearer")  # RFC 9110: a 401 names its scheme
 
 
 @pytest.mark.parametrize("headers", [auth("t3"), {"x-api-key": "key-t3"}, {"authorization": "Bearer key-loner"}])

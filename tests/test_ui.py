@@ -643,3 +643,21 @@ def test_screenshots_at_desktop_and_phone_widths(smol, browser):
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than a phone
     tab.context.close()
     assert not tab.crashes
+
+
+def test_a_key_that_cannot_be_sent_is_asked_for_again(keyed, tab):
+    """A key with a character outside Latin-1 made fetch throw: the page said "the server is not answering"
+    for good (the key kept in sessionStorage), and the key dialog never came back."""
+    page = tab.open(keyed, model=None)
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_contain_text("This server needs an API key")
+    page.get_by_label("API key", exact=True).fill("sk-bob€")
+    page.get_by_label("API key", exact=True).press("Enter")
+    expect(dialog).to_be_visible()  # the field refuses it
+    page.evaluate("sessionStorage.setItem('mashbox.key', 'sk-bob€')")  # kept by a page from before
+    page.reload()
+    expect(dialog).to_contain_text("printable ASCII")
+    expect(page.locator("#status-dot")).not_to_have_attribute("data-state", "gone")
+    page.get_by_label("API key", exact=True).fill(KEY)
+    page.get_by_role("button", name="Use this key").click()
+    expect(page.locator("#model-id")).not_to_have_text("connecting…", timeout=WAIT_MS)

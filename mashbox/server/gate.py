@@ -40,6 +40,8 @@ class Gate:
         refusal = security.check(self.ctx.settings, method, path, headers, server[0] if server else None)
         if refusal is not None:
             status, body, headers = answer(path, ApiError(refusal.status, refusal.message), request_id)
+            if status == 401:  # RFC 9110: a 401 names the scheme it asks for
+                headers = {**headers, "www-authenticate": 'Bearer realm="mashbox"'}
             await _reply(send, status, None if method == "HEAD" else body, headers)
         elif method == "HEAD":
             ready = self.ctx.backend.state == "ready"

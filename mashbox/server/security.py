@@ -11,14 +11,16 @@ a ``Refusal`` into its route's error shape. Checks run in this order:
 2. 403 ``Host`` names a host the server does not answer to (DNS rebinding).
    The server answers to 127.0.0.1, localhost, ::1, ``--host`` and
    ``server_host`` (a name it is also reached by, e.g. a test client's),
-   with any port. Bound to a wildcard address (0.0.0.0, ::)
-   it answers to any name: its addresses are unknown here, and Settings
-   requires keys there, so a rebound page still has no key. A request
-   without ``Host`` (HTTP/1.0) passes: browsers always send it.
-3. 401 with keys, on /v1/*, /metrics and /openapi.json (GET/HEAD of the
+   with any port. Bound to an address that is not loopback (0.0.0.0, ::, a
+   LAN address) it answers to any name: the names it is reached by are unknown
+   here, and Settings requires keys there, so a rebound page still has no key.
+   A request without ``Host`` (HTTP/1.0) passes: browsers always send it.
+3. 401 with keys, on /v1/*, /tasks/*, /metrics and /openapi.json (GET/HEAD of the
    health paths excepted) without a valid key in ``Authorization: Bearer`` or
-   ``x-api-key``, whatever the route. Keys are compared in constant time with
-   every configured key. Without keys no key is checked; any key sent is ignored.
+   ``x-api-key``, whatever the route; a path is keyed when it is so as sent or
+   with its ``.`` and ``..`` segments resolved (the router resolves none).
+   Keys are compared in constant time with every configured key. Without keys
+   no key is checked; any key sent is ignored.
 4. 415 a POST with a body whose Content-Type is not application/json (parameters allowed), or whose
    body is compressed (a Content-Encoding other than identity: read as it is, it was "not valid JSON").
 
@@ -37,10 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from mashbox.server.settings import Settings
+from mashbox.server.settings import Settings, is_loopback
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
 KEYED_PATHS = frozenset({"/v1", "/tasks", "/metrics", "/openapi.json"})
 DEFAULT_TENANT = "default"
@@ -70,13 +71,21 @@ def load_keys(path: str | None, env_key: str | None) -> dict[str, str]:
     keys = _read_key_file(path) if path else {}
     env_key = (env_key or "").strip()
     if env_key:
+        _check_sendable(env_key, "MASHBOX_API_KEY")
         keys.setdefault(env_key, key_tenant(env_key))
     return keys
 
 
+def _check_sendable(key: str, where: str) -> None:
+    """HTTP clients send header values as ASCII (httpx refuses others, browsers Latin-1 only)."""
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"{where}: a key holds a character other than printable ASCII, which no HTTP "
+                         "client sends as it is: use letters, digits and punctuation")
+
+
 def _read_key_file(path: str) -> dict[str, str]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # Notepad's byte order mark is no part of a key
     except OSError as exc:
         raise ValueError(f"api key file {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     except UnicodeDecodeError:
@@ -94,6 +103,7 @@ def parse_keys(text: str, path: str = "<keys>") -> dict[str, str]:
         if len(fields) > 2:
             raise ValueError(f"api key file {path}, line {number}: expected a key and at most one tenant name")
         key = fields[0]
+        _check_sendable(key, f"api key file {path}, line {number}")
         owner = fields[1] if len(fields) == 2 else key_tenant(key)
         if keys.setdefault(key, owner) != owner:
             raise ValueError(f"api key file {path}, line {number}: this key already belongs to another tenant")
@@ -136,7 +146,11 @@ def tenant(settings: Settings, headers: Mapping[str, str]) -> str:
 
 def needs_key(method: str, path: str) -> bool:
     """Whether ``path`` is one of those a key guards (when keys are configured)."""
-    path = posixpath.normpath(re.sub(r"/+", "/", "/" + path)).lower()
+    sent = re.sub(r"/+", "/", "/" + path).lower().rstrip("/") or "/"
+    return any(_keyed(method, form) for form in (sent, posixpath.normpath(sent)))
+
+
+def _keyed(method: str, path: str) -> bool:
     if method.upper() in ("GET", "HEAD") and path in PUBLIC_PATHS:
         return False
     return path in KEYED_PATHS or path.startswith(("/v1/", "/tasks/"))
@@ -145,7 +159,7 @@ def needs_key(method: str, path: str) -> bool:
 def answered_hosts(settings: Settings, server_host: str | None = None) -> frozenset[str] | None:
     """Host names the server answers to; None for any (bound to a wildcard address)."""
     bound = _hostname(settings.host)
-    if bound in WILDCARD_HOSTS:
+    if not is_loopback(bound):
         return None
     named = _host_port(server_host) if server_host else None
     return LOOPBACK_NAMES | {bound} | ({named[0]} if named else set())

@@ -65,6 +65,7 @@ class Settings:
     sampling: Mapping[str, float] = field(default_factory=dict)  # what a request that leaves a field out gets
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "host", self.host.strip().removeprefix("[").removesuffix("]"))  # [::1] as in a URL
         if not isinstance(self.api_keys, KeyRing):
             object.__setattr__(self, "api_keys", KeyRing(self.api_keys))
         if not is_loopback(self.host) and not self.api_keys:

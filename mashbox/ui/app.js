@@ -8,6 +8,7 @@ const STORE = {
 };
 const REMOVED_KEPT = 1000;
 const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "thinking"];
+const SENDABLE = /^[\x21-\x7e]*$/; // what a header value may hold here: fetch throws on others, httpx too
 const POLL_MS = { ready: 10000, waiting: 1000 };
 const PANELS = { settings: ["settings", "settings-toggle", "system"], sidebar: ["sidebar", "menu", "new-chat"] };
 
@@ -509,6 +510,10 @@ class ChatPage {
   async call(path, init, signal) {
     for (;;) {
       const key = sessionStorage.getItem(STORE.key);
+      if (!SENDABLE.test(key ?? "")) {
+        await this.askKey("the key holds characters other than printable ASCII, which cannot be sent");
+        continue;
+      }
       const headers = { ...init.headers, ...(key ? { authorization: `Bearer ${key}` } : {}) };
       let response;
       try {
