@@ -717,3 +717,30 @@ def test_a_continuation_answers_every_client_call():
     assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
     assert [(c.id, c.name) for c in messages[1].tool_calls] == [("call_0", "get_weather"), ("call_1", "get_weather")]
     assert [(m.tool_call_id, m.content) for m in messages[2:]] == [("call_0", "Sunny in Paris"), ("call_1", "Sunny in Rome")]
+
+
+def test_creates_at_once_with_one_task_id_start_one_task(url, tasks):
+    """The id was claimed only after the store was read: 7 of 8 creates at once got 200 under one id,
+    each answer a different one, the row the last save's, and the copies could not be canceled."""
+    body = {"user_message_content": "Tell a long story.", "stream": False, "background": True,
+            "task_id": "twins", "inference_args": {"max_tokens": 24}}
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(url + "/v1/tasks", json=body) for _ in range(6)))
+
+    statuses = sorted(response.status_code for response in asyncio.run(together()))
+    assert statuses == [200] + [409] * 5, statuses
+    _until_final(tasks, "twins")
+
+
+def test_refusals_of_a_create_name_the_field_and_echo_its_request_id(url):
+    """``limit=²`` (a digit to str.isdigit, not to int) was a 500; a message too long for the context,
+    with no history, was said to be the history; a body refused by its types answered with the
+    server's id, not the request's ``request_id``."""
+    listed = httpx.get(url + "/v1/tasks", params={"limit": "²"})
+    assert listed.status_code == 400 and listed.json()["error"]["data"]["param"] == "limit", listed.text
+    long = httpx.post(url + "/v1/tasks", json={"user_message_content": "word " * 5000, "stream": False})
+    assert long.status_code == 400 and long.json()["error"]["data"]["param"] == "user_message_content", long.text
+    typed = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": "yes", "request_id": "mine"})
+    assert typed.status_code == 400 and typed.json()["id"] == "mine", typed.text

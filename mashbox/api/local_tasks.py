@@ -79,7 +79,7 @@ async def events(loop: TaskLoop) -> AsyncIterator[Any]:
         async for event in loop.run():
             yield event
     except InvalidRequestError as err:
-        raise request_param(err) from None
+        raise request_param(err, loop.req) from None
 
 
 async def run_async(loop: TaskLoop) -> Any:

@@ -60,9 +60,11 @@ _PARAMS = {"messages": "history_messages", "response_schema": "structured_output
            "tool_choice": "inference_args.tool_choice"}
 
 
-def request_param(err: InvalidRequestError) -> InvalidRequestError:
-    """An engine's refusal, naming the field of the create request it comes from."""
-    return InvalidRequestError(_PARAMS.get(err.param, err.param), err.message)
+def request_param(err: InvalidRequestError, req: CreateTask) -> InvalidRequestError:
+    """An engine's refusal, naming the field of the create request it comes from (a prompt too
+    long for the context: the history where there is one, else the message)."""
+    param = "user_message_content" if err.param == "messages" and not req.history_messages else err.param
+    return InvalidRequestError(_PARAMS.get(param, param), err.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,7 @@ def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt:
             tool_choice="auto" if schema else choice, parallel_tool_calls=args.parallel_tool_calls is not False,
             enable_thinking=args.enable_thinking, cache_salt=cache_salt, response_schema=schema)
     except InvalidRequestError as err:
-        raise request_param(err) from None
+        raise request_param(err, req) from None
 
 
 def _structured(req: CreateTask, stop: tuple[str, ...], choice: ToolChoice) -> None:

@@ -45,6 +45,9 @@ def _tenant(ctx: Context, request: Request) -> str:
 @post(paths(), status_code=200, summary="Create an agent task")
 async def create_task(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
     ctx.served()
+    sent = data.get("request_id") if isinstance(data, dict) else None
+    if isinstance(sent, str | int) and not isinstance(sent, bool):  # a refusal of the body echoes it too
+        request.scope["state"]["request_id"] = sent
     req = parse(CreateTask, data)
     rid = req.request_id if req.request_id is not None else request_id(request)
     request.scope["state"]["request_id"] = rid  # an error from here on (a 429, a 409) echoes it too
@@ -90,7 +93,7 @@ async def list_tasks(ctx: Ctx, request: Request) -> dict[str, Any]:
 def _limit(text: str | None) -> int:
     if text is None:
         return 20
-    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_PAGE:  # not "²" nor "５"
         raise InvalidRequestError("limit", f"must be a whole number from 1 to {MAX_PAGE} (got {text!r})")
     return int(text)
 

@@ -93,6 +93,7 @@ class TaskRuns:
     def __init__(self, backend: Backend, admission: Admission, store: TaskStore, salted: bool) -> None:
         self._backend, self._admission, self.store, self._salted = backend, admission, store, salted
         self._live: dict[tuple[str, str], Live] = {}
+        self._claimed: set[tuple[str, str]] = set()  # ids being created: not yet live, maybe stored
         self.sweep_every_s = min(store.ttl_s / 2, MAX_SWEEP_EVERY_S)
         self._file = ThreadPoolExecutor(1, thread_name_prefix="mashbox-tasks-db")  # the store's calls, in order
 
@@ -141,16 +142,23 @@ class TaskRuns:
         refuses raises here, and leaves no task behind)."""
         await self.sweep()
         task_id = req.task_id or new_id("task_")
-        if (tenant, task_id) in self._live or await self._stored(self.store.get, tenant, task_id) is not None:
-            raise ApiError(409, f"a task with id {task_id!r} exists; choose another task_id", param="task_id")
-        if req.previous_task_id is not None and await self.find(tenant, req.previous_task_id, strict=False) is None:
-            raise InvalidRequestError("previous_task_id", f"no task {req.previous_task_id!r} is known here")
+        key = (tenant, task_id)
+        if key in self._live or key in self._claimed:  # claimed before the first wait: creates at once get one
+            raise _taken(task_id)
+        self._claimed.add(key)
+        try:
+            if await self._stored(self.store.get, tenant, task_id) is not None:
+                raise _taken(task_id)
+            if req.previous_task_id is not None and await self.find(tenant, req.previous_task_id, strict=False) is None:
+                raise InvalidRequestError("previous_task_id", f"no task {req.previous_task_id!r} is known here")
+        finally:
+            self._claimed.discard(key)
         task = TaskObject(id=task_id, created_at=int(time.time()), session_id=req.session_id or "",
                           user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
         loop = TaskLoop(req, task, self._backend.astream, cache_salt=tenant if self._salted else "",
                         abort=self._backend.abort)
         live = Live(tenant, loop, self._admission.admit(tenant), bool(req.background))
-        self._live[tenant, task_id] = live
+        self._live[key] = live
         live.runner = asyncio.ensure_future(self._drive(live))
         await live.accepted
         try:
@@ -167,7 +175,7 @@ class TaskRuns:
             async for event in live.loop.run():
                 self._on(live, event)
         except InvalidRequestError as err:
-            self._fail(live, err.message, request_param(err))
+            self._fail(live, err.message, request_param(err, live.loop.req))
         except Exception as exc:
             log.exception("task %s failed", live.task.id)
             self._fail(live, f"{type(exc).__name__}: {exc}", exc)
@@ -216,7 +224,8 @@ class TaskRuns:
             await self._stored(self.store.save, tenant, found)
             return found
         if live is None or live.task.status not in needs:
-            raise ApiError(409, f"the task is {found['status']}: only a task that is {' or '.join(sorted(needs))} "
+            able = needs | ({"input-required"} if action == "cancel" else set())  # canceled above, when not live
+            raise ApiError(409, f"the task is {found['status']}: only a task that is {' or '.join(sorted(able))} "
                                 f"can be {'canceled' if action == 'cancel' else action + 'd'}",
                            param="task_id", code="invalid_task_state")
         live.loop.control.ask(action)
@@ -256,3 +265,7 @@ class TaskRuns:
         """Its client went away: cancel it, unless it was created to run in the background."""
         if not live.finished and not live.background:
             live.loop.control.ask("cancel")
+
+
+def _taken(task_id: str) -> ApiError:
+    return ApiError(409, f"a task with id {task_id!r} exists; choose another task_id", param="task_id")
