@@ -82,8 +82,8 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                           "(default: %(default)s)")
     run.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     run.add_argument("--ctx", type=int, default=None,
-                     help="context length of each slot, in tokens (default: the model's, from the catalog "
-                          "or its config)")
+                     help="context length of each slot, in tokens (default: the catalog's for its ids; else "
+                          "the context the model was trained on, up to 8192)")
     run.add_argument("--slots", type=int, default=16,
                      help="requests decoded together; each slot holds one whole context of KV cache "
                           "(default: %(default)s)")

@@ -186,3 +186,31 @@ def test_a_conversation_the_template_refuses_names_the_protocols_field(tiny_mode
             engine.chat(messages=[{"role": "user", "content": "refuse"}], max_tokens=2)
     assert responses.value.param == "input" and "not this one" in responses.value.message
     assert chat.value.param == "messages"
+
+
+def test_a_template_that_raises_any_python_error_refuses_only_what_it_raises_on():
+    """A template whose arithmetic failed on three turns (ZeroDivisionError, not among the errors caught)
+    broke the probes that read it: every chat request was a 500, however many turns."""
+    picky = template("{% if messages | length > 2 %}{{ 1 // 0 }}{% endif %}"
+                     "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert picky.render((Message("user", "Hi"),)) == "[user]Hi"
+    with pytest.raises(InvalidRequestError, match="refuses this conversation: ZeroDivisionError"):
+        picky.render((Message("user", "a"), Message("assistant", "b"), Message("user", "c")))
+
+
+def test_transformers_generation_tag_renders_its_body():
+    """TRL's assistant-only-loss templates mark the answer with {% generation %}: "unknown tag" before."""
+    tagged = template("{% for m in messages %}[{{ m.role }}]{% if m.role == 'assistant' %}{% generation %}"
+                      "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    assert tagged.render((Message("user", "Hi"), Message("assistant", "Yo"), Message("user", "Ok"))) == \
+        "[user]Hi[assistant]Yo[user]Ok"
+
+
+def test_a_template_that_does_not_compile_is_said_at_load(tiny_model_dir, tmp_path, caplog):
+    """It loaded silently, /health 200, and every chat request was then a 400 blaming its messages."""
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    with caplog.at_level("WARNING", logger="mashbox"), Engine(str(folder), ctx=512, slots=1, quiet=True) as engine:
+        assert "the model's chat template does not read" in caplog.text and "complete" in caplog.text
+        assert engine.complete(prompt="Hi", max_tokens=1).choices[0].finish_reason == "length"

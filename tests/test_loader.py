@@ -245,7 +245,16 @@ def _tensor_type(name: str, kind: int):
     return change
 
 
+def _renamed_field(key: str):
+    """Rename the metadata ``key`` (one letter changed): the file no longer has it."""
+    def change(data: bytearray) -> None:
+        at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8
+        data[at] = ord("x")
+    return change
+
+
 @pytest.mark.parametrize(("change", "said"), [
+    (_renamed_field("llama.attention.head_count"), "lacks the metadata llama.attention.head_count"),  # a TypeError
     (_u32_field("llama.attention.head_count_kv", 1), "tensor blk.0.attn_k.weight is 192 x 576, where its head "
                                                      "counts and sizes make it 64 x 576"),
     (_u32_field("llama.attention.head_count_kv", 4), "tensor blk.0.attn_k.weight is 192 x 576"),
@@ -427,3 +436,17 @@ def test_a_rotary_scaling_mashbox_does_not_know_is_named(tiny_model_dir: Path, t
     (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": rope, "rope_scaling": rope}))
     with pytest.raises(ModelLoadError, match="the rotary scaling 'foo' \\(rope_type\\) is not one mashbox knows"):
         load(str(folder))
+
+
+def test_a_gguf_reached_by_a_link_is_served_under_the_links_name(tmp_path: Path) -> None:
+    """The hub's cache (huggingface-cli download) names a snapshot's file by a link to a blob named by its
+    hash: the model was served as that hash, and a request naming the file's model got 404."""
+    blob = tmp_path / "blobs" / ("7d1a6bd0" * 8)
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF" + bytes(60))  # resolves; never loads
+    link = tmp_path / "snapshots" / "abc" / "SmolLM2-135M-Instruct-Q4_1.gguf"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(blob)
+    source = catalog.resolve(str(link))
+    assert source.id == catalog.served_id(str(link)) == "SmolLM2-135M-Instruct-Q4_1" and source.path == blob
+    assert catalog.served_id(str(tmp_path / "snapshots" / "abc" / "..")) == "snapshots"

@@ -38,7 +38,7 @@ from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
 from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, looping_call
-from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends
+from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends, unreadable
 from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
@@ -80,6 +80,9 @@ class Runtime:
         self.eos_ids = _eos_ids(loaded)
         self._templates: dict[bool, ChatTemplate] = {}
         templates = (self.tokenizer.chat_template, self.tokenizer.tool_template)
+        if broken := unreadable(t for t in templates if t):  # said at load, not only at the first chat request
+            log.warning("the model's chat template does not read (%s): chat requests will be refused; plain "
+                        "prompts (complete) work", broken)
         self.calls = call_format("".join(t for t in templates if t), self._has_token)
         self.grammars = Grammars(self.tokenizer, self.eos_ids, self.calls)
         step(f"preparing the weights and the KV cache ({config.slots} x {self.ctx} tokens, {form.kv_name})")

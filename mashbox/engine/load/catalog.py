@@ -145,7 +145,13 @@ def served_id(model: str) -> str:
     else its GGUF file's name without .gguf, or its folder's name."""
     if model in catalog():
         return model
-    path = Path(model).expanduser().resolve()
+    return _named(Path(model))
+
+
+def _named(path: Path) -> str:
+    """A file's name without .gguf, or a folder's name, as the user wrote it: a link's own name (the
+    hub's cache names a snapshot's files by links to blobs named by their hash)."""
+    path = Path(os.path.abspath(path.expanduser()))
     return path.name if path.is_dir() else path.stem
 
 
@@ -159,16 +165,16 @@ def _looks_like_path(model: str) -> bool:
 
 
 def _resolve_path(path: Path) -> ModelSource:
-    path = path.resolve()
+    name, path = _named(path), path.resolve()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(
                 f"'{path}' is a directory without config.json, so not an HF model directory. Point "
                 "at a directory holding config.json and the weights (what save_pretrained writes), "
                 "or at a .gguf file.")
-        return ModelSource(path.name, "hf", path)
+        return ModelSource(name, "hf", path)
     check_gguf(path)
-    return ModelSource(path.stem, "gguf", path)
+    return ModelSource(name, "gguf", path)
 
 
 def check_gguf(path: Path, install: str | None = None) -> None:

@@ -260,7 +260,8 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
     without them)."""
     arch = _supported(gguf)
     meta = lambda key, default=None: gguf.fields.get(f"{arch}.{key}", default)
-    heads, layers, width = int(meta("attention.head_count")), int(meta("block_count")), int(meta("embedding_length"))
+    heads, layers, width = (_needed(gguf, f"{arch}.{key}") for key in ("attention.head_count", "block_count",
+                                                                         "embedding_length"))
     head_dim = int(meta("attention.key_length", width // heads))
     spec = Spec(num_layers=layers, num_heads=heads,
                 num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
@@ -285,6 +286,14 @@ def checkpoint(gguf: GGUFFile, device: torch.device, dtype: torch.dtype, lib: ct
                       rotated=rotated, residual_scale=float(meta("residual_scale", 1.0)),
                       logit_scale=float(meta("logit_scale", 1.0)),
                       logit_softcap=float(meta("final_logit_softcapping", 0.0)))
+
+
+def _needed(gguf: GGUFFile, key: str) -> int:
+    value = gguf.fields.get(key)
+    if not isinstance(value, int) or value <= 0:
+        raise ModelLoadError(f"'{gguf.path}' lacks the metadata {key} (a whole number above 0; it has "
+                             f"{value!r}): the file is damaged, or was written by a tool that left it out")
+    return value
 
 
 def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int) -> None:

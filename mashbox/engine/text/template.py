@@ -26,10 +26,13 @@ from datetime import datetime
 from hashlib import sha256
 from itertools import takewhile
 from os.path import commonprefix
+from collections.abc import Iterable
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mashbox.engine.request import Message, Tool, ToolCall
@@ -92,7 +95,7 @@ class ChatTemplate:
         """Whether the template renders ``text`` from ``kwargs``; None where it refuses them."""
         try:
             return text in self.compiled.render(**self.specials, **kwargs)
-        except (jinja2.TemplateError, ValueError, TypeError, AttributeError, KeyError, IndexError):
+        except Exception:  # a template runs Python: whatever it raises, it refuses these turns
             return None
 
     def render(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), enable_thinking: bool | None = None,
@@ -119,8 +122,9 @@ class ChatTemplate:
     def _render(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         try:
             return self.compiled.render(messages=conversation, **kwargs)
-        except (jinja2.TemplateError, ValueError, TypeError) as err:
-            raise InvalidRequestError("messages", f"the model's chat template refuses this conversation: {err}") from err
+        except Exception as err:  # a template runs Python: a ZeroDivisionError was a 500
+            why = str(err) if isinstance(err, jinja2.TemplateError | ValueError) else f"{type(err).__name__}: {err}"
+            raise InvalidRequestError("messages", f"the model's chat template refuses this conversation: {why}") from err
 
     def _tools_first(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         """The conversation rendered with the schemas of the template's tools block before the system
@@ -324,11 +328,35 @@ def tool_prompt(tools: tuple[Tool, ...], fmt: CallFormat = HERMES) -> str:
 def environment() -> ImmutableSandboxedEnvironment:
     """Where chat templates run, as transformers sets it up (templates are written for it): a sandbox,
     trimmed blocks, loop controls, and its ``tojson``, ``raise_exception`` and ``strftime_now``."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def unreadable(sources: Iterable[str]) -> str | None:
+    """Why the first of these templates that does not compile fails to; None when all do."""
+    env = environment()
+    for source in sources:
+        try:
+            env.from_string(source)
+        except jinja2.TemplateSyntaxError as err:
+            return str(err)
+    return None
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which marks the assistant's text for training
+    (transformers' AssistantTracker; TRL fine-tunes' templates have it): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
