@@ -2,7 +2,8 @@
 
 mashbox balances nothing itself. ``haproxy_config`` writes the configuration (``deploy/haproxy.cfg``
 is its output for three replicas), and ``Cluster`` starts the replicas and Debian's ``haproxy`` with
-it, starts a replica again when it dies, and stops them all on Ctrl-C or SIGTERM.
+it, starts a replica again when it dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP (and, on
+Linux, when it is killed: each child gets SIGTERM as it dies).
 
 Each replica runs on an equal share of the machine's cores (its CPU affinity and
 ``OMP_NUM_THREADS``), so that their threads do not contend; where there are fewer cores than
@@ -26,6 +27,7 @@ What the configuration does:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -34,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +51,8 @@ RESTART_S = 2.0  # a replica that dies is started again, at most once in this ma
 TASKS = tuple(task_paths())  # /v1/tasks and its alias: both go to the replica the tasks live in
 NOT_UP = "no replica is up: their models are loading, or starting again; retry shortly"
 REFUSED = (1, 2)  # `mashbox run` exits with these when its model or its flags are refused: no restart
+# (on a replica's first start: after a crash, a reload the OOM killer stops exits 1 too, and is tried again)
+PR_SET_PDEATHSIG = 1  # Linux: the signal a child gets when the cluster dies, killed (its SIGTERM is handled)
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,8 +68,8 @@ def replicas(count: int, first_port: int) -> list[Replica]:
 def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
     """HAProxy's configuration for ``members`` on 127.0.0.1, listening on ``host:port``."""
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    sessions = [f"    http-request set-var(txn.session) req.hdr({name}) if !{{ var(txn.session) -m found }} "
-                f"{{ req.hdr({name}) -m found }}" for name in SESSION_HEADERS]
+    sessions = [f"    http-request set-var(txn.session) req.hdr({name}) if !{{ var(txn.session) -m len gt 0 }} "
+                f"{{ req.hdr({name}) -m len gt 0 }}" for name in SESSION_HEADERS]  # an empty one names none
     # weight 100: 1600 points each on the hash ring (weight 1 gives 16, and a few sessions land unevenly)
     checked = [f"    server {r.name} 127.0.0.1:{r.port} check weight 100" for r in members]
     tracked = [f"    server {r.name} 127.0.0.1:{r.port} track sessions/{r.name}" for r in members]
@@ -75,6 +79,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "global",
         "    maxconn 1024",
         f"    tune.bufsize {BUFFER}",
+        "    noreuseport",  # a second cluster on the same port fails to bind, not shares it unseen
         "",
         "defaults",
         "    mode http",
@@ -95,13 +100,13 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    option http-buffer-request",
         *sessions,
         "    http-request set-var(txn.session) req.body,json_query('$.prompt_cache_key') "
-        "if !{ var(txn.session) -m found } { method POST }",
+        "if !{ var(txn.session) -m len gt 0 } { method POST }",
         "    http-response set-header x-mashbox-replica %[srv_name]",
         *(f"    http-request return {_reply(paths[0])} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {' '.join(paths)} }}"
           for paths in (("/v1/messages",), TASKS)),
         f"    http-request return {_reply('/v1')} if {{ nbsrv(replicas) eq 0 }}",
         f"    use_backend tasks if {{ path_beg {' '.join(TASKS)} }}",
-        "    use_backend sessions if { var(txn.session) -m found }",
+        "    use_backend sessions if { var(txn.session) -m len gt 0 }",
         "    default_backend replicas",
         "",
         "backend sessions",
@@ -117,6 +122,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "",
         "backend tasks",  # a task lives in the replica that runs it: all on the first one up
         "    balance first",
+        f"    http-error {_reply(TASKS[0])}",  # the tasks API's shape where no replica answered
         *tracked,
         "",
     ])
@@ -142,10 +148,11 @@ class Cluster:
     haproxy: str = "haproxy"
     _replicas: dict[str, subprocess.Popen] = field(default_factory=dict)
     _started: dict[str, float] = field(default_factory=dict)
+    _starts: dict[str, int] = field(default_factory=dict)
 
     def run(self) -> int:
         """Serve until Ctrl-C or SIGTERM (0); 1 when HAProxy stops or a replica's model is refused."""
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
         with tempfile.TemporaryDirectory(prefix="mashbox-cluster-") as folder:
             config = Path(folder) / "haproxy.cfg"
             config.write_text(haproxy_config(self.host, self.port, self.members))
@@ -155,14 +162,17 @@ class Cluster:
                     self._start(member)
                 # a session of its own, as the replicas': a terminal's Ctrl-C reaches the cluster only, which
                 # stops HAProxy softly (it stopped at once, cutting every stream)
-                balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)], start_new_session=True)
-                _say(f"on http://{self.host}:{self.port}: HAProxy (pid {balancer.pid}) in front of "
+                balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)], start_new_session=True,
+                                            preexec_fn=_child())
+                host = f"[{self.host}]" if ":" in self.host else self.host
+                _say(f"on http://{host}:{self.port}: HAProxy (pid {balancer.pid}) in front of "
                      + ", ".join(f"{r.name} on 127.0.0.1:{r.port}" for r in self.members))
                 return self._watch(balancer)
             except KeyboardInterrupt:
                 return 0
             finally:
-                signal.signal(signal.SIGTERM, previous)
+                for sig, handler in previous.items():  # a closed terminal (SIGHUP) stops it as Ctrl-C does
+                    signal.signal(sig, handler)
                 self._stop(balancer)
 
     def _start(self, member: Replica) -> None:
@@ -172,8 +182,9 @@ class Cluster:
         cores = share(self.members.index(member), len(self.members))
         env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))} if cores else None
         process = subprocess.Popen(argv, env=env, start_new_session=True,  # Ctrl-C reaches the cluster: it stops them
-                                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+                                   preexec_fn=_child(cores))
         self._replicas[member.name], self._started[member.name] = process, time.monotonic()
+        self._starts[member.name] = self._starts.get(member.name, 0) + 1
         where = f", cores {_ranges(cores)}" if cores else ""
         _say(f"replica {member.name} (pid {process.pid}) on 127.0.0.1:{member.port}{where}")
 
@@ -184,7 +195,7 @@ class Cluster:
                 return 1
             for member in self.members:
                 code = self._replicas[member.name].poll()
-                if code in REFUSED:
+                if code in REFUSED and self._starts[member.name] == 1:
                     _say(f"replica {member.name} exited with status {code}; stopping the cluster")
                     return 1
                 if code is not None and time.monotonic() - self._started[member.name] >= RESTART_S:
@@ -207,6 +218,20 @@ class Cluster:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def _child(cores: Sequence[int] = ()) -> Callable[[], None]:
+    """What a replica or HAProxy does before it runs: its cores, and (Linux) a SIGTERM when the cluster
+    dies unable to stop it (killed): neither is left serving, nor holding its port."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+    def setup() -> None:
+        if cores:
+            os.sched_setaffinity(0, cores)
+        if libc is not None:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
 
 
 def share(index: int, count: int) -> list[int]:

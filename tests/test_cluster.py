@@ -7,6 +7,7 @@ only once its /health is 200. HAProxy comes from Debian (`make test` installs it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -164,6 +165,26 @@ def test_with_no_replica_up_the_balancer_answers_as_a_loading_server_would(tmp_p
         balancer.wait(timeout=10)
 
 
+def test_a_second_balancer_on_a_taken_port_fails_to_bind_rather_than_share_it(tmp_path):
+    """HAProxy binds with SO_REUSEPORT unless told not to: a second cluster on the port of one already
+    running started, and the two took turns answering its clients."""
+    port, first = free_port(), free_port()
+    balancers = []
+    try:
+        for n in range(2):
+            config = tmp_path / f"haproxy-{n}.cfg"
+            config.write_text(haproxy_config("127.0.0.1", port, replicas(1, first)))
+            balancers.append(subprocess.Popen([haproxy(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.PIPE, text=True))
+            if n == 0:
+                wait_until(lambda: _answers(f"http://127.0.0.1:{port}"), timeout=10, every=0.1)
+        assert balancers[1].wait(timeout=10) != 0 and "cannot bind" in balancers[1].stderr.read()
+    finally:
+        for balancer in balancers:
+            balancer.kill()
+            balancer.wait(timeout=10)
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code > 0
@@ -272,6 +293,69 @@ def _stream(cluster: Running, session: str, started: threading.Event | None = No
 def _health(cluster: Running, name: str) -> dict:
     health = httpx.get(f"http://127.0.0.1:{cluster.replica_ports[name]}/health", timeout=5).json()
     return health
+
+
+def test_an_empty_session_names_none_and_spreads(cluster):
+    """An empty session header (or prompt_cache_key) was hashed as a session: all such requests on one
+    replica, where the servers themselves take it for none."""
+    seen = {cluster.chat("", "Say hi.", 1).headers["x-mashbox-replica"] for _ in range(8)}
+    assert seen == {"r1", "r2"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+def test_a_cluster_hung_up_or_killed_leaves_nothing_serving(tmp_path, sig):
+    """SIGHUP (its terminal closed) killed the cluster at once, and so does SIGKILL: HAProxy and every
+    replica, in sessions of their own, went on serving its port, orphans."""
+    port, first = free_port(), free_port()
+    log = tmp_path / "cluster.log"
+    argv = [sys.executable, "-m", "mashbox", "cluster", "--replicas", "1", "--port", str(port), "--first-port",
+            str(first), "--haproxy", haproxy(), "--", MODEL, "--ctx", "256", "--slots", "1", "--cache-disk", "0"]
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                   env={**os.environ, "MASHBOX_CACHE": str(tmp_path / "cache")})
+    try:
+        wait_until(lambda: "HAProxy (pid" in log.read_text() and _answers(f"http://127.0.0.1:{first}"))
+        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", log.read_text())]
+        process.send_signal(sig)
+        process.wait(timeout=60)
+        assert len(pids) == 2 and all(gone(pid, timeout=60) for pid in pids), log.read_text()
+    finally:
+        process.kill()
+        process.wait()
+        for pid in re.findall(r"\(pid (\d+)\)", log.read_text()):  # none left, whatever the test found
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_replica_that_fails_to_load_again_after_a_crash_is_started_again(tmp_path, monkeypatch):
+    """Exit status 1 (its model did not load) stopped the whole cluster at any time: also where the OOM
+    killer stopped the reload of a replica that had crashed, the healthy replicas with it. A refusal is
+    told by a replica's first start; after a crash it is started again."""
+    from mashbox.cluster import Cluster
+
+    cluster = Cluster(replicas(1, free_port()), "127.0.0.1", free_port(), [])
+    balancer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    restarted = []
+
+    def start(member):
+        restarted.append(member.name)
+        raise KeyboardInterrupt  # out of the watch
+
+    monkeypatch.setattr(cluster, "_start", start)
+    try:
+        for starts, stopped in ((1, True), (2, False)):
+            cluster._replicas["r1"] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+            cluster._replicas["r1"].wait()
+            cluster._starts["r1"], cluster._started["r1"] = starts, 0.0
+            if stopped:
+                assert cluster._watch(balancer) == 1 and not restarted
+            else:
+                with pytest.raises(KeyboardInterrupt):
+                    cluster._watch(balancer)
+                assert restarted == ["r1"]
+    finally:
+        balancer.kill()
+        balancer.wait()
 
 
 @pytest.mark.parametrize("path", ["/v1/tasks", "/tasks"])
