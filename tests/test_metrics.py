@@ -75,26 +75,31 @@ def test_loading_backend_renders_zeros():
     assert not [k for k in samples(text) if k[0] == "mashbox:cache_config_info"]
 
 
-def test_token_counters_come_from_the_engine_and_survive_worker_restarts():
+def test_token_counters_come_from_the_engine_and_hold_while_a_worker_starts_again():
     metrics, backend = Metrics("tiny"), FakeBackend()
     counts = {"prompt_tokens": 100, "generated_tokens": 40, "prefix_lookup_tokens": 90, "prefix_hit_tokens": 60}
     backend.snapshot = engine_stats(**counts)
     metrics.render(backend, 0)
     backend.snapshot = engine_stats(**{**counts, "prompt_tokens": 150, "generated_tokens": 50})
     metrics.render(backend, 0)
-    backend.snapshot, backend.worker_restarts = None, 1  # the worker died and is starting again
-    metrics.render(backend, 0)
-    backend.snapshot = engine_stats(prompt_tokens=30, generated_tokens=5, prefix_lookup_tokens=10, prefix_hit_tokens=0)
+    backend.snapshot, backend.worker_restarts = None, 1  # the worker died and is starting again: no stats
     text = metrics.render(backend, 0)
-    assert value(text, "mashbox:prompt_tokens_total") == 180
-    assert value(text, "mashbox:generation_tokens_total") == 55
-    assert value(text, "mashbox:prefix_cache_queries_total") == 100
+    assert value(text, "mashbox:prompt_tokens_total") == 150 and value(text, "mashbox:generation_tokens_total") == 50
+    assert value(text, "mashbox:prefix_cache_queries_total") == 90
     assert value(text, "mashbox:prefix_cache_hits_total") == 60
     assert value(text, "mashbox:worker_restarts_total") == 1
-    backend.worker_restarts = 2  # another restart, whose worker counts past the last one's before a scrape
-    backend.snapshot = engine_stats(prompt_tokens=500, generated_tokens=70, prefix_lookup_tokens=0, prefix_hit_tokens=0)
+    backend.snapshot = engine_stats(prompt_tokens=180, generated_tokens=55, prefix_lookup_tokens=100,
+                                    prefix_hit_tokens=60)  # the backend's totals go on over its workers
     text = metrics.render(backend, 0)
-    assert value(text, "mashbox:prompt_tokens_total") == 680 and value(text, "mashbox:generation_tokens_total") == 125
+    assert value(text, "mashbox:prompt_tokens_total") == 180 and value(text, "mashbox:generation_tokens_total") == 55
+
+
+def test_an_engines_totals_go_on_from_the_workers_before_it():
+    earlier = engine_stats(prompt_tokens=150, generated_tokens=50, prefix_lookup_tokens=90, prefix_hit_tokens=60)
+    now = engine_stats(prompt_tokens=30, generated_tokens=5, prefix_lookup_tokens=10, prefix_hit_tokens=0)
+    total = now.after(earlier)
+    assert (total.prompt_tokens, total.generated_tokens, total.prefix_miss_tokens) == (180, 55, 40)
+    assert total.running == now.running and now.after(None) is now
 
 
 def test_finishes_by_reason_and_histograms():

@@ -144,6 +144,25 @@ def test_stats_are_the_last_snapshot_the_worker_sent_never_a_wait(worker):
         os.kill(worker.worker_pid, signal.SIGCONT)
 
 
+def test_a_killed_workers_token_counts_are_kept_in_the_totals(worker):
+    """A new worker counts from 0: the tokens of the one before were lost from /metrics unless a
+    scrape had come between (the totals were folded at each scrape only)."""
+    async def served() -> int:
+        events = await collect(worker.astream(chat("Count to five.", max_tokens=6)))
+        return events[-1].usage.prompt_tokens
+
+    prompt = asyncio.run(served())
+    asyncio.run(until(lambda: worker.stats() is not None and worker.stats().generated_tokens > 0))
+    before = worker.stats()
+    os.kill(worker.worker_pid, signal.SIGKILL)
+    asyncio.run(until(lambda: worker.worker_restarts > 0 and worker.state == "ready", timeout=60))
+    asyncio.run(served())
+    asyncio.run(until(lambda: worker.stats() is not None and worker.stats().prompt_tokens > before.prompt_tokens))
+    after = worker.stats()
+    assert after.prompt_tokens >= before.prompt_tokens + prompt and after.generated_tokens > before.generated_tokens
+    assert sum(after.finished.values()) > sum(before.finished.values())
+
+
 def test_killed_worker_restarts_and_ends_its_streams_with_an_error(worker):
     drained(worker.changes)
 

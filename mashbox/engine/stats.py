@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -14,6 +14,10 @@ class Counters:
     generated_tokens: int = 0
     preemptions: int = 0
     finished: Counter[str] = field(default_factory=Counter)
+
+
+TOTALS = ("prompt_tokens", "generated_tokens", "prefix_lookup_tokens", "prefix_hit_tokens", "preemptions",
+          "host_cache_evictions", "prefix_diverged", "draft_tokens", "accepted_tokens")  # counted up from start
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +41,14 @@ class EngineStats:
     prefix_diverged: int = 0  # prompts that left a longer cached prefix before its end
     draft_tokens: int = 0  # tokens proposed by speculation and checked, and of those accepted
     accepted_tokens: int = 0
+
+    def after(self, earlier: EngineStats | None) -> EngineStats:
+        """These stats with their running totals going on from ``earlier``'s (those of the worker
+        before this one: a new worker counts from 0)."""
+        if earlier is None:
+            return self
+        return replace(self, finished=dict(Counter(earlier.finished) + Counter(self.finished)),
+                       **{name: getattr(earlier, name) + getattr(self, name) for name in TOTALS})
 
     @property
     def prefix_miss_tokens(self) -> int:

@@ -7,9 +7,9 @@ Two sources:
   and host cache bytes (what an endpoint picker weighs), the cache layout,
   and the engine's token counters (prompt, generated, prefix lookups and hits,
   preemptions). Counting tokens in the engine counts requests that never
-  finish too. A worker that starts again starts its counters at 0; the totals
-  here add up what each run counted (what a worker counted after the last
-  scrape before its fault is lost), so they never go down.
+  finish too. The backend's totals go on over the workers it ran (a new one
+  counts from 0), whether or not a scrape came between; a scrape while no
+  worker has sent any shows the last ones, so they never go down.
 - The HTTP layer's ``request_finished``: finishes by reason and protocol (one
   per HTTP request, retries and device errors included, which the engine alone
   cannot count) and the latency histograms.
@@ -64,20 +64,14 @@ _COMPILES_HELP = "Programs compiled after ready (the engine compiles none)."
 
 
 class _Totals:
-    """Monotonic sums of counters that start again at 0 when the worker does."""
+    """The engine's counters as last seen: kept while no worker has sent any (one starting again)."""
 
     def __init__(self) -> None:
-        self._last: dict[str, int] = {}
-        self._worker = 0  # the restarts so far: a new worker's counts start at 0, whatever they reached
         self.sums: dict[str, int] = dict.fromkeys(ENGINE_COUNTERS, 0)
 
-    def update(self, stats: EngineStats, worker: int) -> None:
-        if worker != self._worker:
-            self._last, self._worker = {}, worker
+    def update(self, stats: EngineStats) -> None:
         for name in ENGINE_COUNTERS:
-            now, last = getattr(stats, name), self._last.get(name, 0)
-            self.sums[name] += now - last if now >= last else now
-            self._last[name] = now
+            self.sums[name] = max(self.sums[name], getattr(stats, name))
 
 
 @dataclass(slots=True)
@@ -183,7 +177,7 @@ class Metrics:
         scrape = _Scrape(self.model_name or backend.model_id, stats, waiting, backend.worker_restarts)
         with self._lock:
             if stats is not None:
-                self._totals.update(stats, backend.worker_restarts)
+                self._totals.update(stats)
             self._engine.scrape = scrape
             return generate_latest(self.registry)
 

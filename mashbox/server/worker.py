@@ -109,6 +109,7 @@ class WorkerBackend:
         self._reloads = 0  # workers in a row that died while loading again, after the model had loaded
         self._closed = False
         self._stats: EngineStats | None = None
+        self._lost: EngineStats | None = None  # the totals of the workers before this one
         with self._lock:
             self._worker = self._start()
 
@@ -173,8 +174,10 @@ class WorkerBackend:
             self._forget(pending, abort=False)
 
     def stats(self) -> EngineStats | None:
-        """The latest stats the worker sent (it sends them when they change; never waits)."""
-        return self._stats
+        """The latest stats the worker sent (it sends them when they change; never waits), their
+        totals counted from this server's start, over every worker it ran."""
+        stats = self._stats
+        return None if stats is None else stats.after(self._lost)
 
     def busy(self) -> int:
         """Requests sent to the worker and not yet finished (the stats may not show them yet)."""
@@ -336,7 +339,7 @@ class WorkerBackend:
                 log.warning("worker %s %s; starting it again", worker.process.pid, _exit(worker.process.exitcode))
                 self._reloads += again
                 self._restarts += 1
-                self._stats = None
+                self._lost, self._stats = self.stats() or self._lost, None
                 self._worker = self._start()
                 self._lose_all("worker restarted", final=False)
             self._changed.notify_all()
