@@ -63,7 +63,9 @@ async def stop(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def test_a_tenant_that_fills_its_32_is_refused_while_another_is_still_admitted(one_slot):
+def test_a_tenant_that_fills_its_32_is_refused_while_another_is_still_admitted(one_slot, caplog):
+    caplog.set_level("WARNING", logger="mashbox.server")
+
     async def scenario():
         limits = httpx.Limits(max_connections=400)
         async with httpx.AsyncClient(base_url=one_slot.url, timeout=120, limits=limits) as client:
@@ -75,6 +77,7 @@ def test_a_tenant_that_fills_its_32_is_refused_while_another_is_still_admitted(o
                 refused = await client.post("/v1/chat/completions", json={**LONG, "stream": False}, headers=auth("t0"))
                 assert refused.status_code == 429, refused.text
                 assert "32 of yours" in refused.json()["error"]["message"] and int(refused.headers["retry-after"]) >= 1
+                assert f"{refused.headers['x-request-id']} refused (429): " in caplog.text  # not in the log before
                 tasks += await flood(client, {"t1": 1})  # another tenant is still admitted
                 await until_waiting(client, 33)
             finally:

@@ -169,6 +169,8 @@ def handler(retry_after: int) -> Callable[[Request, Exception], Response]:
         read = request._connection_state.body  # what a body that failed to decode was (Empty: none read)
         error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"")
         status, body, headers = answer(request.url.path, error, request_id)
+        if isinstance(exc, QueueFull):  # overload shows in the log too, each refusal by its request id
+            log.warning("%s refused (%d): %s", request_id, status, exc.message)
         if isinstance(exc, HTTPException) and exc.headers:  # Litestar's own: a 405's Allow
             headers = {**exc.headers, **headers}
         return Response(body, status_code=status, headers=headers)
