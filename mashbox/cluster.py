@@ -151,7 +151,7 @@ class Cluster:
     _starts: dict[str, int] = field(default_factory=dict)
 
     def run(self) -> int:
-        """Serve until Ctrl-C or SIGTERM (0); 1 when HAProxy stops or a replica's model is refused."""
+        """Serve until Ctrl-C, SIGTERM or SIGHUP (0); 1 when HAProxy stops or a replica's model is refused."""
         previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
         with tempfile.TemporaryDirectory(prefix="mashbox-cluster-") as folder:
             config = Path(folder) / "haproxy.cfg"

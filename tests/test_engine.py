@@ -142,6 +142,23 @@ def test_prompt_longer_than_context_is_refused_before_work(tiny_engine):
     assert err.value.param == "input" and str(err.value).startswith("input: ")
 
 
+def test_a_prompt_too_long_for_its_tools_names_the_tools(tiny_engine):
+    """Thousands of tools with a one-word message were said to be a message too long (the tasks API
+    named the message or the history): the field to cut is the tools."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "does one thing " * 4,
+                                               "parameters": {"type": "object"}}} for i in range(40)]
+    for choice in ("auto", "required"):
+        with pytest.raises(ContextLengthError) as err:
+            tiny_engine.chat(messages=[{"role": "user", "content": "Hi"}], tools=tools, tool_choice=choice)
+        assert err.value.param == "tools", err.value
+    with pytest.raises(ContextLengthError) as err:  # the conversation too long whatever the tools
+        tiny_engine.respond(input="word " * 600, tools=[{"type": "function", "name": "f", "parameters": {}}])
+    assert err.value.param == "input"
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.task(user_message_content="Hi", client_tools=tools, stream=False)
+    assert err.value.param == "client_tools"
+
+
 def test_dropped_stream_frees_its_slot(tiny_engine):
     slots = tiny_engine._core.scheduler.slots
     events = tiny_engine.stream(EngineRequest(prompt="Go on and on", sampling=SamplingParams(max_tokens=400)))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 
@@ -78,6 +79,8 @@ def test_a_tenant_that_fills_its_32_is_refused_while_another_is_still_admitted(o
                 assert refused.status_code == 429, refused.text
                 assert "32 of yours" in refused.json()["error"]["message"] and int(refused.headers["retry-after"]) >= 1
                 assert f"{refused.headers['x-request-id']} refused (429): " in caplog.text  # not in the log before
+                metrics = (await client.get("/metrics", headers=auth("t0"))).text  # nor in /metrics
+                assert re.search(r'mashbox:request_refused_total\{model_name="[^"]*",scope="tenant"\} [1-9]', metrics)
                 tasks += await flood(client, {"t1": 1})  # another tenant is still admitted
                 await until_waiting(client, 33)
             finally:

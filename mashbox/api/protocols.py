@@ -42,10 +42,10 @@ class Protocol:
     def named(self, err: InvalidRequestError) -> InvalidRequestError:
         """``err``, where it names the engine's conversation (a prompt too long, a chat template that refuses
         it), naming the field as this protocol names it (Responses: input)."""
-        if isinstance(err, ContextLengthError):
-            return ContextLengthError(self.turns or err.param, err.message, tokens=err.tokens, ctx=err.ctx)
         if err.param != "messages" or not self.turns or self.turns == err.param:
-            return err
+            return err  # the tools, where the conversation alone would fit, are named as they are
+        if isinstance(err, ContextLengthError):
+            return ContextLengthError(self.turns, err.message, tokens=err.tokens, ctx=err.ctx)
         return InvalidRequestError(self.turns, err.message, code=err.code)
 
 

@@ -144,6 +144,15 @@ class Runtime:
         template = self._template_for(bool(tools))
         return template.render(request.messages, tools, request.enable_thinking, request.continue_final)
 
+    def _overflowing(self, request: EngineRequest, field: str) -> str:
+        """The field a prompt too long for the context is named by: ``tools`` where the conversation
+        alone would fit (a client sending thousands of tools), else ``field``."""
+        if field != "messages" or not request.tools or request.tool_choice == "none":
+            return field
+        alone = self.tokenizer.encode(self._rendered(replace(request, tools=(), tool_choice="auto")),
+                                      add_special_tokens=False)
+        return "tools" if len(alone) < self.ctx else field
+
     def stream(self, request: EngineRequest) -> Iterator[Event]:
         """Submit ``request``; iterate its events: ``Queued`` at once, ``Started`` once it has a slot,
         then its text, reasoning and tool-call events, ending with one ``Finish``.
@@ -169,7 +178,7 @@ class Runtime:
             raise InvalidRequestError(field, "is empty: there is no token to continue from")
         room = self.ctx - len(ids)
         if room < 1:
-            raise ContextLengthError.of(field, len(ids), self.ctx)
+            raise ContextLengthError.of(self._overflowing(request, field), len(ids), self.ctx)
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)

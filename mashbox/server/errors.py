@@ -161,16 +161,18 @@ def _detail(exc: HTTPException) -> str:
     return f"{exc.detail}: {extra[0].get('message', '')}" if extra and isinstance(extra[0], dict) else exc.detail
 
 
-def handler(retry_after: int) -> Callable[[Request, Exception], Response]:
-    """The one exception handler: every error answered in its route's shape."""
+def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Request, Exception], Response]:
+    """The one exception handler: every error answered in its route's shape (``refused``: told the scope
+    of each refusal for a full queue)."""
 
     def handle(request: Request, exc: Exception) -> Response:
         request_id = request.scope.get("state", {}).get("request_id")
         read = request._connection_state.body  # what a body that failed to decode was (Empty: none read)
         error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"")
         status, body, headers = answer(request.url.path, error, request_id)
-        if isinstance(exc, QueueFull):  # overload shows in the log too, each refusal by its request id
+        if isinstance(exc, QueueFull):  # overload shows in the log and /metrics too
             log.warning("%s refused (%d): %s", request_id, status, exc.message)
+            refused(exc.scope)
         if isinstance(exc, HTTPException) and exc.headers:  # Litestar's own: a 405's Allow
             headers = {**exc.headers, **headers}
         return Response(body, status_code=status, headers=headers)

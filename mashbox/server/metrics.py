@@ -12,10 +12,11 @@ Two sources:
   worker has sent any shows the last ones, so they never go down.
 - The HTTP layer's ``request_finished``: finishes by reason and protocol (one
   per HTTP request, retries and device errors included, which the engine alone
-  cannot count) and the latency histograms.
+  cannot count) and the latency histograms; ``request_refused``: requests a full
+  queue refused, by scope.
 
 Every name starts with ``mashbox:``. Labels: ``model_name``, ``protocol``,
-``finished_reason``, ``block_size``, ``num_blocks`` only; label values come
+``finished_reason``, ``scope``, ``block_size``, ``num_blocks`` only; label values come
 from fixed sets or the model, never from a user, a key or a session.
 """
 
@@ -142,6 +143,10 @@ class Metrics:
             "mashbox:request_finished", "Requests answered, by finish reason.", [*labels, "finished_reason"],
             registry=self.registry,
         )
+        self.refused = Counter(
+            "mashbox:request_refused", "Requests refused for a full queue (429, or 529 on Messages), by whose "
+            "allowance was spent: the tenant's or the server's.", ["model_name", "scope"], registry=self.registry,
+        )
         self.ttft = _histogram("mashbox:time_to_first_token_seconds", "Time to first token.", labels, self.registry)
         self.queue = _histogram("mashbox:request_queue_time_seconds", "Time waiting for a slot.", labels, self.registry)
         self.e2e = _histogram("mashbox:e2e_request_latency_seconds", "Arrival to last byte.", labels, self.registry)
@@ -149,6 +154,9 @@ class Metrics:
             "mashbox:time_per_output_token_seconds", "Decode time per new token after the first.", labels,
             self.registry, TOKEN_BUCKETS,
         )
+
+    def request_refused(self, scope: str) -> None:
+        self.refused.labels(self.model_name, scope if scope in ("tenant", "server") else "other").inc()
 
     def request_finished(
         self, protocol: str, finish: Finish | str, queue_s: float | None, ttft_s: float | None, e2e_s: float
