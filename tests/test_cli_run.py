@@ -143,6 +143,10 @@ def test_sigterm_lets_answers_end_then_ends_the_rest_with_the_error_event():
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0 and "Traceback" not in err and "Exception in ASGI" not in err, err
+    # the whole answer was logged as re-sent (it was not) and as left by its client
+    assert "re-sending" not in err and "stopped before it finished" not in err, err
+    assert err.count("failed after") >= 2 and "the server is shutting down" in err, err
+    assert "stopping: 3 answers under way, given up to 4 s to end" in err  # said at once, not after the drain
 
 
 def test_sigterm_to_the_process_group_stops_it_as_the_server_alone_would(tiny_model_dir):

@@ -40,7 +40,7 @@ def test_every_name_starts_with_mashbox_and_no_label_carries_a_key_or_session():
     assert samples(text)
     for (name, labels), _ in samples(text).items():
         assert name.startswith("mashbox:"), name
-        assert {k for k, _ in labels} <= {"model_name", "protocol", "finished_reason", "block_size", "num_blocks", "le"}
+        assert {k for k, _ in labels} <= {"model_name", "protocol", "finished_reason", "block_size", "num_gpu_blocks", "le"}
     assert SECRET.encode() not in text and SESSION.encode() not in text
     assert value(text, "mashbox:request_finished_total", protocol="other", finished_reason="other") == 1
 
@@ -61,7 +61,7 @@ def test_engine_gauges_and_layout():
     assert value(text, "mashbox:num_requests_running", model_name="tiny") == 3
     assert value(text, "mashbox:num_requests_waiting") == 5  # admitted waiting includes the engine's 2
     assert value(text, "mashbox:kv_cache_usage_perc") == 0.5
-    assert value(text, "mashbox:cache_config_info", block_size="512", num_blocks="4") == 1
+    assert value(text, "mashbox:cache_config_info", block_size="512", num_gpu_blocks="4") == 1
     assert value(text, "mashbox:num_preemptions_total") == 0
     assert value(text, "mashbox:compiles_after_ready_total") == 0
 

@@ -420,3 +420,16 @@ def test_the_server_app_imports_no_torch():
     code = "import sys; import mashbox.server.app, mashbox.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_session_that_looks_like_log_fields_is_quoted_and_a_refusal_ends_its_line(http, caplog):
+    """``prompt_cache_key: "abc tenant=admin"`` was logged as ``session=abc tenant=admin tenant=default``;
+    a request refused after its first line (a prompt too long for the context) never got its second."""
+    with caplog.at_level(logging.INFO, logger="mashbox.server"):
+        http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2, "prompt_cache_key": "abc tenant=admin"})
+        refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 33000}]})
+    lines = [r.getMessage() for r in caplog.records]
+    assert any('session="abc tenant=admin" tenant=default' in line for line in lines), lines
+    assert refused.status_code == 400, refused.text
+    request_id = refused.headers["x-request-id"]
+    assert any(line.startswith(f"{request_id} refused: ") for line in lines), lines

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import logging
 import socket
 import threading
@@ -21,6 +22,7 @@ from server import frames, serve
 from mashbox.engine.events import Event, Finish, Queued, Started, Timings, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import EngineClosedError
+from mashbox.server import logs
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
 
@@ -47,10 +49,13 @@ def test_a_client_that_leaves_frees_its_slot(tiny_server):
     wait_for(lambda: engine.stats().running == 0, 5)
 
 
-def test_a_client_that_reads_nothing_is_dropped(idle_server):
+def test_a_client_that_reads_nothing_is_dropped(idle_server, caplog):
     """A client with a small receive buffer reads the headers, then nothing: on the server's own
     socket (no buffer shrunk for the test) its stream stops once the writes wait its idle timeout,
-    the request is aborted and the connection closed, long before the answer's 20000 tokens."""
+    the request is aborted and the connection closed, long before the answer's 20000 tokens. The log
+    says so by its request id, without uvicorn's ERROR for the response left unfinished."""
+    logs.to_stderr()  # as `mashbox run`
+    caplog.set_level("WARNING")
     engine = idle_server.engine
     body = json.dumps({"input": "Count to a million.", "max_output_tokens": 20000, "stream": True}).encode()
     port = int(idle_server.url.rsplit(":", 1)[1])
@@ -75,6 +80,9 @@ def test_a_client_that_reads_nothing_is_dropped(idle_server):
     # seen within ~200 KB of frames (~2k tokens here, with the idle second), not after megabytes (~14k)
     assert generated - before < 6000
     assert engine.stats().generated_tokens == generated  # nothing more was written to nobody
+    request_id = re.search(rb"x-request-id: (\S+)", head).group(1).decode()
+    assert f"{request_id}: its client read nothing for 1 s" in caplog.text
+    assert logs.UNFINISHED not in caplog.text
 
 
 class Flaky:

@@ -88,7 +88,10 @@ def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
 
 
 def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:MAX_SESSION])[:MAX_SESSION]
+    """``text`` as one field of a log line: characters that are not printable escaped, and quoted where it
+    holds a space, a quote or ``=`` (``abc tenant=admin`` forged a field), or reads as no session."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:MAX_SESSION])[:MAX_SESSION]
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ' "=') or text in ("-", "") else text
 
 
 def request_id(request: Request) -> str:
@@ -138,8 +141,9 @@ class Run:
         self._pending: asyncio.Future[Event] | None = None  # a stream's next event, asked for before it began
         self._events: AsyncIterator[Event] | None = None
         self._closed = False
-        self._refused = False  # a bad request, answered 400: not counted among the requests answered
-        log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session, tag.tenant)
+        self._refused: str | None = None  # why a bad request was answered 400: not counted among those answered
+        self._ended: str | None = None  # why the backend ended it, taking no more requests
+        log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session or "-", tag.tenant)
 
     async def whole(self, receive: Receive) -> dict[str, Any] | None:
         """The whole answer; None when the client left first (its request is then stopped)."""
@@ -258,14 +262,18 @@ class Run:
         try:
             return await self._next()
         except InvalidRequestError as err:
-            self._refused = True
+            self._refused = err.message
             raise self._protocol.named(err) from None
 
     async def _next(self) -> Event:
         """The next event for the client: ``Queued``, then its output and ``Finish``. The engine's
         ``Started`` (a slot; else the first output) ends the ticket's wait."""
         assert self._events is not None
-        event = await anext(self._events)
+        try:
+            event = await anext(self._events)
+        except EngineClosedError as err:  # the server stopping (or its model gone): told, then logged as failed
+            self._ended = str(err)
+            raise
         if isinstance(event, Started):
             self._ticket.running()
             self._started = event
@@ -313,7 +321,12 @@ class Run:
 
     def _record(self) -> None:
         finish, e2e = self._finish, time.monotonic() - self._t0
-        if self._refused:
+        if self._refused is not None:
+            log.info("%s refused: %s", self._tag.request_id, self._refused)
+            return
+        if finish is None and self._ended is not None:
+            log.info("%s failed after %.2f s: %s", self._tag.request_id, e2e, self._ended)
+            self._ctx.metrics.request_finished(self._protocol.name, "error", None, self._ttft, e2e)
             return
         if finish is None:
             log.info("%s stopped before it finished, after %.2f s", self._tag.request_id, e2e)

@@ -150,6 +150,9 @@ class Watch:
         """The server is stopping: let running answers end, then, a second before uvicorn would cut
         them, stop the backend, which ends the rest with their protocol's error event."""
         deadline = time.monotonic() + GRACE_S - 1
+        if busy := self.backend.busy():  # said now: the drain may take seconds before "stopping"
+            _say(f"stopping: {busy} answer{'s' if busy > 1 else ''} under way, given up to {GRACE_S - 1} s to end "
+                 "(a second Ctrl-C ends them now)")
         while time.monotonic() < deadline and self.backend.busy():
             time.sleep(self.every)
         self.backend.close()

@@ -17,3 +17,13 @@ def to_stderr() -> None:
     handler.mashbox = True  # type: ignore[attr-defined]
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    logging.getLogger("uvicorn.error").addFilter(_not_unfinished)
+
+
+UNFINISHED = "ASGI callable returned without completing response."
+
+
+def _not_unfinished(record: logging.LogRecord) -> bool:
+    """uvicorn's ERROR for a response left unfinished: a stream whose client read nothing for the idle
+    timeout is closed so, deliberately (said at WARNING with its request id, ``sse``)."""
+    return record.getMessage() != UNFINISHED

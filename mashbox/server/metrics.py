@@ -16,7 +16,7 @@ Two sources:
   queue refused, by scope.
 
 Every name starts with ``mashbox:``. Labels: ``model_name``, ``protocol``,
-``finished_reason``, ``scope``, ``block_size``, ``num_blocks`` only; label values come
+``finished_reason``, ``scope``, ``block_size``, ``num_gpu_blocks`` only; label values come
 from fixed sets or the model, never from a user, a key or a session.
 """
 
@@ -121,8 +121,10 @@ def _counter(name: str, doc: str, model: list[str], value: float) -> CounterMetr
 
 
 def _layout(model_name: str, stats: EngineStats) -> GaugeMetricFamily:
-    doc = "KV cache layout: one block per slot, holding one whole context (block_size = ctx, num_blocks = slots)."
-    family = GaugeMetricFamily("mashbox:cache_config_info", doc, labels=["model_name", "block_size", "num_blocks"])
+    doc = ("KV cache layout: one block per slot, holding one whole context (block_size = ctx, num_gpu_blocks = "
+           "slots: vLLM's label, which endpoint pickers read, whatever the device).")
+    labels = ["model_name", "block_size", "num_gpu_blocks"]
+    family = GaugeMetricFamily("mashbox:cache_config_info", doc, labels=labels)
     family.add_metric([model_name, str(stats.ctx), str(stats.slots)], 1.0)
     return family
 

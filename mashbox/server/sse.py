@@ -35,14 +35,15 @@ class EventStream(Stream):
         self.on_close = on_close
 
     def to_asgi_response(self, app: Any, request: Request, **kwargs: Any) -> ASGIResponse:
-        return _TimedStream(self)
+        return _TimedStream(self, str(request.scope.get("state", {}).get("request_id", "")))
 
 
 class _TimedStream(ASGIStreamingResponse):
-    def __init__(self, stream: EventStream) -> None:
+    def __init__(self, stream: EventStream, request_id: str) -> None:
         super().__init__(iterator=stream.iterator, headers=stream.headers, media_type=stream.media_type)
         self._idle_s = stream.idle_s
         self._on_close = stream.on_close
+        self._request_id = request_id
 
     async def send_body(self, send: Send, receive: Receive) -> None:
         async with create_task_group() as group:
@@ -57,8 +58,8 @@ class _TimedStream(ASGIStreamingResponse):
         try:
             await self._stream(timed)
         except TimeoutError:
-            log.warning("client read nothing for %.0f s: its stream is closed and its request stopped",
-                        self._idle_s)
+            log.warning("%s: its client read nothing for %.0f s: its stream is closed and its request stopped",
+                        self._request_id, self._idle_s)
         finally:
             with CancelScope(shield=True):
                 await self._close()

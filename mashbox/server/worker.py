@@ -220,6 +220,8 @@ class WorkerBackend:
                     return event
                 case Error() as error:
                     raise error.exception()
+                case WorkerLost(final=True) as lost:  # no worker will answer again (stopping): not to re-send
+                    raise EngineClosedError(lost.error)
                 case WorkerLost() as lost:
                     return error_finish(lost.error)
 
