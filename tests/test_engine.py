@@ -390,6 +390,10 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     ({"slot": 2}, "slot: is not an Engine option; did you mean `slots`"), ({"speculation": "no"}, "speculation: must be True"),
     ({"cache_dir": 5}, "cache_dir: must be a folder's path"), ({"config": {"slots": 2}}, "config: must be an EngineConfig"),
     ({"model": 5}, "model: must be a catalog id or a path"),
+    ({"model": ""}, "model: must be a catalog id or a path"),  # the default model loaded, unsaid
+    ({"dtype": 16}, "dtype: must be a name"), ({"cache_disk_gib": float("nan")}, "cache_disk_gib: must be a number"),
+    ({"cache_disk_gib": float("inf")}, "cache_disk_gib: must be a number"),  # an OverflowError at the first page
+    ({"cache_disk_gib": True}, "cache_disk_gib: must be a number"),
 ])
 def test_every_bad_engine_setting_is_a_config_error_naming_it(setting, words):
     """``except MashboxError`` catches them all (they were ValueError, TypeError or torch's RuntimeError)."""
@@ -732,3 +736,30 @@ def test_a_prompt_too_long_for_the_context_is_refused_with_its_count(tiny_engine
     counted = len(tiny_engine.tokenizer.encode(tiny_engine.template.render(messages), add_special_tokens=False))
     assert refused.value.tokens == counted > 20_000 and "at least" not in refused.value.message
     assert api_error(refused.value, 1).anthropic_message == f"prompt is too long: {counted} tokens > 511 maximum"
+
+
+def test_an_engine_in_a_forked_child_refuses_at_once(tiny_engine):
+    """Its thread is not in the child: a call there (multiprocessing's fork, Linux's default in 3.11)
+    waited forever for an answer."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    said = context.SimpleQueue()
+
+    def child() -> None:  # forked: nothing pickled, the engine inherited
+        try:
+            tiny_engine.complete(prompt="Hi", max_tokens=1)
+            said.put("answered")
+        except Exception as err:
+            said.put(f"{type(err).__name__}: {err}")
+
+    process = context.Process(target=child)
+    process.start()
+    process.join(timeout=60)
+    alive = process.is_alive()
+    if alive:
+        process.kill()
+    assert not alive and not said.empty(), "the child waited for an answer"
+    text = said.get()
+    assert text.startswith("EngineClosedError: this Engine was made in process") and "spawn" in text, text
+    assert tiny_engine.complete(prompt="Hi", max_tokens=1).choices[0].text is not None  # the parent's still works

@@ -58,3 +58,9 @@ def test_a_wrong_field_or_a_wrong_use_of_the_result_is_an_error(mypy: dict[str, 
     lines = (TYPED / "wrong.py").read_text().splitlines()
     expected = {(n, mark["code"]) for n, line in enumerate(lines, 1) if (mark := MARK.search(line))}
     assert len(expected) >= 15 and mypy["wrong.py"] == expected
+
+
+def test_the_package_says_it_is_typed() -> None:
+    """Without PEP 561's py.typed an installed mashbox is untyped to mypy (every type Any)."""
+    assert (ROOT / "mashbox" / "py.typed").is_file()
+    assert '"py.typed"' in (ROOT / "pyproject.toml").read_text()  # shipped in the wheel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from os import PathLike
@@ -95,8 +96,13 @@ class EngineConfig:
             raise ConfigError(f"ctx: must be >= 16 (got {self.ctx})")
         if not 1 <= self.slots <= 1024:
             raise ConfigError(f"slots: must be between 1 and 1024 (got {self.slots})")
-        if not isinstance(self.cache_disk_gib, (int, float)) or self.cache_disk_gib < 0:
-            raise ConfigError(f"cache_disk_gib: must be >= 0 (got {self.cache_disk_gib!r})")
+        disk = self.cache_disk_gib
+        if not isinstance(disk, int | float) or isinstance(disk, bool) or not 0 <= disk < math.inf:
+            raise ConfigError(f"cache_disk_gib: must be a number >= 0 (got {disk!r})")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError(f"model: must be a catalog id or a path (got {self.model!r})")
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            raise ConfigError(f"dtype: must be a name such as float16 or int8 (got {self.dtype!r})")
         if self.cache_ram_mib < 0:
             raise ConfigError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
         if self.chunk_tokens < 16:

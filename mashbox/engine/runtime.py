@@ -9,11 +9,12 @@ import difflib
 import hashlib
 import json
 import logging
+import os
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import fields, replace
 from pathlib import Path, PurePath
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 
@@ -94,6 +95,7 @@ class Runtime:
                               _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
         self._speculate = config.speculation and runner.cut_anywhere  # a row's bits never depend on its batch
         self._core = EngineCore(scheduler, runner, self.tokenizer)
+        self._pid = os.getpid()  # its thread runs in this process only: a forked child waited forever
         self._release = weakref.finalize(self, _release, self._core)  # also where the Engine is dropped unclosed
 
     def _has_token(self, text: str) -> bool:
@@ -254,6 +256,10 @@ class Runtime:
     # -- lifetime -----------------------------------------------------------
 
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise EngineClosedError(f"this Engine was made in process {self._pid}, and its thread runs there: a "
+                                    "forked child cannot use it; make one in the child, or start children with "
+                                    "multiprocessing's spawn method")
         if self._core.closed:
             raise EngineClosedError(self._core.why_closed)
 
@@ -261,7 +267,7 @@ class Runtime:
         """Stop the engine thread and release the model and its KV cache."""
         self._release()
 
-    def __enter__(self) -> Runtime:
+    def __enter__(self) -> Self:
         self._check_open()
         return self
 
@@ -294,7 +300,7 @@ def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfi
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}"
             raise ConfigError(f"{name}: is not an Engine option; {hint}")
-    return replace(config or EngineConfig(), **options, **({"model": str(model)} if model else {}))
+    return replace(config or EngineConfig(), **options, **({"model": str(model)} if model is not None else {}))
 
 
 def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: ModelRunner) -> PageStore | None:

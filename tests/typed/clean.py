@@ -55,3 +55,9 @@ async def async_twins(engine: Engine) -> None:
     assert_type(await engine.amessage(messages=HI, max_tokens=8, stream=True), AsyncIterator[MessageEvent])
     async for chunk in await engine.achat(messages=HI, stream=True):
         print(chunk.choices[0].delta.content if chunk.choices else "")
+
+
+def in_a_with_block() -> str | None:
+    with Engine(quiet=True) as engine:  # __enter__ gave the base class, which has no chat()
+        assert_type(engine, Engine)
+        return engine.chat(messages=HI, max_tokens=8).choices[0].message.content
