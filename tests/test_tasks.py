@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
+import signal
 import socket
 import sqlite3
 import threading
@@ -19,7 +21,7 @@ import jsonschema
 import pytest
 from server import frames, serve
 
-from mashbox.api.local_tasks import function_tool, prepare, run_async
+from mashbox.api.local_tasks import function_tool, prepare, run_async, run_sync
 from mashbox.engine.events import (
     Finish,
     Queued,
@@ -745,3 +747,60 @@ def test_refusals_of_a_create_name_the_field_and_echo_its_request_id(url):
     assert long.status_code == 400 and long.json()["error"]["data"]["param"] == "user_message_content", long.text
     typed = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": "yes", "request_id": "mine"})
     assert typed.status_code == 400 and typed.json()["id"] == "mine", typed.text
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_tool_that_raises_cancelled_error_is_a_failed_call_not_a_stopped_task(asynchronous):
+    """Its CancelledError was taken for the task's own: the task came back still "working", unended."""
+    def boom() -> str:
+        raise asyncio.CancelledError("the tool's own")
+
+    async def aboom() -> str:
+        raise asyncio.CancelledError("the tool's own")
+
+    generate = scripted(([("aboom" if asynchronous else "boom", "{}")], "tool_calls"), ([], "stop"))
+    task = asyncio.run(run_async(prepare({"user_message_content": "Go.", "client_tools": [aboom if asynchronous
+                                                                                          else boom]}, generate)))
+    assert task.status == "completed", task.status
+    assert task.output[1].type == "tool_result" and "CancelledError: the tool's own" in task.output[1].message_content[0].text
+
+
+def test_ctrl_c_while_a_python_tool_works_stops_the_task_at_once():
+    """The tool ran on the default executor, which asyncio.run waits for as it ends: Ctrl-C came back only
+    when the tool returned (20 s here)."""
+    started = threading.Event()
+
+    def slow() -> str:
+        started.set()
+        time.sleep(20)
+        return "done"
+
+    loop = prepare({"user_message_content": "Go.", "client_tools": [slow]},
+                   scripted(([("slow", "{}")], "tool_calls"), ([], "stop")))
+    threading.Thread(target=lambda: started.wait(30) and os.kill(os.getpid(), signal.SIGINT), daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):  # a real Ctrl-C, once the tool works
+        run_sync(loop)
+    assert started.is_set() and time.monotonic() - start < 10
+
+
+def test_partials_callable_objects_and_positional_only_functions_are_tools():
+    """A partial and a callable object raised AttributeError (no __name__); a positional-only parameter
+    (``def f(x, /)``, math.sqrt) was passed by keyword, so every call failed."""
+    import functools
+    import math
+
+    class Scale:
+        def __call__(self, x: float) -> float:
+            return 2 * x
+
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    def square(x: float, /) -> float:
+        return x * x
+
+    tools = {t.tool.name: t for t in map(function_tool, (functools.partial(add, 1), Scale(), square, math.sqrt))}
+    assert set(tools) == {"add", "Scale", "square", "sqrt"}
+    assert tools["add"].run({"b": 2}) == 3 and tools["Scale"].run({"x": 2}) == 4
+    assert tools["square"].run({"x": 3}) == 9 and tools["sqrt"].run({"x": 16.0}) == 4.0

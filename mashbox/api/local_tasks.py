@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import queue
 import threading
@@ -37,10 +38,24 @@ def function_tool(fn: Callable[..., Any]) -> ServerTool:
     properties = {p.name: _schema(p.annotation) for p in params}
     required = [p.name for p in params if p.default is inspect.Parameter.empty]
     schema = {"type": "object", "properties": properties, "required": required}
-    tool = Tool(fn.__name__, inspect.getdoc(fn) or "", schema)
+    tool = Tool(_name(fn), inspect.getdoc(fn) or "", schema)
     names = {p.name for p in params}
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]  # math.sqrt's x
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in every)
-    return ServerTool(tool, lambda arguments: fn(**{k: v for k, v in arguments.items() if takes_any or k in names}))
+
+    def run(arguments: dict[str, Any]) -> Any:
+        given = [arguments[name] for name in positional if name in arguments]
+        named = {k: v for k, v in arguments.items() if k not in positional and (takes_any or k in names)}
+        return fn(*given, **named)
+
+    return ServerTool(tool, run)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """A function's name; a partial's, its function's; a callable object's, its class's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:

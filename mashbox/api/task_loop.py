@@ -20,8 +20,10 @@ tools are none unless the caller gives some (``ServerTool``); nothing runs code 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -299,9 +301,13 @@ class TaskLoop:
         if tool is None:
             return f"error: no tool named {name!r} is available"
         try:
-            result = await asyncio.to_thread(tool.run, json_object(arguments))
+            result = await _in_thread(tool.run, json_object(arguments))
             if inspect.isawaitable(result):
                 result = await result
+        except asyncio.CancelledError as exc:
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise  # the task is stopped, not its tool
+            return f"error: CancelledError: {exc}"  # the tool's own: the task went on "working", unended
         except Exception as exc:  # the model sees the failure and may try otherwise
             return f"error: {type(exc).__name__}: {exc}"
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
@@ -315,6 +321,28 @@ class TaskLoop:
         self.task.usage = {**total, "total_tokens": total["input_tokens"] + total["output_tokens"],
                            "input_tokens_details": {"cached_tokens": cached},
                            "output_tokens_details": {"reasoning_tokens": reasoning}, "steps": self._step}
+
+
+async def _in_thread(fn: Callable[[Any], Any], argument: Any) -> Any:
+    """``fn(argument)`` on a daemon thread of its own: a task stopped while a slow tool works (Ctrl-C)
+    ends at once; the default executor's thread held ``asyncio.run`` until the tool returned."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(result) if error is None else done.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = fn(argument), None
+        except BaseException as exc:  # handed to the loop, whatever it is
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="mashbox-tool", daemon=True).start()
+    return await done
 
 
 def _cut(translator: StepTranslator) -> str:
