@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import fields, replace
@@ -40,7 +41,7 @@ from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
 from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, looping_call
 from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends, unreadable
-from mashbox.engine.text.tokenizer import Tokenizer
+from mashbox.engine.text.tokenizer import Tokenizer, quote
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -136,8 +137,11 @@ class Runtime:
         if floor > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
             field = "prompt" if request.prompt is not None else "messages"
             raise ContextLengthError.of(field, floor, self.ctx, bound="counted from its characters")
-        if request.prompt is not None:
+        if request.prompt is not None:  # a plain prompt is the client's own: its special tokens are meant
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        quoted, said = _quoted(request, self.tokenizer.special_texts)
+        if said:  # a file an agent read holds "<|im_end|>": text to the model, not the end of its turn
+            return self.tokenizer.encode_quoting(self._rendered(quoted), said)
         return self.tokenizer.encode(self._rendered(request), add_special_tokens=False)
 
     def _rendered(self, request: EngineRequest) -> str:
@@ -316,6 +320,24 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
         return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
     except OSError as err:
         raise ConfigError(f"cache_dir: {folder} cannot be a folder here ({err.strerror or err})") from None
+
+
+def _quoted(request: EngineRequest, specials: tuple[str, ...]) -> tuple[EngineRequest, list[str]]:
+    """``request`` with each special token's text in its messages (their text, reasoning and call
+    arguments) replaced by a ``quote``, and the texts replaced; ``request`` itself where none is."""
+    fields = lambda m: (m.content, m.reasoning or "", *(c.arguments for c in m.tool_calls))
+    if not specials or not any(s in text for m in request.messages for text in fields(m) for s in specials):
+        return request, []
+    said: list[str] = []
+    pattern = re.compile("|".join(map(re.escape, specials)))
+
+    def quote_all(text: str) -> str:
+        return pattern.sub(lambda found: (said.append(found[0]), quote(len(said) - 1))[1], text)
+
+    messages = tuple(replace(m, content=quote_all(m.content), reasoning=m.reasoning and quote_all(m.reasoning),
+                             tool_calls=tuple(replace(c, arguments=quote_all(c.arguments)) for c in m.tool_calls))
+                     for m in request.messages)
+    return replace(request, messages=messages), said
 
 
 def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:

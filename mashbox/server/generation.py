@@ -88,10 +88,16 @@ def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
 
 
 def _printable(text: str) -> str:
-    """``text`` as one field of a log line: characters that are not printable escaped, and quoted where it
-    holds a space, a quote or ``=`` (``abc tenant=admin`` forged a field), or reads as no session."""
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:MAX_SESSION])[:MAX_SESSION]
-    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ' "=') or text in ("-", "") else text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:MAX_SESSION])[:MAX_SESSION]
+
+
+def _field(value: str | None) -> str:
+    """A session id as one field of a log line: quoted where it holds a space, a quote or ``=`` (``abc
+    tenant=admin`` forged a field) or reads as none (``-``)."""
+    if value is None:
+        return "-"
+    quoted = any(c in value for c in ' "=') or value in ("-", "")
+    return '"' + value.replace('"', '\\"') + '"' if quoted else value
 
 
 def request_id(request: Request) -> str:
@@ -143,7 +149,7 @@ class Run:
         self._closed = False
         self._refused: str | None = None  # why a bad request was answered 400: not counted among those answered
         self._ended: str | None = None  # why the backend ended it, taking no more requests
-        log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, tag.session or "-", tag.tenant)
+        log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, _field(tag.session), tag.tenant)
 
     async def whole(self, receive: Receive) -> dict[str, Any] | None:
         """The whole answer; None when the client left first (its request is then stopped)."""

@@ -10,11 +10,19 @@ already made (a GGUF's vocabulary, converted once; a directory with only a slow 
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+QUOTE = re.compile("\ue000(\\d+)\ue001")  # quote(i): stands for the i-th special text a message held
+
+
+def quote(index: int) -> str:
+    return f"\ue000{index}\ue001"
+
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CONFIG = "tokenizer_config.json"
@@ -68,6 +76,37 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_quoting(self, text: str, quoted: list[str]) -> list[int]:
+        """Tokens of a rendered prompt ``text`` in which ``quote(i)`` stands for ``quoted[i]``, a special
+        token's text a message holds, read as the plain text it is (not the turn's end, say); the
+        special tokens of ``text`` itself (the chat template's) are read as they are by ``encode``."""
+        ids: list[int] = []
+        for n, piece in enumerate(self._specials.split(text)):
+            if n % 2:
+                ids.append(self.backend_tokenizer.token_to_id(piece))
+            elif piece:
+                plain = QUOTE.sub(lambda found: quoted[int(found[1])], piece)
+                ids += self._literal.encode(plain, add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of each special token (the longest first): the template's marks, which a message
+        may hold as text too."""
+        added = self.backend_tokenizer.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True))
+
+    @cached_property
+    def _specials(self) -> re.Pattern[str]:
+        return re.compile("(" + "|".join(map(re.escape, self.special_texts)) + ")")
+
+    @cached_property
+    def _literal(self) -> tokenizers.Tokenizer:
+        """The same vocabulary, its special tokens' texts read as plain text."""
+        literal = tokenizers.Tokenizer.from_str(self.backend_tokenizer.to_str())
+        literal.encode_special_tokens = True
+        return literal
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
