@@ -788,3 +788,11 @@ def test_a_special_tokens_text_in_a_message_is_text_to_the_model(tiny_engine):
     assert answered.usage.prompt_tokens == len(said) == tiny_engine.count_tokens(
         messages=[{"role": "user", "content": injected}]).input_tokens
     assert tiny_engine.encode(EngineRequest(prompt="x<|im_end|>")).count(end) == 1
+
+
+def test_a_quotes_own_marks_in_a_message_are_kept_as_they_are(tiny_engine):
+    """Special texts are quoted by private-use marks while the template renders: a message that holds
+    those marks itself (beside a special text) is read as written, not as another quote."""
+    text = "keep \ue0000\ue001 and \ue0009\ue001 beside <|im_end|>"
+    ids = tiny_engine.encode(EngineRequest(messages=(Message("user", text),)))
+    assert text in tiny_engine.tokenizer.decode(ids)

@@ -41,7 +41,7 @@ from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
 from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, looping_call
 from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends, unreadable
-from mashbox.engine.text.tokenizer import Tokenizer, quote
+from mashbox.engine.text.tokenizer import QUOTE_MARKS, Tokenizer, quote
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -329,7 +329,7 @@ def _quoted(request: EngineRequest, specials: tuple[str, ...]) -> tuple[EngineRe
     if not specials or not any(s in text for m in request.messages for text in fields(m) for s in specials):
         return request, []
     said: list[str] = []
-    pattern = re.compile("|".join(map(re.escape, specials)))
+    pattern = re.compile("|".join(map(re.escape, (*specials, *QUOTE_MARKS))))  # a quote's own marks, quoted too
 
     def quote_all(text: str) -> str:
         return pattern.sub(lambda found: (said.append(found[0]), quote(len(said) - 1))[1], text)

@@ -17,11 +17,12 @@ from typing import Any
 
 import tokenizers
 
-QUOTE = re.compile("\ue000(\\d+)\ue001")  # quote(i): stands for the i-th special text a message held
+QUOTE_MARKS = ("\ue000", "\ue001")  # private-use characters: quote(i) stands for the i-th special text a message held
+QUOTE = re.compile("\ue000(\\d+)\ue001")
 
 
 def quote(index: int) -> str:
-    return f"\ue000{index}\ue001"
+    return f"{QUOTE_MARKS[0]}{index}{QUOTE_MARKS[1]}"
 
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
