@@ -189,3 +189,12 @@ def test_a_llama3_turn_also_ends_at_end_of_message(smol_tokenizer, tmp_path: Pat
     assert turn_ends(Tokenizer.of(hf)) == {eot, eom}
     hf.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     assert eom not in turn_ends(Tokenizer.of(hf))
+
+
+def test_a_prompt_read_piece_by_piece_between_special_tokens_is_read_as_a_whole(smol_tokenizer):
+    """Quoting special texts (runtime's ``_quoted``) reads the text between the template's special tokens
+    piece by piece: the same tokens as one encode, checked once per vocabulary (``quotes``)."""
+    tokenizer = Tokenizer(smol_tokenizer.backend_tokenizer, smol_tokenizer.special_tokens_map, None)
+    assert tokenizer.quotes and "<|im_end|>" in tokenizer.special_texts
+    text = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.encode_quoting(text, []) == tokenizer.encode(text, add_special_tokens=False)

@@ -139,7 +139,7 @@ class Runtime:
             raise ContextLengthError.of(field, floor, self.ctx, bound="counted from its characters")
         if request.prompt is not None:  # a plain prompt is the client's own: its special tokens are meant
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
-        quoted, said = _quoted(request, self.tokenizer.special_texts)
+        quoted, said = _quoted(request, self.tokenizer.special_texts if self.tokenizer.quotes else ())
         if said:  # a file an agent read holds "<|im_end|>": text to the model, not the end of its turn
             return self.tokenizer.encode_quoting(self._rendered(quoted), said)
         return self.tokenizer.encode(self._rendered(request), add_special_tokens=False)

@@ -92,6 +92,17 @@ class Tokenizer:
         return ids
 
     @cached_property
+    def quotes(self) -> bool:
+        """Whether ``encode_quoting`` reads a prompt as ``encode`` does where nothing is quoted: the text
+        between special tokens tokenized piece by piece (not so where each piece would begin with a word
+        mark, as some sentencepiece vocabularies have it; there messages are read as ``encode`` reads them)."""
+        if not self.special_texts:
+            return False
+        mark = self.special_texts[-1]
+        probe = f"{mark}user\na b{mark} c\n\n{mark}  d"
+        return self.encode_quoting(probe, []) == self.encode(probe, add_special_tokens=False)
+
+    @cached_property
     def special_texts(self) -> tuple[str, ...]:
         """The text of each special token (the longest first): the template's marks, which a message
         may hold as text too."""
