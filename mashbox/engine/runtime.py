@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import fields, replace
@@ -39,9 +38,9 @@ from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
-from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, looping_call
+from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, json_value, looping_call
 from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends, unreadable
-from mashbox.engine.text.tokenizer import QUOTE_MARKS, Tokenizer, quote
+from mashbox.engine.text.tokenizer import Quotes, Tokenizer
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox")
@@ -139,9 +138,9 @@ class Runtime:
             raise ContextLengthError.of(field, floor, self.ctx, bound="counted from its characters")
         if request.prompt is not None:  # a plain prompt is the client's own: its special tokens are meant
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
-        quoted, said = _quoted(request, self.tokenizer.special_texts if self.tokenizer.quotes else ())
-        if said:  # a file an agent read holds "<|im_end|>": text to the model, not the end of its turn
-            return self.tokenizer.encode_quoting(self._rendered(quoted), said)
+        if self.tokenizer.quotes and (quoted := _quoted(request, Quotes(self.tokenizer.special_texts))):
+            return self.tokenizer.encode_quoting(self._rendered(quoted[0]), quoted[1])  # a file an agent read holds
+            # "<|im_end|>": text to the model, not the end of its turn
         return self.tokenizer.encode(self._rendered(request), add_special_tokens=False)
 
     def _rendered(self, request: EngineRequest) -> str:
@@ -322,22 +321,29 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
         raise ConfigError(f"cache_dir: {folder} cannot be a folder here ({err.strerror or err})") from None
 
 
-def _quoted(request: EngineRequest, specials: tuple[str, ...]) -> tuple[EngineRequest, list[str]]:
-    """``request`` with each special token's text in its messages (their text, reasoning and call
-    arguments) replaced by a ``quote``, and the texts replaced; ``request`` itself where none is."""
-    fields = lambda m: (m.content, m.reasoning or "", *(c.arguments for c in m.tool_calls))
-    if not specials or not any(s in text for m in request.messages for text in fields(m) for s in specials):
-        return request, []
-    said: list[str] = []
-    pattern = re.compile("|".join(map(re.escape, (*specials, *QUOTE_MARKS))))  # a quote's own marks, quoted too
+def _quoted(request: EngineRequest, quotes: Quotes) -> tuple[EngineRequest, Quotes] | None:
+    """``request`` with each special token's text in its words (the messages' text, reasoning and call
+    arguments, decoded; the tools' descriptions and schemas) replaced by a mark of ``quotes``; None
+    where there is none."""
+    def quoted_json(value: Any) -> Any:
+        if isinstance(value, str):
+            return quotes.quote(value)
+        if isinstance(value, dict):
+            return {quotes.quote(k): quoted_json(v) for k, v in value.items()}
+        return [quoted_json(v) for v in value] if isinstance(value, list) else value
 
-    def quote_all(text: str) -> str:
-        return pattern.sub(lambda found: (said.append(found[0]), quote(len(said) - 1))[1], text)
+    def arguments(text: str) -> str:  # decoded first: "\u003c|im_end|\u003e" is the same text
+        try:
+            return json.dumps(quoted_json(json_value(text)), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            return quotes.quote(text)
 
-    messages = tuple(replace(m, content=quote_all(m.content), reasoning=m.reasoning and quote_all(m.reasoning),
-                             tool_calls=tuple(replace(c, arguments=quote_all(c.arguments)) for c in m.tool_calls))
+    messages = tuple(replace(m, content=quotes.quote(m.content), reasoning=m.reasoning and quotes.quote(m.reasoning),
+                             tool_calls=tuple(replace(c, arguments=arguments(c.arguments)) for c in m.tool_calls))
                      for m in request.messages)
-    return replace(request, messages=messages), said
+    tools = tuple(replace(t, description=quotes.quote(t.description), parameters=quoted_json(t.parameters))
+                  for t in request.tools)
+    return (replace(request, messages=messages, tools=tools), quotes) if quotes.said else None
 
 
 def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:

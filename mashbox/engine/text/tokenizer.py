@@ -11,18 +11,32 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
-QUOTE_MARKS = ("\ue000", "\ue001")  # private-use characters: quote(i) stands for the i-th special text a message held
-QUOTE = re.compile("\ue000(\\d+)\ue001")
+class Quotes:
+    """The special texts a request's words hold, each replaced (``quote``) by a mark of this request's
+    own random key, which no client can write, and put back (``unquote``) once the template rendered."""
 
+    def __init__(self, specials: tuple[str, ...]) -> None:
+        self.said: list[str] = []
+        self._key = secrets.token_hex(8)
+        self._specials = re.compile("|".join(map(re.escape, specials)))
+        self._mark = re.compile(f"\ue000{self._key}:(\\d+)\ue001")
 
-def quote(index: int) -> str:
-    return f"{QUOTE_MARKS[0]}{index}{QUOTE_MARKS[1]}"
+    def quote(self, text: str) -> str:
+        return self._specials.sub(self._marked, text)
+
+    def unquote(self, text: str) -> str:
+        return self._mark.sub(lambda found: self.said[int(found[1])], text)
+
+    def _marked(self, found: re.Match[str]) -> str:
+        self.said.append(found[0])
+        return f"\ue000{self._key}:{len(self.said) - 1}\ue001"
 
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -78,17 +92,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_quoting(self, text: str, quoted: list[str]) -> list[int]:
-        """Tokens of a rendered prompt ``text`` in which ``quote(i)`` stands for ``quoted[i]``, a special
-        token's text a message holds, read as the plain text it is (not the turn's end, say); the
-        special tokens of ``text`` itself (the chat template's) are read as they are by ``encode``."""
+    def encode_quoting(self, text: str, quotes: Quotes) -> list[int]:
+        """Tokens of a rendered prompt ``text`` whose ``quotes`` marks stand for special tokens' texts
+        the request's words held, read as the plain text they are (not the turn's end, say); the special
+        tokens of ``text`` itself (the chat template's) are read as they are by ``encode``."""
         ids: list[int] = []
         for n, piece in enumerate(self._specials.split(text)):
             if n % 2:
                 ids.append(self.backend_tokenizer.token_to_id(piece))
             elif piece:
-                plain = QUOTE.sub(lambda found: quoted[int(found[1])], piece)
-                ids += self._literal.encode(plain, add_special_tokens=False).ids
+                ids += self._literal.encode(quotes.unquote(piece), add_special_tokens=False).ids
         return ids
 
     @cached_property
@@ -100,7 +113,7 @@ class Tokenizer:
             return False
         mark = self.special_texts[-1]
         probe = f"{mark}user\na b{mark} c\n\n{mark}  d"
-        return self.encode_quoting(probe, []) == self.encode(probe, add_special_tokens=False)
+        return self.encode_quoting(probe, Quotes(self.special_texts)) == self.encode(probe, add_special_tokens=False)
 
     @cached_property
     def special_texts(self) -> tuple[str, ...]:
