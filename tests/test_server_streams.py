@@ -322,3 +322,23 @@ def test_a_client_that_leaves_while_its_request_waits_is_seen_within_a_second(he
         left = time.monotonic()
         wait_for(lambda: backend.closed == 1 and client.get("/health").json()["live_rows"] == 0, 1.0)
     assert time.monotonic() - left < 1.0  # seen, and its slot freed
+
+
+class Broken(Flaky):
+    """A backend with a bug: its stream raises what no route expects."""
+
+    async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        raise RuntimeError("a bug")
+        yield  # an async generator
+
+
+def test_an_unexpected_error_is_logged_with_its_request_id(long_engine, caplog):
+    """A 500's traceback was logged as "unexpected error" with no request id, so an operator could not
+    tell which request it was."""
+    server = serve(Broken(InProcessBackend.of(long_engine), 0), Settings())
+    with caplog.at_level(logging.INFO, logger="mashbox.server"), \
+            httpx.Client(base_url=next(server), timeout=30) as client:
+        answer = client.post("/v1/chat/completions", json=SHORT)
+    server.close()
+    assert answer.status_code == 500
+    assert any(r.getMessage() == f"{answer.headers['x-request-id']} failed: unexpected error" for r in caplog.records)

@@ -84,8 +84,8 @@ def answer(path: str, error: ApiError, request_id: str | None = None) -> tuple[i
     return status, {"type": "error", "error": {"type": kind, "message": message}}, headers
 
 
-def api_error(exc: Exception, retry_after: int, body: bytes = b"") -> ApiError:
-    """The answer an exception raised while handling a request deserves."""
+def api_error(exc: Exception, retry_after: int, body: bytes = b"", request_id: str | None = None) -> ApiError:
+    """The answer an exception raised while handling request ``request_id`` deserves."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ContextLengthError):  # the code and wording agents look for to compact their history (a
@@ -105,7 +105,7 @@ def api_error(exc: Exception, retry_after: int, body: bytes = b"") -> ApiError:
     if isinstance(exc, StorageError):
         log.error("%s", exc)
         return ApiError(500, str(exc))
-    log.error("unexpected error", exc_info=exc)
+    log.error("%s failed: unexpected error", request_id, exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}")
 
 
@@ -168,7 +168,7 @@ def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Reque
     def handle(request: Request, exc: Exception) -> Response:
         request_id = request.scope.get("state", {}).get("request_id")
         read = request._connection_state.body  # what a body that failed to decode was (Empty: none read)
-        error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"")
+        error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"", request_id)
         status, body, headers = answer(request.url.path, error, request_id)
         if isinstance(exc, QueueFull):  # overload shows in the log and /metrics too
             log.warning("%s refused (%d): %s", request_id, status, exc.message)
