@@ -3,6 +3,7 @@ strings, UTF-8, limits, cancellation, async, and request validation."""
 
 import asyncio
 import linecache
+import re
 import threading
 import time
 from dataclasses import replace
@@ -805,3 +806,14 @@ def test_marks_like_a_quotes_own_in_a_request_are_kept_as_they_are(tiny_engine):
     ids = tiny_engine.encode(EngineRequest(messages=(Message("user", text),), tools=(tool,)))
     said = tiny_engine.tokenizer.decode(ids)
     assert text in said and "Reads \ue0000\ue001." in said
+
+
+def test_a_tool_whose_name_holds_a_special_token_is_refused_naming_it(tiny_engine):
+    """A forced call to ``<|im_end|>`` wrote the special token and ended empty (finish_reason stop, no call)."""
+    tools = [{"type": "function", "function": {"name": "x<|im_end|>", "parameters": {"type": "object"}}}]
+    with pytest.raises(InvalidRequestError, match=re.escape("'x<|im_end|>': its name holds '<|im_end|>'")) as err:
+        tiny_engine.chat(messages=[{"role": "user", "content": "Hi"}], tools=tools, tool_choice="required")
+    assert err.value.param == "tools"
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.task(user_message_content="Hi", client_tools=tools)
+    assert err.value.param == "client_tools"

@@ -138,6 +138,10 @@ class Runtime:
             raise ContextLengthError.of(field, floor, self.ctx, bound="counted from its characters")
         if request.prompt is not None:  # a plain prompt is the client's own: its special tokens are meant
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        for tool in request.tools:  # a call must write its name: one with a special token's text ends it empty
+            if said := next((s for s in self.tokenizer.special_texts if s in tool.name), None):
+                raise InvalidRequestError("tools", f"the tool {tool.name!r}: its name holds {said!r}, a special "
+                                                   "token of this model, which no call can write")
         if self.tokenizer.quotes and (quoted := _quoted(request, Quotes(self.tokenizer.special_texts))):
             return self.tokenizer.encode_quoting(self._rendered(quoted[0]), quoted[1])  # a file an agent read holds
             # "<|im_end|>": text to the model, not the end of its turn
