@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
 from transformers import AutoTokenizer
 
 from mashbox.engine.request import Message, Tool, ToolCall
@@ -198,3 +199,14 @@ def test_a_prompt_read_piece_by_piece_between_special_tokens_is_read_as_a_whole(
     assert tokenizer.quotes and "<|im_end|>" in tokenizer.special_texts
     text = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.encode_quoting(text, Quotes(tokenizer.special_texts)) == tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("scheme, pieces_read_alike", [("first", False), ("always", True)])
+def test_quoting_is_only_where_pieces_read_as_the_whole(scheme: str, pieces_read_alike: bool) -> None:
+    """A sentencepiece vocabulary that marks only the text's first word (Metaspace ``first``, as Llama's and
+    Mistral's) reads a piece after a special token otherwise alone than in the whole prompt: no quoting there."""
+    words = ["<unk>", "user\na", "▁user\na", "▁b", "b", "▁c\n\n", "c\n\n", "▁", "▁d", "d"]
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    backend.add_special_tokens(["<s>", "</s>"])
+    assert Tokenizer(backend, {"eos_token": "</s>"}, None).quotes is pieces_read_alike
