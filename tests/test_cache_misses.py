@@ -199,3 +199,34 @@ def test_a_stream_waiting_for_a_slot_starts_without_the_header_and_loses_nothing
             next(server, None)
     assert "x-mashbox-cache" not in queued  # its headers went out while the other held the slot
     assert done and text and text == alone["content"] and rest[-1] == "data: [DONE]"
+
+
+def test_an_anthropic_stream_waiting_for_a_slot_opens_with_its_prompt_s_real_cache_split(tiny_model_dir, monkeypatch):
+    """message_start's usage (which clients read the prompt's billing from) is the cache split the run met,
+    however long it waited for its slot (it said 0 cached, and message_delta another split, after 1 s)."""
+    from mashbox import Engine
+    from mashbox.server import generation
+
+    monkeypatch.setattr(generation, "SLOT_WAIT_S", 0.01)
+    long = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "temperature": 1.0,
+            "seed": 3, "stream": True}
+    body = {"system": SYSTEM, "messages": TURNS, "max_tokens": 4, "stream": True}
+    with Engine(str(tiny_model_dir), ctx=512, slots=1, speculation=False, quiet=True) as engine:
+        server = serve(InProcessBackend.of(engine), Settings(keepalive_s=0.05))
+        url = next(server)
+        try:
+            httpx.post(url + "/v1/messages", json={**body, "stream": False}, timeout=60).raise_for_status()
+            with httpx.stream("POST", url + "/v1/chat/completions", json=long, timeout=60) as busy:
+                lines = busy.iter_lines()
+                next(lines)  # the one slot is taken
+                with httpx.stream("POST", url + "/v1/messages", json=body, timeout=60) as queued:
+                    text = "".join(queued.iter_text())
+                rest = [line for line in lines if line]
+        finally:
+            next(server, None)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    start, delta = events[0]["message"]["usage"], next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert text.startswith(": keep-alive") and events[0]["type"] == "message_start"  # comments while it waited
+    assert start["cache_read_input_tokens"] >= 64 and rest[-1] == "data: [DONE]"
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (
+        delta["input_tokens"], delta["cache_read_input_tokens"])

@@ -292,7 +292,7 @@ def held(long_engine):
 
 @pytest.mark.parametrize(("path", "body", "opening", "beat", "last"), [
     ("/v1/chat/completions", SHORT, '"role":"assistant"', ": keep-alive", None),
-    ("/v1/messages", SHORT, "event: message_start", 'event: ping\ndata: {"type":"ping"}', "message_stop"),
+    ("/v1/messages", SHORT, ": keep-alive", ": keep-alive", "message_stop"),  # message_start tells the cache: at the slot
     ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}, "event: response.in_progress", ": keep-alive",
      None),
 ])
@@ -311,6 +311,7 @@ def test_a_waiting_stream_gets_its_headers_and_opening_at_once_then_keep_alives(
     events = frames(text)  # the keep-alives are comments or pings a client skips
     assert events[-1][0] == last and (last or events[-1][1] == "[DONE]")
     assert path != "/v1/responses" or events[-2][0] == "response.completed"
+    assert path != "/v1/messages" or events[:2] == [("message_start", events[0][1]), ("ping", events[1][1])]
     assert any(name in (None, "content_block_delta", "response.output_text.delta") for name, _ in events[1:-1])
 
 

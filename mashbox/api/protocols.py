@@ -38,6 +38,7 @@ class Protocol:
     keepalive: bytes = COMMENT
     any_model: bool = False  # Anthropic requests may name any model; the answer names it back
     turns: str | None = "messages"  # the body's list of conversation items
+    start_tells_cache: bool = False  # the stream's first frame says how the prompt met the cache (Anthropic's)
 
     def named(self, err: InvalidRequestError) -> InvalidRequestError:
         """``err``, where it names the engine's conversation (a prompt too long, a chat template that refuses
@@ -55,7 +56,7 @@ COMPLETIONS = Protocol("completions", "complete", openai_completions, openai_com
 RESPONSES = Protocol("responses", "respond", openai_responses, openai_responses.ResponsesRequest, event_frame,
                      DONE, turns="input")  # [DONE] last, as open-responses.md says (the SDKs stop at it)
 MESSAGES = Protocol("messages", "message", anthropic_messages, anthropic_messages.MessagesRequest, event_frame,
-                    keepalive=PING, any_model=True)
+                    keepalive=PING, any_model=True, start_tells_cache=True)
 PROTOCOLS = {p.method: p for p in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)}  # by Engine method
 
 

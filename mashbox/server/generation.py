@@ -1,9 +1,10 @@
 """One generating request, from admission to its last byte.
 
 A stream's headers and opening events go out as soon as the engine accepts the request (its
-``Queued`` event: a bad request is still a 4xx); while it waits for a slot or prefills, a
-keep-alive goes out every ``keepalive_s`` (Anthropic ``ping``; an SSE comment on the OpenAI
-routes), so the client knows the server works and a client that leaves is seen at once.
+``Queued`` event: a bad request is still a 4xx; Anthropic's ``message_start``, which tells how the
+prompt met the cache, once it has a slot); while it waits for a slot or prefills, a keep-alive goes
+out every ``keepalive_s`` (Anthropic ``ping`` after ``message_start``; else an SSE comment), so the
+client knows the server works and a client that leaves is seen at once.
 
 A request whose client has received nothing is run again once when the device fails
 (``Finish`` with reason ``error``): not streamed, until its answer is written; streamed, until its
@@ -26,6 +27,7 @@ from litestar import Request, Response
 from litestar.types import Receive
 
 from mashbox.api.base import RequestModel
+from mashbox.api.frames import COMMENT
 from mashbox.api.protocols import Protocol, prepare
 from mashbox.engine.events import Event, Finish, Queued, Started, Usage
 from mashbox.engine.request import EngineRequest
@@ -216,6 +218,9 @@ class Run:
 
     async def _frames(self, first: Event) -> AsyncIterator[bytes]:
         translator = self._translator()
+        if self._protocol.start_tells_cache and isinstance(first, Queued):
+            async for comment in self._until_slot():
+                yield comment
         yield self._encode(translator.start(self._prompt(first)))
         try:
             event = first
@@ -242,6 +247,19 @@ class Run:
             log.exception("%s failed after its stream started", self._tag.request_id)
             yield self._encode(translator.error(f"{type(exc).__name__}: {exc}"))
         yield self._protocol.done
+
+    async def _until_slot(self) -> AsyncIterator[bytes]:
+        """SSE comments (which every client skips, before the first event too) every ``keepalive_s`` while
+        the run waits for its slot, for a first frame that tells how its prompt met the cache."""
+        slot = asyncio.ensure_future(self._slot.wait())
+        try:
+            while self._pending is not None and not self._slot.is_set() and not self._pending.done():
+                keepalive = self._ctx.settings.keepalive_s
+                if not (await asyncio.wait({slot, self._pending}, timeout=keepalive,
+                                           return_when=asyncio.FIRST_COMPLETED))[0]:
+                    yield COMMENT
+        finally:
+            slot.cancel()
 
     async def _beats(self, work: asyncio.Future[Event]) -> AsyncIterator[bytes]:
         """A keep-alive every ``keepalive_s`` until ``work`` is done; ``work`` is cancelled if the
