@@ -66,6 +66,12 @@ def test_the_number_drawn_depends_on_seed_and_position_alone_and_is_uniform():
     assert max(abs(n - 1000) for n in tenths) < 130  # ~4 standard deviations of a uniform's count
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-46, 5e-324])
+def test_a_temperature_too_small_for_the_dtype_draws_the_likeliest_token(temperature):
+    logits = row([0.1, 3.0, 2.0])[0]
+    assert [sampler.draw(logits, SamplingParams(temperature=temperature), sampler.uniform(1, i)) for i in range(5)] == [1] * 5
+
+
 def test_top_k_one_is_greedy():
     logits = torch.randn(1000)
     ids, probs = sampler.support(logits, SamplingParams(temperature=1.0, top_k=1))

@@ -49,8 +49,9 @@ CANDIDATES = 1024  # top-p and min-p look at the most likely tokens first, the w
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits / temperature`` shifted so that the largest is 0: however small the temperature, the
-    likeliest token stays finite (the others may go to -inf), so the softmax never holds NaN."""
-    return (logits - logits.max()) / temperature
+    likeliest token stays finite (the others may go to -inf), so the softmax never holds NaN; a
+    temperature below the dtype's smallest normal number (1e-46 is 0 in float32) is taken as that."""
+    return (logits - logits.max()) / max(temperature, torch.finfo(logits.dtype).tiny)
 
 
 def support(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
