@@ -38,6 +38,8 @@ SAMPLING = [
     ({"stop": ""}, "stop"),
     ({"stop": 3}, "stop"),
     ({"stop_sequences": [""]}, "stop_sequences"),
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop"),  # each is looked for after every token, in the shared step
+    ({"stop_sequences": ["s"] * 65}, "stop_sequences"),
     ({"seed": "x"}, "seed"),
     ({"max_tokens": "5"}, "max_tokens"),  # strict types, as OpenAI's and Anthropic's: no guessing
     ({"max_tokens": 5.5}, "max_tokens"),

@@ -38,6 +38,24 @@ def test_earliest_stop_wins():
     assert run_stop(["bb", "a"], ["xxbbya"]) == ("xx", "bb")
 
 
+def test_the_held_back_tail_is_the_longest_suffix_that_begins_a_stop():
+    import random
+
+    from mashbox.engine.text.stop import overlap
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        text, stop = ("".join(rng.choices("ab", k=rng.randint(1, 12))) for _ in range(2))
+        naive = max((n for n in range(1, min(len(text), len(stop) - 1) + 1) if text.endswith(stop[:n])), default=0)
+        assert overlap(text, stop) == naive, (text, stop)
+
+
+def test_at_most_64_stop_strings():
+    assert len(SamplingParams(stop=tuple(map(str, range(64)))).stop) == 64
+    with pytest.raises(ValueError, match="stop: must be at most 64 strings"):
+        SamplingParams(stop=tuple(map(str, range(65))))
+
+
 def test_no_stops_passes_text_through():
     assert run_stop([], ["a", "b"]) == ("ab", None)
 

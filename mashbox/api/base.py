@@ -24,7 +24,7 @@ from pydantic import (
     model_serializer,
 )
 
-from mashbox.engine.request import EngineRequest, SamplingParams
+from mashbox.engine.request import MAX_STOPS, EngineRequest, SamplingParams
 from mashbox.engine.text.markup import SURROGATE, json_value
 from mashbox.errors import InvalidRequestError
 
@@ -129,6 +129,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _stop_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
         values = [value] if isinstance(value, str) else value or []
+        if len(values) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(values)})")
         if not all(values):
             raise ValueError("stop strings must not be empty")
         return value

@@ -30,6 +30,9 @@ def _typed(owner: Any, kinds: dict[str, type | tuple[type, ...]]) -> None:
             raise ValueError(f"{name}: must be {kinds_named} (got {value!r})")
 
 
+MAX_STOPS = 64  # every stop string is looked for after every token, in the step all streams share
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request picks its tokens. ``temperature == 0`` is greedy."""
@@ -63,6 +66,7 @@ class SamplingParams:
             _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        _check(len(self.stop) <= MAX_STOPS, "stop", f"at most {MAX_STOPS} strings", f"{len(self.stop)} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
 
     @property

@@ -30,8 +30,11 @@ class StopMatcher:
 
 
 def overlap(text: str, stop: str) -> int:
-    """Longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
+    """Longest suffix of ``text`` that is a proper prefix of ``stop``: tried only where ``stop``'s first
+    character is (a long stop string costs a search, not a comparison per length)."""
+    at = max(0, len(text) - len(stop) + 1)
+    while (at := text.find(stop[0], at)) != -1:
+        if stop.startswith(text[at:]):
+            return len(text) - at
+        at += 1
     return 0
