@@ -11,7 +11,7 @@ from mashbox.api.openai_completions import CompletionRequest, Translator, to_eng
 from mashbox.engine.events import Finish, ReasoningDelta, TextDelta, Timings, Usage
 
 TIMINGS = Timings(prompt_n=4, prompt_ms=2.0, predicted_n=2, predicted_ms=1.0, cache_n=0, queue_ms=0.0)
-USAGE = Usage(prompt_tokens=4, completion_tokens=2)
+USAGE = Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=3)
 
 
 def _run(request: CompletionRequest, events) -> tuple[Translator, list[dict]]:
@@ -44,6 +44,7 @@ def test_stream_and_response():
     completion = sdk.Completion.model_validate(body)
     assert completion.choices[0].text == "bc" and completion.choices[0].finish_reason == "length"
     assert completion.usage.total_tokens == 6
+    assert completion.usage.prompt_tokens_details.cached_tokens == USAGE.cached_tokens  # as every usage block
     assert completion.system_fingerprint == "seed-7"
 
 

@@ -24,6 +24,7 @@ from mashbox.api.base import (
     refuse_logprobs,
 )
 from mashbox.api.blocks import BlockTracker, Change
+from mashbox.api.chat_output import PromptTokensDetails
 from mashbox.engine.events import Event, Finish, Usage
 from mashbox.engine.request import EngineRequest
 
@@ -62,11 +63,12 @@ class CompletionUsage(OutModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails  # the cache hits, as every usage block tells them
 
     @classmethod
     def of(cls, u: Usage) -> CompletionUsage:
         return cls(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                   total_tokens=u.total_tokens)
+                   total_tokens=u.total_tokens, prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
 
 
 class CompletionChoice(OutModel):
