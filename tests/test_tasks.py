@@ -804,3 +804,19 @@ def test_partials_callable_objects_and_positional_only_functions_are_tools():
     assert set(tools) == {"add", "Scale", "square", "sqrt"}
     assert tools["add"].run({"b": 2}) == 3 and tools["Scale"].run({"x": 2}) == 4
     assert tools["square"].run({"x": 3}) == 9 and tools["sqrt"].run({"x": 16.0}) == 4.0
+
+
+def test_each_generation_of_a_task_is_counted_on_metrics_as_a_request_is(url, tasks):
+    """A task's generations count in request_finished_total and the latency histograms under protocol
+    "tasks" (they counted in the token totals only)."""
+    from test_metrics import samples
+
+    def counts() -> tuple[float, float]:
+        found = samples(httpx.get(url + "/metrics").content)
+        return tuple(sum(v for (n, labels), v in found.items() if n == name and ("protocol", "tasks") in labels)
+                     for name in ("mashbox:request_finished_total", "mashbox:e2e_request_latency_seconds_count"))
+
+    before = counts()
+    for question in ("Name a planet.", "Name a river."):
+        assert tasks.create(stream=False, user_message_content=question, inference_args=SHORT).result.status == "completed"
+    assert counts() == (before[0] + 2, before[1] + 2)

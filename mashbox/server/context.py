@@ -33,7 +33,7 @@ class Context:
         self.metrics = Metrics(self.backend.model_id)
         self.page = Page.load() if s.ui else None
         store = TaskStore(Path(s.tasks_db) if s.tasks_db else cache_dir() / "tasks.sqlite3", s.tasks_ttl_s)
-        self.tasks = TaskRuns(self.backend, self.admission, store, salted=s.auth_required)
+        self.tasks = TaskRuns(self.backend, self.admission, store, salted=s.auth_required, metrics=self.metrics)
 
     def _slots(self) -> int:
         """The engine's slots (0 while it loads: nothing is on its way to one)."""

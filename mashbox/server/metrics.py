@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from mashbox.server.backend import Backend
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # every name is valid in the classic text format
-PROTOCOLS = frozenset({"chat", "completions", "responses", "messages"})
+PROTOCOLS = frozenset({"chat", "completions", "responses", "messages", "tasks"})  # tasks: each generation
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "abort", "error"})
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)

@@ -24,10 +24,13 @@ from mashbox.api.base import new_id
 from mashbox.api.task_events import TaskLifecycleEvent
 from mashbox.api.task_items import FINAL, CreateTask, RpcError, TaskObject
 from mashbox.api.task_loop import GENERATION_FAILED, Action, TaskLoop, request_param
+from mashbox.engine.events import Event, Finish, Queued, Started
+from mashbox.engine.request import EngineRequest
 from mashbox.errors import InvalidRequestError, StorageError
 from mashbox.server.admission import Admission, Ticket
 from mashbox.server.backend import Backend
 from mashbox.server.errors import ApiError
+from mashbox.server.metrics import Metrics
 from mashbox.server.task_store import TaskStore
 
 log = logging.getLogger("mashbox.server")
@@ -90,8 +93,10 @@ class Live:
 
 
 class TaskRuns:
-    def __init__(self, backend: Backend, admission: Admission, store: TaskStore, salted: bool) -> None:
+    def __init__(self, backend: Backend, admission: Admission, store: TaskStore, salted: bool,
+                 metrics: Metrics) -> None:
         self._backend, self._admission, self.store, self._salted = backend, admission, store, salted
+        self._metrics = metrics
         self._live: dict[tuple[str, str], Live] = {}
         self._claimed: set[tuple[str, str]] = set()  # ids being created: not yet live, maybe stored
         self.sweep_every_s = min(store.ttl_s / 2, MAX_SWEEP_EVERY_S)
@@ -155,7 +160,7 @@ class TaskRuns:
             self._claimed.discard(key)
         task = TaskObject(id=task_id, created_at=int(time.time()), session_id=req.session_id or "",
                           user_id=req.user_id or "", metadata=req.metadata or {}, previous_task_id=req.previous_task_id)
-        loop = TaskLoop(req, task, self._backend.astream, cache_salt=tenant if self._salted else "",
+        loop = TaskLoop(req, task, self._counted, cache_salt=tenant if self._salted else "",
                         abort=self._backend.abort)
         live = Live(tenant, loop, self._admission.admit(tenant), bool(req.background))
         self._live[key] = live
@@ -169,6 +174,19 @@ class TaskRuns:
             raise
         log.info("task %s started (tenant %s)", task_id, tenant)
         return live
+
+    async def _counted(self, request: EngineRequest) -> AsyncIterator[Event]:
+        """The backend's run of one of a task's generations, counted on /metrics as a route's request is
+        (protocol ``tasks``)."""
+        t0, ttft, finish = time.monotonic(), None, None
+        try:
+            async for event in self._backend.astream(request):
+                if ttft is None and not isinstance(event, (Queued, Started)):
+                    ttft = time.monotonic() - t0
+                finish = event if isinstance(event, Finish) else None
+                yield event
+        finally:
+            self._metrics.request_finished("tasks", finish or "abort", None, ttft, time.monotonic() - t0)
 
     async def _drive(self, live: Live) -> None:
         try:
