@@ -113,6 +113,14 @@ def test_tool_choice(choice, expected):
     assert to_engine(_request(tools=TOOLS, tool_choice=choice)).tool_choice == expected
 
 
+def test_a_tool_choice_of_a_hosted_tool_is_said_to_be_ignored_and_local_shell_is_forced():
+    hosted = _request(tools=[{"type": "web_search"}, *TOOLS], tool_choice={"type": "web_search"})
+    assert to_engine(hosted).tool_choice == "auto"
+    assert hosted.ignored_fields() == ["tool_choice[web_search]", "tools[web_search]"]
+    shell = _request(tools=[{"type": "local_shell"}], tool_choice={"type": "local_shell"})
+    assert to_engine(shell).tool_choice == Named("local_shell") and shell.ignored_fields() == []
+
+
 @pytest.mark.parametrize(
     ("reasoning", "thinking"),
     [(None, None), ({"summary": "auto"}, None), ({"effort": "none"}, False), ({"effort": "minimal"}, False),
@@ -274,7 +282,9 @@ def test_engine_error_finish_fails_the_stream():
 
 
 def test_response_carries_the_open_responses_fields():
-    request = _request(tools=TOOLS[:1], temperature=0.5, reasoning={"effort": "low"}, prompt_cache_key="s1")
+    request = _request(tools=TOOLS[:1], temperature=0.5, reasoning={"effort": "low"}, prompt_cache_key="s1",
+                       metadata={"ticket": "T-12"})
+    assert "metadata" not in request.ignored_fields()
     translator, _ = _stream(request, [TextDelta("x"), Finish("stop", USAGE, TIMINGS)])
     body = translator.response().dump()
     assert body["tools"] == [{"type": "function", "name": "exec_command", "description": None,
@@ -285,6 +295,7 @@ def test_response_carries_the_open_responses_fields():
     assert (body["truncation"], body["text"], body["store"], body["background"]) == (
         "disabled", {"format": {"type": "text"}}, False, False)
     assert body["previous_response_id"] is None and body["prompt_cache_key"] == "s1"
+    assert body["metadata"] == {"ticket": "T-12"}  # the request's, as OpenAI's echoes it
     assert body["completed_at"] >= body["created_at"]
     sdk.Response.model_validate(body)
 

@@ -108,7 +108,7 @@ class TextConfig(Part):
 
 
 class ResponsesRequest(RequestModel, SamplingFields):
-    accepted_ignored = ("store", "client_metadata", "metadata")
+    accepted_ignored = ("store", "client_metadata")
 
     model: str | None = None
     input: str | list[InputItem]
@@ -150,7 +150,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
     def _more_ignored(self) -> list[str]:
         include = [f"include[{entry}]" for entry in self.include or ()]
         summary = ["reasoning.summary"] if self.reasoning and self.reasoning.summary else []
-        return skipped(self.tools) + include + summary
+        return skipped(self.tools, self.tool_choice) + include + summary
 
     def tool_map(self) -> ToolMap:
         return ToolMap(self.tools)
@@ -197,6 +197,7 @@ def _echo(request: ResponsesRequest, model: str) -> dict[str, Any]:
         "frequency_penalty": sampling.frequency_penalty,
         "reasoning": ReasoningEcho(effort=reasoning.effort, summary=reasoning.summary) if reasoning else None,
         "prompt_cache_key": request.prompt_cache_key,
+        "metadata": request.metadata or {},
     }
 
 

@@ -169,7 +169,7 @@ class Response(OutModel):
     store: bool = False
     background: bool = False
     service_tier: str = "default"
-    metadata: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)  # the request's, as sent
     safety_identifier: None = None
     prompt_cache_key: str | None = None
 

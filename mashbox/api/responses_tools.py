@@ -150,8 +150,12 @@ def echo_tool(tool: Any) -> dict[str, Any]:
     return tool.model_dump(mode="json", exclude_none=not isinstance(tool, FunctionTool))
 
 
-def skipped(tools: list[Any] | None) -> list[str]:
-    return [f"tools[{t.type}]" for t in tools or () if isinstance(t, HostedTool)]
+def skipped(tools: list[Any] | None, choice: ToolChoice | None) -> list[str]:
+    """The hosted tools skipped, and a ``tool_choice`` that names one (it is ``auto`` here)."""
+    hosted = [f"tools[{t.type}]" for t in tools or () if isinstance(t, HostedTool)]
+    if isinstance(choice, ToolChoiceObject) and choice.type not in _CHOOSABLE:
+        hosted.append(f"tool_choice[{choice.type}]")
+    return hosted
 
 
 class ToolChoiceObject(Part):
@@ -168,9 +172,14 @@ class ToolChoiceObject(Part):
 ToolChoice = Literal["auto", "none", "required"] | ToolChoiceObject
 
 
+_CHOOSABLE = ("function", "custom", "allowed_tools", "local_shell")
+
+
 def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> EngineToolChoice:
     if choice is None or isinstance(choice, str):
         return choice or "auto"
+    if choice.type == "local_shell":
+        return Named(LOCAL_SHELL)
     name = choice.named()
     if name is not None:
         return Named(tools.visible(name))
