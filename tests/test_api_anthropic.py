@@ -97,6 +97,23 @@ def test_tools_skip_server_tools():
     assert request.ignored_fields() == ["tools[web_search_20250305]"]
 
 
+def test_anthropic_s_client_tools_are_called_with_their_documented_input():
+    """bash, the text editor and memory carry no input_schema (Anthropic's models know them) but run on the
+    client: the model may call them, with their documented input (they were skipped as server tools)."""
+    tools = [{"type": "bash_20250124", "name": "bash"},
+             {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool", "max_characters": 1000},
+             {"type": "memory_20250818", "name": "memory"}, {"type": "computer_20250124", "name": "computer",
+                                                             "display_width_px": 1024, "display_height_px": 768}]
+    request = _request(tools=tools, tool_choice={"type": "tool", "name": "bash"})
+    bash, editor, memory = to_engine(request).tools
+    assert (bash.name, bash.parameters["required"], to_engine(request).tool_choice) == ("bash", ["command"], Named("bash"))
+    assert editor.parameters["properties"]["command"]["enum"][:3] == ["view", "create", "str_replace"]
+    assert memory.name == "memory" and "rename" in memory.parameters["properties"]["command"]["enum"]
+    assert request.ignored_fields() == ["tools[computer_20250124]"]  # its results are screenshots
+    with pytest.raises(InvalidRequestError, match="'computer', a tool of type 'computer_20250124'"):
+        _request(tools=tools, tool_choice={"type": "tool", "name": "computer"})
+
+
 def test_a_conversation_left_empty_is_refused_naming_messages():
     """Content blocks that make no message (an empty list) leave nothing to answer or continue: a 400
     (the fuzzer found a 500 once a last message was looked for, to continue it)."""

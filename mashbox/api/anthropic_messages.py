@@ -40,6 +40,7 @@ from mashbox.api.anthropic_output import (
     TokenCount,
     ToolUseOut,
 )
+from mashbox.api.anthropic_tools import client_tool
 from mashbox.api.base import (
     STRUCTURED,
     Part,
@@ -131,11 +132,15 @@ class AnthropicTool(Part):
     input_schema: dict[str, Any] | None = None
 
     def usable(self) -> bool:
-        return self.type in (None, "custom")
+        return self.type in (None, "custom") or client_tool(self.type) is not None
+
+    def engine_tool(self) -> Tool:
+        description, schema = client_tool(self.type) or ("", {})
+        return Tool(self.name, self.description or description, self.input_schema or schema)
 
     @model_validator(mode="after")
     def _schema(self) -> AnthropicTool:
-        if self.usable() and self.input_schema is None:  # a server tool (web_search, ...) has none
+        if self.type in (None, "custom") and self.input_schema is None:  # a server tool (web_search, ...) has none
             raise InvalidRequestError("input_schema", "is required for a custom tool (a JSON schema of its input)")
         return self
 
@@ -185,6 +190,15 @@ class CountTokensRequest(RequestModel):
     def _more_ignored(self) -> list[str]:
         return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()]
 
+    @model_validator(mode="after")
+    def _choice_runs_here(self) -> CountTokensRequest:
+        named = self.tool_choice.name if self.tool_choice and self.tool_choice.type == "tool" else None
+        if skipped := next((t for t in self.tools or () if t.name == named and not t.usable()), None):
+            raise InvalidRequestError("tool_choice", f"names {named!r}, a tool of type {skipped.type!r}, which "
+                                                     "runs on Anthropic's side or needs images: this server cannot "
+                                                     "call it")
+        return self
+
 
 class MessagesRequest(CountTokensRequest, SamplingFields):
     """POST /v1/messages."""
@@ -209,9 +223,7 @@ def to_engine(req: CountTokensRequest) -> EngineRequest:
         messages=messages,
         continue_final=bool(messages) and _prefilled(messages[-1]),
         sampling=req.sampling() if isinstance(req, SamplingFields) else SamplingParams(),
-        tools=tuple(
-            Tool(t.name, t.description or "", t.input_schema or {}) for t in req.tools or () if t.usable()
-        ),
+        tools=tuple(t.engine_tool() for t in req.tools or () if t.usable()),
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
         enable_thinking=thinking.enabled() if thinking is not None else None,
