@@ -114,6 +114,18 @@ def test_anthropic_s_client_tools_are_called_with_their_documented_input():
         _request(tools=tools, tool_choice={"type": "tool", "name": "computer"})
 
 
+def test_a_document_of_text_is_read_as_its_title_context_and_text():
+    documents = [{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Line one."},
+                  "title": "notes.txt", "context": "From the user's disk."},
+                 {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "A"},
+                                                                                 {"type": "text", "text": "B"}]}}]
+    content = [*documents, {"type": "text", "text": "Summarise."},
+               {"type": "tool_result", "tool_use_id": "t1", "content": documents[1:]}]
+    messages = to_engine(_request(messages=[{"role": "user", "content": content}])).messages
+    assert messages[0].content == "notes.txt\n\nFrom the user's disk.\n\nLine one.\nA\nB\nSummarise."
+    assert messages[1] == Message("tool", "A\nB", tool_call_id="t1")
+
+
 def test_a_conversation_left_empty_is_refused_naming_messages():
     """Content blocks that make no message (an empty list) leave nothing to answer or continue: a 400
     (the fuzzer found a 500 once a last message was looked for, to continue it)."""

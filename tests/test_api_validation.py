@@ -82,7 +82,11 @@ ROWS = [
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages.0.content.0.type"),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
-     "messages.0.content.0.type"),
+     "messages.0.content.0.source"),  # a PDF's; a text document's is read
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "messages.0"),  # a block of another role's was left out unsaid
+    ("messages", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}, "messages.1"),
     ("messages", {"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}]}]},
      "messages.0.content.0.content.0.type"),

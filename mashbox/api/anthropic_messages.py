@@ -43,6 +43,7 @@ from mashbox.api.anthropic_output import (
 from mashbox.api.anthropic_tools import client_tool
 from mashbox.api.base import (
     STRUCTURED,
+    TEXT_ONLY,
     Part,
     RequestModel,
     SamplingFields,
@@ -95,10 +96,37 @@ class ToolUseBlock(Part):
 
 
 class MediaBlock(UnsupportedPart):
-    type: Literal["image", "document", "audio", "file"]
+    type: Literal["image", "audio", "file"]
 
 
-ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+class DocumentBlock(Part):
+    """A document of plain text (``source`` ``text``, or ``content``: a string or text blocks), read as its
+    title, context and text; a PDF or another file is refused as an image is."""
+
+    type: Literal["document"]
+    source: dict[str, Any]
+    title: str | None = None
+    context: str | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _plain_text(cls, source: dict[str, Any]) -> dict[str, Any]:
+        content = source.get("content")
+        blocks = isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content)
+        if not (source.get("type") == "text" and isinstance(source.get("data"), str)
+                or source.get("type") == "content" and (isinstance(content, str) or blocks)):
+            raise ValueError(f"a document of source type {source.get('type')!r} {TEXT_ONLY} (a document of "
+                             "source type text or content is read as text)")
+        return source
+
+    @property
+    def text(self) -> str:
+        content = self.source.get("data") if self.source["type"] == "text" else self.source["content"]
+        body = content if isinstance(content, str) else "\n".join(str(b.get("text", "")) for b in content)
+        return "\n\n".join(part for part in (self.title, self.context, body) if part)
+
+
+ResultPart = Annotated[TextBlock | DocumentBlock | MediaBlock, Field(discriminator="type")]
 
 
 class ToolResultBlock(Part):
@@ -109,13 +137,13 @@ class ToolResultBlock(Part):
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "\n".join(
-            b.text for b in self.content if isinstance(b, TextBlock)
+            b.text for b in self.content if isinstance(b, TextBlock | DocumentBlock)
         )
         return f"Error: {text}" if self.is_error else text
 
 
 ContentBlock = Annotated[
-    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | MediaBlock,
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | DocumentBlock | MediaBlock,
     Field(discriminator="type"),
 ]
 
@@ -123,6 +151,16 @@ ContentBlock = Annotated[
 class InputMessage(Part):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+
+    @model_validator(mode="after")
+    def _blocks_of_its_role(self) -> InputMessage:
+        """A block another role writes would be left out unsaid: a 400 instead, as Anthropic's."""
+        mine = ((TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock) if self.role == "assistant"
+                else (TextBlock, ToolResultBlock, DocumentBlock, MediaBlock))
+        blocks = [] if isinstance(self.content, str) else self.content
+        if odd := next((b for b in blocks if not isinstance(b, mine)), None):
+            raise ValueError(f"a {odd.type} block cannot be in a {self.role} message")
+        return self
 
 
 class AnthropicTool(Part):
@@ -266,7 +304,7 @@ def _messages(msg: InputMessage) -> list[Message]:
         if isinstance(block, ToolResultBlock):
             out += _flush(msg.role, texts)
             out.append(Message("tool", block.text(), tool_call_id=block.tool_use_id))
-        elif isinstance(block, TextBlock):
+        elif isinstance(block, TextBlock | DocumentBlock):
             texts.append(block.text)
     return out + _flush(msg.role, texts)
 
