@@ -96,7 +96,16 @@ def test_tools_map_namespaces_custom_and_local_shell():
     refs = request.tool_map()
     assert (refs.ref("spawn").namespace, refs.ref("agents__exec_command").name) == ("agents", "exec_command")
     assert refs.ref("exec_command").namespace is None
-    assert request.ignored_fields() == ["tools[web_search]"]
+    assert request.ignored_fields() == ["tools[apply_patch].format", "tools[web_search]"]  # lark: shown, not held
+
+
+def test_a_custom_tool_s_regex_is_the_pattern_its_input_is_held_to():
+    phone = {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex",
+                                                         "definition": "[0-9]{3}-[0-9]{4}"}}
+    request = _request(tools=[phone])
+    (tool,) = to_engine(request).tools
+    assert tool.parameters["properties"]["input"]["pattern"] == "^(?:[0-9]{3}-[0-9]{4})$"
+    assert request.ignored_fields() == []
 
 
 @pytest.mark.parametrize(
@@ -116,7 +125,7 @@ def test_tool_choice(choice, expected):
 def test_a_tool_choice_of_a_hosted_tool_is_said_to_be_ignored_and_local_shell_is_forced():
     hosted = _request(tools=[{"type": "web_search"}, *TOOLS], tool_choice={"type": "web_search"})
     assert to_engine(hosted).tool_choice == "auto"
-    assert hosted.ignored_fields() == ["tool_choice[web_search]", "tools[web_search]"]
+    assert hosted.ignored_fields() == ["tool_choice[web_search]", "tools[apply_patch].format", "tools[web_search]"]
     shell = _request(tools=[{"type": "local_shell"}], tool_choice={"type": "local_shell"})
     assert to_engine(shell).tool_choice == Named("local_shell") and shell.ignored_fields() == []
 

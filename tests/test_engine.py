@@ -258,6 +258,16 @@ def test_a_response_has_the_sdks_output_text(tiny_engine):
     assert "output_text" not in response.model_dump()  # a convenience, not a field of the protocol
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_forced_call_of_a_custom_tool_with_a_regex_writes_input_the_regex_takes(tiny_engine, seed):
+    phone = {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex",
+                                                         "definition": "[0-9]{3}-[0-9]{4}"}}
+    response = tiny_engine.respond(input="Call home.", tools=[phone], tool_choice="required", temperature=1.0,
+                                   seed=seed, max_output_tokens=64)
+    (call,) = [item for item in response.output if item.type == "custom_tool_call"]
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", call.input), call.input
+
+
 def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(tiny_engine):
     from mashbox import IgnoredFieldsWarning
 

@@ -121,7 +121,7 @@ class DocumentBlock(Part):
 
     @property
     def text(self) -> str:
-        content = self.source.get("data") if self.source["type"] == "text" else self.source["content"]
+        content = self.source["data"] if self.source["type"] == "text" else self.source["content"]
         body = content if isinstance(content, str) else "\n".join(str(b.get("text", "")) for b in content)
         return "\n\n".join(part for part in (self.title, self.context, body) if part)
 

@@ -123,7 +123,7 @@ class ToolMap:
             self._register(ToolRef("function", tool.name, namespace), tool.description, tool.parameters)
         elif isinstance(tool, CustomTool):
             ref = ToolRef("custom", tool.name, namespace)
-            self._register(ref, _custom_description(tool), CUSTOM_PARAMETERS)
+            self._register(ref, _custom_description(tool), _custom_parameters(tool))
         elif isinstance(tool, LocalShellTool):
             description = "Run a command on the user's machine and return its output."
             self._register(ToolRef("local_shell", LOCAL_SHELL), description, LOCAL_SHELL_PARAMETERS)
@@ -145,6 +145,26 @@ def _custom_description(tool: CustomTool) -> str:
     return f"{description}\n\nThe input must follow this {syntax} grammar:\n{fmt.get('definition', '')}"
 
 
+def _custom_parameters(tool: CustomTool) -> dict[str, Any]:
+    """A custom tool's one string ``input``; a regex format is its pattern, which the call is held to (a
+    lark grammar is only shown to the model: said in x-mashbox-ignored-fields)."""
+    if (regex := _regex(tool)) is None:
+        return CUSTOM_PARAMETERS
+    whole = {**CUSTOM_PARAMETERS["properties"]["input"], "pattern": f"^(?:{regex})$"}  # all of it, not a part
+    return {**CUSTOM_PARAMETERS, "properties": {"input": whole}, "additionalProperties": False}
+
+
+def _regex(tool: CustomTool) -> str | None:
+    fmt = tool.format or {}
+    regex = fmt.get("definition") if fmt.get("type") == "grammar" and fmt.get("syntax") == "regex" else None
+    return regex if isinstance(regex, str) else None
+
+
+def _unheld(tool: Any) -> bool:
+    """A custom tool whose grammar the call is not held to (lark)."""
+    return isinstance(tool, CustomTool) and (tool.format or {}).get("type") == "grammar" and _regex(tool) is None
+
+
 def echo_tool(tool: Any) -> dict[str, Any]:
     """A request tool as the response repeats it; function tools keep their null fields."""
     return tool.model_dump(mode="json", exclude_none=not isinstance(tool, FunctionTool))
@@ -153,6 +173,8 @@ def echo_tool(tool: Any) -> dict[str, Any]:
 def skipped(tools: list[Any] | None, choice: ToolChoice | None) -> list[str]:
     """The hosted tools skipped, and a ``tool_choice`` that names one (it is ``auto`` here)."""
     hosted = [f"tools[{t.type}]" for t in tools or () if isinstance(t, HostedTool)]
+    inner = [i for t in tools or () for i in (t.tools if isinstance(t, NamespaceTool) else [t])]
+    hosted += [f"tools[{t.name}].format" for t in inner if _unheld(t)]
     if isinstance(choice, ToolChoiceObject) and choice.type not in _CHOOSABLE:
         hosted.append(f"tool_choice[{choice.type}]")
     return hosted
