@@ -25,6 +25,7 @@ import uvicorn
 from mashbox import Engine
 from mashbox.server.app import create_app
 from mashbox.server.backend import Backend, InProcessBackend
+from mashbox.server.connection import Connection
 from mashbox.server.launch import listen
 from mashbox.server.settings import Settings
 
@@ -38,7 +39,8 @@ class Running:
 
 def serve(backend: Backend, settings: Settings) -> Iterator[str]:
     sock = listen("127.0.0.1", 0)  # `mashbox run`'s own listening socket
-    config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="on")  # as `mashbox run`
+    config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="on",
+                            http=Connection)  # as `mashbox run`
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

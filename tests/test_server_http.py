@@ -433,3 +433,38 @@ def test_a_session_that_looks_like_log_fields_is_quoted_and_a_refusal_ends_its_l
     assert refused.status_code == 400, refused.text
     request_id = refused.headers["x-request-id"]
     assert any(line.startswith(f"{request_id} refused: ") for line in lines), lines
+
+
+def test_a_connection_that_sends_no_whole_request_in_time_is_closed_and_one_that_does_is_not(tiny_server, monkeypatch):
+    """Part of a request's headers, part of its body, or nothing: closed after ``read_s`` (each held a
+    connection for as long as its client liked). A request read in time is answered however long its
+    answer takes, and the next request on the connection has its own time."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from mashbox.server.connection import Connection
+
+    monkeypatch.setattr(Connection, "read_s", 0.5)
+    address = urlsplit(tiny_server.url)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+    def closed_after(sent: bytes) -> float:
+        with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+            sock.sendall(sent)
+            start = time.monotonic()
+            assert sock.recv(4096) == b""  # closed, nothing answered
+            return time.monotonic() - start
+
+    for sent in (b"", head[:30], head + b"Content-Length: 100\r\n\r\n{\"mess"):
+        assert 0.3 < closed_after(sent) < 5
+    body = json.dumps({**CHAT, "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}).encode()
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        for _ in range(2):  # one connection, a request right after the first's answer
+            start = time.monotonic()
+            sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            answer = b""
+            while not answer.endswith(b"0\r\n\r\n") and (got := sock.recv(65536)):
+                answer += got
+            assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+            assert time.monotonic() - start > 0.5  # the answer took longer than a request's reading may

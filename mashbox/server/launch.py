@@ -95,8 +95,9 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
     import uvicorn  # with the app, imported while the worker loads the model (~1 s on 2 cores)
 
     from mashbox.server.app import create_app
+    from mashbox.server.connection import Connection
 
-    config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
+    config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port, http=Connection,
                             log_level="warning", timeout_graceful_shutdown=GRACE_S)
     server = _server(config, backend)
     watch = Watch(backend, server, _url(settings))

@@ -1,0 +1,51 @@
+"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request.
+
+uvicorn times out only the wait between requests (keep-alive): a client that sent part of a request's
+headers or body, or nothing at all, held its connection (a file descriptor) for as long as it liked,
+before any key was checked. Here a request must be read whole within ``read_s`` of the connection's
+start or of the answer before it; a connection still reading then is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("mashbox.server")
+
+
+class Connection(H11Protocol):
+    read_s = 60.0  # a 10 MB body (the largest taken) needs 170 kB/s
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()  # the next request on this connection is read from now
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.read_s, self._read_or_close)
+
+    def _reading(self) -> bool:
+        """Whether a request is still being read: none begun since the last answer, or its body unfinished
+        and nothing answered yet."""
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started)
+
+    def _read_or_close(self) -> None:
+        if self._reading() and not self.transport.is_closing():
+            log.info("closed a connection from %s that sent no whole request in %.0f s",
+                     "%s:%d" % self.client if self.client else "?", self.read_s)
+            self.transport.close()
