@@ -275,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
             task_store.check(Path(args.tasks_db))
         if args.cache_dir:
             _folder("cache_dir", Path(args.cache_dir))
+        elif args.cache_disk:  # the default folder too, before the model loads (a read-only home)
+            from mashbox.engine.load.catalog import cache_dir
+
+            _folder("the disk prefix cache (choose its folder with --cache-dir or MASHBOX_CACHE, or none with "
+                    "--cache-disk 0)", cache_dir() / "prefixes")
         launch = Launch(args.model, _settings(args), _engine_options(args), args.in_process)
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)

@@ -41,6 +41,8 @@ SAMPLING = [
     ({"stop": [f"s{i}" for i in range(65)]}, "stop"),  # each is looked for after every token, in the shared step
     ({"stop_sequences": ["s"] * 65}, "stop_sequences"),
     ({"seed": "x"}, "seed"),
+    ({"seed": 2**64 + 5}, "seed"),  # drew as seed 5 did
+    ({"seed": -2**63 - 1}, "seed"),
     ({"max_tokens": "5"}, "max_tokens"),  # strict types, as OpenAI's and Anthropic's: no guessing
     ({"max_tokens": 5.5}, "max_tokens"),
     ({"temperature": "0.5"}, "temperature"),

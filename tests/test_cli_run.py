@@ -279,6 +279,18 @@ def test_a_bad_flag_is_one_line_and_exit_2_before_loading(flags, words):
     assert process.returncode == 2 and err.startswith(words) and len(err.splitlines()) == 1, err
 
 
+def test_a_default_prefix_cache_folder_that_cannot_be_made_is_said_before_loading(tmp_path):
+    """A cache under a file (a read-only home, say) was said only after the model loaded; --cache-disk 0
+    needs no folder."""
+    (tmp_path / "afile").write_text("")
+    env = {"MASHBOX_CACHE": str(tmp_path / "afile" / "cache")}
+    process = mashbox("--port", str(free_port()), "--tasks-db", str(tmp_path / "tasks.sqlite3"), env=env)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("mashbox: the disk prefix cache (choose its folder with --cache-dir or MASHBOX_CACHE, or "
+                          f"none with --cache-disk 0): {tmp_path}/afile/cache/prefixes cannot be a folder here"), err
+
+
 def test_a_tasks_db_that_cannot_hold_the_tasks_is_one_line_and_exit_2(tmp_path):
     """Refused at start, not a 500 on every /v1/tasks call later."""
     not_a_db = tmp_path / "notes.txt"

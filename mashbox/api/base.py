@@ -108,7 +108,7 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = None  # 64 bits, as OpenAI's: no two draw alike
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
