@@ -8,6 +8,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from importlib.metadata import version
 from typing import Any, NoReturn
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mashbox", description="A local LLM engine for notebooks and agents.")
+    parser.add_argument("--version", action="version", version=f"mashbox {version('mashbox')}")
     commands = parser.add_subparsers(dest="command", parser_class=Parser)
     chat = commands.add_parser("chat", help="chat with a model in the terminal (the default command)")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL,

@@ -81,6 +81,7 @@ ROWS = [
     ("completions", {"logprobs": 0}, "logprobs"),
     ("completions", {"logprobs": 5}, "logprobs"),
     ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ("messages", {"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),  # the beta's name
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages.0.content.0.type"),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},

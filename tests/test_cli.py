@@ -90,3 +90,10 @@ def test_output_nobody_reads_and_input_that_is_closed_are_one_line_at_most():
     out = subprocess.run([sys.executable, "-m", "mashbox", "chat"], stdin=None, capture_output=True, text=True,
                          preexec_fn=lambda: os.close(0))
     assert out.returncode == 2 and out.stderr == "mashbox: chat reads its questions from stdin, and there is none (it is closed)\n"
+
+
+def test_version_is_the_installed_package_s():
+    from importlib.metadata import version
+
+    done = mashbox("--version")
+    assert done.returncode == 0 and done.stdout == f"mashbox {version('mashbox')}\n"

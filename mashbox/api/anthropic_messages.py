@@ -203,16 +203,17 @@ class ThinkingConfig(Part):
         return {"enabled": True, "disabled": False}.get(self.type)
 
 
+def _refuse_format(value: Any) -> Any:
+    if value is not None:
+        raise ValueError(STRUCTURED)
+    return value
+
+
 class OutputConfig(Part):
     effort: str | None = None
     format: Any = None
 
-    @field_validator("format")
-    @classmethod
-    def _no_format(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError(STRUCTURED)
-        return value
+    _no_format = field_validator("format")(_refuse_format)
 
 
 class CountTokensRequest(RequestModel):
@@ -247,6 +248,9 @@ class MessagesRequest(CountTokensRequest, SamplingFields):
     prompt_cache_key: str | None = None
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
+    output_format: Any = None  # the structured-outputs beta's name for output_config.format
+
+    _no_format = field_validator("output_format")(_refuse_format)
 
     def _more_ignored(self) -> list[str]:
         effort = self.output_config is not None and self.output_config.effort is not None
