@@ -827,3 +827,16 @@ def test_a_tool_whose_name_holds_a_special_token_is_refused_naming_it(tiny_engin
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.task(user_message_content="Hi", client_tools=tools)
     assert err.value.param == "client_tools"
+
+
+def test_chat_s_continue_final_message_continues_the_answer_as_an_anthropic_prefill_does(tiny_engine):
+    """vLLM's and transformers' continue_final_message (it was ignored: the answer began anew after the
+    assistant's text, as a second turn)."""
+    turns = [{"role": "user", "content": "Count on."}, {"role": "assistant", "content": "one two three"}]
+    chat = tiny_engine.chat(messages=turns, max_tokens=8, continue_final_message=True).choices[0].message.content
+    prefilled = tiny_engine.message(messages=turns, max_tokens=8).content[0].text
+    anew = tiny_engine.chat(messages=turns, max_tokens=8).choices[0].message.content
+    assert chat == prefilled != anew
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.chat(messages=turns[:1], max_tokens=8, continue_final_message=True)
+    assert err.value.param == "continue_final_message"

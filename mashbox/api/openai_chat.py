@@ -147,8 +147,17 @@ class ChatRequest(RequestModel, SamplingFields):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     prediction: Prediction | None = None
+    continue_final_message: bool | None = None  # vLLM's and transformers': the answer continues the last message
 
     _no_logprobs = field_validator("logprobs", "top_logprobs")(refuse_logprobs)
+
+    @model_validator(mode="after")
+    def _continues_an_answer(self) -> ChatRequest:
+        final = self.messages[-1]
+        if self.continue_final_message and (final.role != "assistant" or final.tool_calls):
+            raise InvalidRequestError("continue_final_message", "needs a last message of the assistant's text, "
+                                                                "which the answer continues")
+        return self
 
     @field_validator("response_format")
     @classmethod
@@ -180,6 +189,7 @@ def to_engine(req: ChatRequest) -> EngineRequest:
         parallel_tool_calls=req.parallel_tool_calls is not False,
         enable_thinking=req.thinking(),
         prediction=_text(req.prediction.content) if req.prediction else None,
+        continue_final=bool(req.continue_final_message),
     )
 
 
