@@ -126,6 +126,9 @@ def test_a_tool_choice_of_a_hosted_tool_is_said_to_be_ignored_and_local_shell_is
     hosted = _request(tools=[{"type": "web_search"}, *TOOLS], tool_choice={"type": "web_search"})
     assert to_engine(hosted).tool_choice == "auto"
     assert hosted.ignored_fields() == ["tool_choice[web_search]", "tools[apply_patch].format", "tools[web_search]"]
+    mcp = _request(tools=[{"type": "mcp", "server_label": "wiki"}, *TOOLS],
+                   tool_choice={"type": "mcp", "server_label": "wiki", "name": "spawn"})  # its name is the server's
+    assert to_engine(mcp).tool_choice == "auto" and "tool_choice[mcp]" in mcp.ignored_fields()
     shell = _request(tools=[{"type": "local_shell"}], tool_choice={"type": "local_shell"})
     assert to_engine(shell).tool_choice == Named("local_shell") and shell.ignored_fields() == []
 

@@ -268,6 +268,13 @@ def test_a_forced_call_of_a_custom_tool_with_a_regex_writes_input_the_regex_take
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", call.input), call.input
 
 
+def test_a_custom_tool_s_regex_that_does_not_compile_is_a_400_that_says_why(tiny_engine):
+    broken = {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex", "definition": "a(b"}}
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.respond(input="Call.", tools=[broken], tool_choice="required", max_output_tokens=8)
+    assert err.value.param == "tools" and err.value.message.endswith("regex parse error: ^(?:a(b)$ error: unclosed group")
+
+
 def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(tiny_engine):
     from mashbox import IgnoredFieldsWarning
 

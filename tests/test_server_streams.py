@@ -315,6 +315,19 @@ def test_a_waiting_stream_gets_its_headers_and_opening_at_once_then_keep_alives(
     assert any(name in (None, "content_block_delta", "response.output_text.delta") for name, _ in events[1:-1])
 
 
+def test_an_answer_that_takes_longer_than_reading_a_request_may_is_not_cut(held, monkeypatch):
+    """A connection's deadline is on reading its request: a request read whole waits for its answer as long
+    as the answer takes."""
+    from mashbox.server.connection import Connection
+
+    monkeypatch.setattr(Connection, "read_s", 0.3)
+    backend, url = held
+    with httpx.Client(base_url=url, timeout=30) as client:
+        threading.Timer(1.0, backend.release.set).start()  # the answer is held past the deadline
+        answer = client.post("/v1/chat/completions", json=SHORT)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+
+
 def test_a_client_that_leaves_while_its_request_waits_is_seen_within_a_second(held):
     backend, url = held
     with httpx.Client(base_url=url, timeout=30) as client:

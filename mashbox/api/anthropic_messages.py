@@ -159,7 +159,7 @@ class InputMessage(Part):
                 else (TextBlock, ToolResultBlock, DocumentBlock, MediaBlock))
         blocks = [] if isinstance(self.content, str) else self.content
         if odd := next((b for b in blocks if not isinstance(b, mine)), None):
-            raise ValueError(f"a {odd.type} block cannot be in a {self.role} message")
+            raise ValueError(f"a {odd.type} block cannot be in a message of role {self.role}")
         return self
 
 

@@ -50,6 +50,7 @@ class ChatParams(SamplingKeywords, total=False):
     top_logprobs: int | None
     response_format: dict[str, Any] | None
     prediction: Object | None
+    continue_final_message: bool | None
 
 
 class CompletionParams(SamplingKeywords, total=False):
@@ -100,3 +101,4 @@ class MessagesParams(CountTokensParams, SamplingKeywords, total=False):
     prompt_cache_key: str | None
     metadata: dict[str, Any] | None
     output_config: Object | None
+    output_format: Object | None

@@ -202,7 +202,7 @@ def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> EngineToolC
         return choice or "auto"
     if choice.type == "local_shell":
         return Named(LOCAL_SHELL)
-    name = choice.named()
+    name = choice.named() if choice.type in ("function", "custom") else None  # an mcp choice's name is its server's
     if name is not None:
         return Named(tools.visible(name))
     return choice.mode or "auto"

@@ -230,8 +230,15 @@ class CallGuard:
 
 
 def _said(error: str) -> str:
-    """llguidance's error without where in mashbox's own grammar text it arose, nor that text."""
-    return re.sub(r"^at \d+\(\d+\): ", "", error.strip().splitlines()[0]) if error.strip() else error
+    """llguidance's error on one line, without where in mashbox's own grammar text it arose, nor that text
+    (a regex's error keeps the regex and why: ``regex parse error: a(b error: unclosed group``)."""
+    said = []
+    for line in error.strip().splitlines():
+        if re.match(r"\s*\d+ \|", line):  # the grammar text follows
+            break
+        if line.strip(" ^"):
+            said.append(line.strip())
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(said)) if said else error
 
 
 class Constraint:
