@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from mashbox.engine.request import Message, Tool, ToolCall
 from mashbox.engine.text.template import ChatTemplate, _tool
-from mashbox.engine.text.tokenizer import Quotes, Tokenizer, _merges_as_text
+from mashbox.engine.text.tokenizer import Tokenizer, _merges_as_text
 from mashbox.errors import InvalidRequestError
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
@@ -198,7 +198,7 @@ def test_a_prompt_read_piece_by_piece_between_special_tokens_is_read_as_a_whole(
     tokenizer = Tokenizer(smol_tokenizer.backend_tokenizer, smol_tokenizer.special_tokens_map, None)
     assert tokenizer.quotes and "<|im_end|>" in tokenizer.special_texts
     text = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
-    assert tokenizer.encode_quoting(text, Quotes(tokenizer.special_texts)) == tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode_quoting(text, tokenizer.new_quotes()) == tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("scheme, pieces_read_alike", [("first", False), ("always", True)])

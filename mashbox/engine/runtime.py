@@ -142,7 +142,7 @@ class Runtime:
             if said := next((s for s in self.tokenizer.special_texts if s in tool.name), None):
                 raise InvalidRequestError("tools", f"the tool {tool.name!r}: its name holds {said!r}, a special "
                                                    "token of this model, which no call can write")
-        if self.tokenizer.quotes and (quoted := _quoted(request, Quotes(self.tokenizer.special_texts))):
+        if self.tokenizer.quotes and (quoted := _quoted(request, self.tokenizer.new_quotes())):
             return self.tokenizer.encode_quoting(self._rendered(quoted[0]), quoted[1])  # a file an agent read holds
             # "<|im_end|>": text to the model, not the end of its turn
         return self.tokenizer.encode(self._rendered(request), add_special_tokens=False)

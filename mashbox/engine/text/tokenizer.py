@@ -18,14 +18,15 @@ from typing import Any
 
 import tokenizers
 
+
 class Quotes:
     """The special texts a request's words hold, each replaced (``quote``) by a mark of this request's
     own random key, which no client can write, and put back (``unquote``) once the template rendered."""
 
-    def __init__(self, specials: tuple[str, ...]) -> None:
+    def __init__(self, specials: re.Pattern[str]) -> None:
         self.said: list[str] = []
         self._key = secrets.token_hex(8)
-        self._specials = re.compile("|".join(map(re.escape, specials)))
+        self._specials = specials
         self._mark = re.compile(f"\ue000{self._key}:(\\d+)\ue001")
 
     def quote(self, text: str) -> str:
@@ -113,7 +114,11 @@ class Tokenizer:
             return False
         mark = self.special_texts[-1]
         probe = f"{mark}user\na b{mark} c\n\n{mark}  d"
-        return self.encode_quoting(probe, Quotes(self.special_texts)) == self.encode(probe, add_special_tokens=False)
+        return self.encode_quoting(probe, self.new_quotes()) == self.encode(probe, add_special_tokens=False)
+
+    def new_quotes(self) -> Quotes:
+        """A request's own quotes of this vocabulary's special texts."""
+        return Quotes(self._specials)
 
     @cached_property
     def special_texts(self) -> tuple[str, ...]:
