@@ -127,7 +127,7 @@ class SamplingFields(BaseModel):
 
     @field_validator("stop", "stop_sequences")
     @classmethod
-    def _stop_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
+    def _stops_few_and_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
         values = [value] if isinstance(value, str) else value or []
         if len(values) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(values)})")
