@@ -129,7 +129,8 @@ def test_stream_order():
     assert deltas[7]["tool_calls"][0]["id"] == "call_def"
     assert deltas[7]["tool_calls"][0]["index"] == 1
     last = chunks[-1]
-    assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "tool_calls"}
+    assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks)  # OpenAI's null, on every choice
     assert last["timings"]["cache_n"] == 3 and "usage" not in last
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
@@ -165,6 +166,7 @@ def test_whole_response_validates_under_the_sdk():
     assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls] == [
         ("call_abc", "read", '{"path": "a"}'), ("call_def", "bash", "{}")]
     assert body["choices"][0]["message"]["reasoning_content"] == "think"
+    assert body["choices"][0]["logprobs"] is None and completion.choices[0].logprobs is None
     assert completion.usage.prompt_tokens_details.cached_tokens == 3
     assert body["timings"]["predicted_n"] == 5
 

@@ -299,6 +299,8 @@ def test_bad_input(url, tasks):
     for n, (body, param) in enumerate([
             ({"inference_args": {"temperature": "hot"}}, "inference_args.temperature"),
             ({"inference_args": {"max_tokens": 0}}, "inference_args.max_tokens"),
+            ({"inference_args": {"logprobs": True}}, "inference_args.logprobs"),  # refused as on the other routes
+            ({"inference_args": {"top_logprobs": 5}}, "inference_args.top_logprobs"),
             ({"client_tools": [{"type": "function"}]}, "client_tools.0.function"),
             ({"structured_output": PERSON, "stream": True}, "structured_output"),
             ({"structured_output": {"type": "json_schema"}}, "structured_output"),  # no schema: not "any JSON"

@@ -83,8 +83,11 @@ ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(OutModel):
+    keep_none = frozenset({"logprobs"})  # OpenAI's null: log probabilities are not given
+
     index: int = 0
     message: AssistantMessage
+    logprobs: None = None
     finish_reason: ChatFinishReason
 
 
@@ -120,10 +123,11 @@ class ChunkDelta(OutModel):
 
 
 class ChunkChoice(OutModel):
-    keep_none = frozenset({"finish_reason"})
+    keep_none = frozenset({"finish_reason", "logprobs"})
 
     index: int = 0
     delta: ChunkDelta
+    logprobs: None = None
     finish_reason: ChatFinishReason | None = None
 
 

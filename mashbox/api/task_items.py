@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 
-from mashbox.api.base import OutModel, Part, RequestModel, SamplingFields, UnsupportedPart, type_of
+from mashbox.api.base import OutModel, Part, RequestModel, SamplingFields, UnsupportedPart, refuse_logprobs, type_of
 from mashbox.engine.request import Message, Named, Tool, ToolCall, ToolChoice, chosen
 
 TaskStatus = Literal["created", "queued", "working", "input-required", "paused", "completed", "canceled",
@@ -90,6 +90,10 @@ class InferenceArgs(Part, SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     enable_thinking: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    _no_logprobs = field_validator("logprobs", "top_logprobs")(refuse_logprobs)
 
     def choice(self) -> ToolChoice:
         choice = self.tool_choice
