@@ -134,6 +134,22 @@ def test_text_that_only_begins_with_a_bracket_is_not_held():
     assert Markup(names=NAMES).push('[ {"name"') == []
 
 
+def test_text_that_begins_with_a_brace_but_no_key_is_not_held():
+    """A bare call is held from ``{"``; ``{placeholder}`` or ``{ x`` goes out as it comes."""
+    m = Markup(names=NAMES)
+    assert m.push("{") == [] and m.push(" ") == []
+    assert m.push("placeholder} is") == [TextDelta("{ placeholder} is")]
+    assert Markup(names=NAMES).push('{ "') == []
+
+
+@pytest.mark.parametrize("text", ["{placeholder} is the value.\n", '{"answer": 42, oops\nLet me check.\n', "{\n"])
+def test_held_text_before_a_tagged_call_is_kept(text):
+    """Text held as a possible bare call, that a tagged call then follows, was text (it was dropped)."""
+    expected = [("text", text.rstrip()), ("call", 0, "get_weather", {"city": "Paris"})]
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:], CALL], names=NAMES) == expected
+
+
 def test_text_after_a_bare_call_at_the_end_is_kept():
     text = '{"name": "get_weather", "arguments": {"city": "Paris"}} done'
     assert parse([text], names=NAMES) == [("call", 0, "get_weather", {"city": "Paris"}), ("text", " done")]

@@ -278,14 +278,17 @@ class Markup:
                     self._bare(self.bare.decide(final=False), events)
                     return
                 text = offered
-            full = self.blank + self._watched(self._unmarked(text))
-            if run := BLANK_RUN.search(full):  # a model that only writes newlines now says nothing more
-                full, self.repeated = full[: run.start()], True
-            body = full.rstrip()
-            self.blank = full[len(body):]
-            events += [TextDelta(body)] if body else []
-            if body and self.bare:
-                self.bare.open = False
+            self._text(text, events)
+
+    def _text(self, text: str, events: list[Event]) -> None:
+        full = self.blank + self._watched(self._unmarked(text))
+        if run := BLANK_RUN.search(full):  # a model that only writes newlines now says nothing more
+            full, self.repeated = full[: run.start()], True
+        body = full.rstrip()
+        self.blank = full[len(body):]
+        events += [TextDelta(body)] if body else []
+        if body and self.bare:
+            self.bare.open = False
 
     def _unmarked(self, text: str) -> str:
         """``text`` without the markers of a call that only a call has (its close, Mistral's [ARGS] and
@@ -313,9 +316,9 @@ class Markup:
         elif tag == THINK_CLOSE:
             self.state = "text"
         elif self.calls and tag == self.calls.open:
+            if self.bare:  # what it held was text, not a call: it goes out before the tagged call
+                self._text(self.bare.release(), events)
             self.state, self.body, self.list_at, self.list_made = "call", "", 0, 0
-            if self.bare:
-                self.blank += self.bare.release()
         else:
             self._end_call(self.body, events, closed=True)
 
@@ -398,7 +401,8 @@ class BareCall:
         """None when ``text`` is held as a possible call; else all held text, to emit as text."""
         candidate = (self.text + text).lstrip()
         listed = candidate.startswith("[") and candidate[1:].lstrip()[:1] in ("", "{")  # a list of calls begun
-        if not candidate or listed or candidate.startswith(("{", self.FENCE)) or self.FENCE.startswith(candidate):
+        keyed = candidate.startswith("{") and candidate[1:].lstrip()[:1] in ("", '"')  # an object's first key begun
+        if not candidate or listed or keyed or candidate.startswith(self.FENCE) or self.FENCE.startswith(candidate):
             self.text += text
             return None
         held, self.text, self.open = self.text, "", False
