@@ -14,6 +14,7 @@ import torch
 
 from mashbox import Engine, EngineRequest, SamplingParams, Started, TextDelta
 from mashbox.engine.model import native
+from mashbox.engine.model.kv_cache import KVCache
 from mashbox.engine.sched.disk_cache import PageStore
 
 PROMPT = " ".join(f"item {i}," for i in range(90))  # ~440 tokens: one whole page of 256
@@ -201,7 +202,7 @@ def test_a_page_that_cannot_be_removed_is_passed_over_and_the_cap_holds(tmp_path
     folder = tmp_path / "pages"
     kept(tmp_path / "probe", [0, 1, 2, 3])
     size = next((tmp_path / "probe").glob("*.safetensors")).stat().st_size
-    stuck = folder / ("0" * 64 + ".safetensors")
+    stuck = folder / ("0" * 40 + ".safetensors")
     stuck.mkdir(parents=True)
     os.utime(stuck, (time.time() - 3600,) * 2)
     store = PageStore(folder, int(size * 3.5), "ns", page=4)
@@ -230,6 +231,50 @@ def test_pages_leave_the_disk_room_said_once(tmp_path: Path, caplog, monkeypatch
     again.save(again.keys([0] * 4, "")[0], [0] * 4, *page())
     again.close()
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+def test_files_of_others_in_the_folder_are_never_counted_or_removed(tmp_path: Path):
+    """A cache folder that also holds a model's weights: the trim took them for pages and removed them."""
+    theirs = [tmp_path / "my-finetune.safetensors", tmp_path / "empty.safetensors", tmp_path / ".draft.v2.tmp"]
+    for file in theirs:
+        file.write_bytes(b"x" * 1000 if file.stem != "empty" else b"")
+        os.utime(file, (time.time() - 3600,) * 2)
+    store = PageStore(tmp_path, 1, "ns", page=4)  # a cap it is always over
+    for i in range(3):
+        store.save(store.keys([i] * 4, "")[0], [i] * 4, *page())
+    store.close()
+    assert all(file.exists() for file in theirs)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3  # their two, and the one page a folder over its cap keeps
+
+
+@pytest.mark.parametrize("other", [torch.randn(2, 4, 3, 16), torch.randn(2, 4, 3, 8).half()])
+def test_a_page_of_another_shape_is_skipped_and_removed(tmp_path: Path, caplog, other):
+    """A page of another model's shape under the right name and tokens (damaged, or made by hand) made
+    the worker's read fail outside its checks: every request with that prefix restarted the worker."""
+    prompt = list(range(8))
+    keys = kept(tmp_path, prompt)
+    second = tmp_path / f"{keys[1]}.safetensors"
+    second.unlink()
+    writer = PageStore(tmp_path, 2**20, "ns", page=4)
+    writer.save(keys[1], prompt[4:], other, other.clone())
+    writer.close()
+    form = tuple(((2, 4, 3, 8), torch.float32) for _ in range(2))
+    again = PageStore(tmp_path, 2**20, "ns", page=4, form=form)
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        k, _ = again.read(keys, prompt)
+    assert k.shape == (2, 4, 3, 8)  # the first page still serves
+    assert "not of this model's shape" in caplog.text and not second.exists()
+
+
+def test_a_folder_removed_while_in_use_is_made_again(tmp_path: Path, caplog):
+    folder = tmp_path / "pages"
+    store = PageStore(folder, 2**20, "ns", page=4)
+    key = store.keys([1] * 4, "")[0]
+    folder.rmdir()  # by hand, or a cleaner: every later page failed to be written
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        store.save(key, [1] * 4, *page())
+        store.close()
+    assert (folder / f"{key}.safetensors").is_file() and "could not keep" not in caplog.text
 
 
 def test_a_temporary_file_safetensors_left_goes_when_old(tmp_path: Path):
@@ -264,6 +309,20 @@ def test_a_restarted_engine_starts_a_known_prompt_from_disk_with_the_same_answer
     with Engine(str(tiny_model_dir), **options) as engine, caplog.at_level(logging.WARNING, logger="mashbox.engine"):
         assert _run(engine, "alice") == (0, text)
     assert "skipped the cached prompt page" in caplog.text
+
+
+def test_a_step_that_fails_leaves_nothing_it_wrote_to_be_reused(tiny_model_dir, tmp_path, monkeypatch):
+    """Loading a page from disk into a slot failed: the slot was still taken to hold the prompt, so
+    the request sent again was served from it (garbage, 200) and its later pages kept on disk."""
+    options = {"ctx": 512, "slots": 1, "quiet": True, "cache_disk_gib": 1, "cache_dir": str(tmp_path)}
+    with Engine(str(tiny_model_dir), **options) as engine:
+        _, text = _run(engine)
+    with Engine(str(tiny_model_dir), **options) as engine:
+        monkeypatch.setattr(KVCache, "restore", lambda *args: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        failed = list(engine.stream(EngineRequest(prompt=PROMPT, sampling=SamplingParams(max_tokens=6))))[-1]
+        assert failed.reason == "error" and "device step failed" in failed.error
+        monkeypatch.undo()
+        assert _run(engine) == (256, text)  # from disk again, not from the slot the failed load left
 
 
 def test_pages_computed_by_other_kernels_are_not_used(tiny_model_dir, tmp_path, monkeypatch):

@@ -207,6 +207,8 @@ class EngineCore:
             log.exception("device step failed")
             for seq in {w.seq.id: w.seq for w in plan.work}.values():
                 self._end(self.streams[seq.id], Status.FINISHED_ERROR, f"device step failed: {exc}")
+            for entry in self.scheduler.lost(plan):  # what it wrote may be half written: never reused
+                self.runner.host.pop(entry, None)
             return
         self.scheduler.update(plan, tokens, seconds, emit=lambda seq, new: self._emit_all(self.streams[seq.id], new))
         if pages := self.scheduler.persist:

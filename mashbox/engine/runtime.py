@@ -319,8 +319,10 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
              native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     folder = Path(config.cache_dir) if config.cache_dir else cache_dir() / "prefixes"
+    page = 8 * config.chunk_tokens
+    form = tuple(((t.shape[0], page, *t.shape[2:]), t.dtype) for t in runner.kv.save(0, 1))  # as a page holds them
     try:
-        return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, 8 * config.chunk_tokens)
+        return PageStore(folder, int(config.cache_disk_gib * 2**30), namespace, page, form)
     except OSError as err:
         raise ConfigError(f"cache_dir: {folder} cannot be a folder here ({err.strerror or err})") from None
 

@@ -5,9 +5,10 @@ of the namespace (model, weights, numerics), the tenant salt and every token up 
 end: a page is only ever used after exactly the tokens it was computed after. Pages are written
 as they are computed (by a background thread: the engine only copies the slice), as safetensors
 files, never pickles; a file is written whole (a temp file of the writer's own, then a rename) and
-read back only if its header names the same key and its tokens are the prompt's. A file that does
-not read is skipped with a log line and removed (where it cannot be, it is a miss from then on). A
-page that cannot be written (a full or read-only disk) is not kept, and the engine goes on.
+read back only if its header names the same key, its tokens are the prompt's and its tensors are of the
+model's shape. A file that does not read is skipped with a log line and removed (where it cannot be, it
+is a miss from then on). A page that cannot be written (a full or read-only disk) is not kept, and the
+engine goes on. Only files named as pages are ever counted or removed: the folder may hold others.
 
 Several processes may share the folder (the replicas of a host): each sees the pages the others
 wrote (a page missing from its index is looked for on disk), a page one of them removed is a miss,
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -40,14 +42,16 @@ RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes
 STALE_S = 600.0  # a temp file this old was left by a writer that died
 STUCK = 3  # pages in a row that cannot be removed: the folder cannot be trimmed now
 ROOM = 1 << 30  # free bytes a page must leave on its disk (the cap may be more than a small disk has)
+PAGE_NAME = re.compile(r"[0-9a-f]{40}")  # a page's file is named by its key: the folder may hold other files
 QUEUED_BYTES = 256 << 20  # pages waiting for the writer, at most: past it (a slow or failing disk) pages are not kept
 
 
 class PageStore:
-    """The pages of one namespace in ``folder``, at most ``cap_bytes`` of them (all namespaces)."""
+    """The pages of one namespace in ``folder``, at most ``cap_bytes`` of them (all namespaces). ``form``:
+    the (shape, dtype) of a page's keys and of its values, where known; a page of another is not read."""
 
-    def __init__(self, folder: Path, cap_bytes: int, namespace: str, page: int) -> None:
-        self.folder, self.cap, self.namespace, self.page = folder, cap_bytes, namespace, page
+    def __init__(self, folder: Path, cap_bytes: int, namespace: str, page: int, form: tuple = ()) -> None:
+        self.folder, self.cap, self.namespace, self.page, self.form = folder, cap_bytes, namespace, page, form
         folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
@@ -110,7 +114,10 @@ class PageStore:
                     tokens = file.get_tensor("tokens").tolist()
                     if tokens != list(prompt[i * self.page: (i + 1) * self.page]):
                         raise ValueError("its tokens are not the prompt's")
-                    parts.append((file.get_tensor("keys"), file.get_tensor("values")))
+                    kv = (file.get_tensor("keys"), file.get_tensor("values"))
+                    if self.form and tuple((tuple(t.shape), t.dtype) for t in kv) != self.form:
+                        raise ValueError("its keys and values are not of this model's shape")
+                    parts.append(kv)
             except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
                 if path.exists() and not isinstance(err, FileNotFoundError):
                     log.warning("skipped the cached prompt page %s (%s: %s); removing it", path, type(err).__name__, err)
@@ -157,6 +164,7 @@ class PageStore:
                 continue
             path, tmp = self._path(key), self.folder / f".{key}.{uuid.uuid4().hex[:12]}.tmp"
             try:  # safetensors says a full disk as its own error, not OSError: any failure is a page not kept
+                self.folder.mkdir(parents=True, exist_ok=True)  # removed meanwhile (by hand): made again
                 save_file({"tokens": tokens, "keys": keys, "values": values}, str(tmp),
                           metadata={"key": key, "format": FORMAT})
                 os.replace(tmp, path)
@@ -203,13 +211,16 @@ class PageStore:
     def _scan(self) -> None:
         """The index read again from the folder, least recently used first; stale temp files removed."""
         files = OrderedDict()
-        for path, stat in sorted(_stats(self.folder, "*.safetensors"), key=lambda item: item[1].st_mtime):
+        pages = [(path, stat) for path, stat in _stats(self.folder, "*.safetensors") if PAGE_NAME.fullmatch(path.stem)]
+        for path, stat in sorted(pages, key=lambda item: item[1].st_mtime):
             if stat.st_size:
                 files[path.stem] = stat.st_size
             else:  # written whole then renamed, a page is never empty: this one lost its bytes (a crash)
                 log.warning("skipped the cached prompt page %s (it is empty); removing it", path)
                 _unlink(path)
-        for path, stat in [*_stats(self.folder, ".*.tmp"), *_stats(self.folder, ".tmp*")]:  # ours, safetensors'
+        ours = [(path, stat) for path, stat in _stats(self.folder, ".*.*.tmp")  # .key.id.tmp
+                if PAGE_NAME.fullmatch(path.name.split(".")[1])]
+        for path, stat in [*ours, *_stats(self.folder, ".tmp*")]:  # ours, safetensors'
             if time.time() - stat.st_mtime > STALE_S:
                 _unlink(path)
         with self._lock:  # pages claimed here and not yet written stay claimed

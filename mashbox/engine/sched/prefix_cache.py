@@ -251,6 +251,12 @@ class PrefixCache:
         self._clock += 1
         self._used[slot] = self._clock
 
+    def lost(self, slots: set[int], entries: set[int]) -> None:
+        """A step failed: what ``slots`` and host ``entries`` hold is not known, so none of it is reused."""
+        for slot in slots:
+            self._tokens[slot] = ()
+        self.host.forget(entries)
+
     @property
     def cached_tokens(self) -> int:
         return sum(len(t) for t in self._tokens)
@@ -299,6 +305,10 @@ class HostTier:
 
     def touch(self, entry: int) -> None:
         self._entries.move_to_end(entry)
+
+    def forget(self, entries: set[int]) -> None:
+        for entry in entries:
+            self._entries.pop(entry, None)
 
     def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None, salt: str = "",
               warm: Callable[[str, tuple[int, ...]], bool] = lambda salt, tokens: False) -> list[CacheOp]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mashbox.engine.sched.pace import Pace
-from mashbox.engine.sched.prefix_cache import CacheOp, Live, Persist, PrefixCache
+from mashbox.engine.sched.prefix_cache import CacheOp, Copy, Live, Load, Persist, PrefixCache, Restore, Save
 from mashbox.engine.sched.sequence import Sequence, Status
 from mashbox.engine.sched.slots import SlotTable
 
@@ -132,6 +132,16 @@ class Scheduler:
             self.running.remove(seq)
             self.cache.insert(seq.slot, seq.prompt_ids[: seq.num_computed], seq.cache_salt)
             self.slots.free(seq.slot)
+
+    def lost(self, plan: Plan) -> set[int]:
+        """Forget what the slots and host entries that a failed step wrote hold (its requests ended
+        first); the host entries to drop."""
+        ops = plan.cache_ops
+        entries = {op.entry for op in ops if isinstance(op, Save)}
+        slots = {w.slot for w in plan.work} | {
+            op.slot for op in ops if isinstance(op, Load | Copy | Restore)}
+        self.cache.lost(slots, entries)
+        return entries
 
     def schedule(self) -> Plan:
         decoding = [s for s in self.running if not s.in_prefill]
