@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import openai
+import pytest
+
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
 ASK = "What is the weather in Paris? Use the tool."
@@ -111,3 +115,26 @@ def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_the_text(oai):
         choice = chat.choices[0]
         assert choice.finish_reason == "length"
         assert not choice.message.content, (max_tokens, choice.message.content)
+
+
+ENDLESS = {"type": "object", "properties": {"t": {"$ref": "#/$defs/n"}}, "required": ["t"],  # no finite instance
+           "$defs": {"n": {"type": "object", "properties": {"l": {"$ref": "#/$defs/n"}, "r": {"$ref": "#/$defs/n"}},
+                           "required": ["l", "r"]}}}
+
+
+def test_a_grammar_that_cannot_go_on_fails_the_request_naming_the_tools(oai, claude):
+    """llguidance compiles this schema, then meets its item limit a few tokens in and allows only the end:
+    the forced call ended as a plain answer with no call (200, finish_reason stop), on every protocol."""
+    messages = [{"role": "user", "content": "Call f."}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": ENDLESS}}]
+    with pytest.raises(openai.BadRequestError, match="cannot be enforced") as err:
+        oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=tools, tool_choice="required",
+                                    max_tokens=64)
+    assert err.value.body["param"] == "tools"
+    with pytest.raises(anthropic.BadRequestError, match="cannot be enforced"):
+        claude.messages.create(model="m", max_tokens=64, messages=messages, tool_choice={"type": "any"},
+                               tools=[{"name": "f", "input_schema": ENDLESS}])
+    assert "<state>" not in str(err.value) and "Too many items" in str(err.value)  # why, not the parser's dump
+    with pytest.raises(openai.APIError, match="cannot be enforced"):  # the stream's error chunk
+        list(oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=tools, tool_choice="required",
+                                         max_tokens=64, stream=True))

@@ -89,7 +89,9 @@ class Stream:
             reason = "tool_calls"
         usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, self.reasoning_tokens, seq.accepted,
                       seq.drafted - seq.accepted)
-        self.channel.hold(Finish(reason, usage, _timings(seq), self.stop.matched, error))
+        failed = seq.constraint is not None and seq.constraint.failed is not None
+        param = seq.constraint.field if failed else None
+        self.channel.hold(Finish(reason, usage, _timings(seq), self.stop.matched, error, param))
 
     def _put(self, events: list[Event]) -> None:
         for event in events:
@@ -258,7 +260,9 @@ class EngineCore:
         if token in stream.seq.eos_ids:
             return
         stream.push(token)
-        if stream.ended:
+        if (constraint := stream.seq.constraint) is not None and constraint.failed:
+            self._end(stream, Status.FINISHED_ERROR, constraint.failed)
+        elif stream.ended:
             self.scheduler.finish(stream.seq, Status.FINISHED_STOP)
 
     def _end(self, stream: Stream, status: Status, error: str | None = None) -> None:

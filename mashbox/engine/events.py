@@ -112,6 +112,7 @@ class Finish:
     timings: Timings
     stop_sequence: str | None = None
     error: str | None = None
+    param: str | None = None  # the request's field at fault, where it failed for its own input (a grammar)
     type: Literal["finish"] = "finish"
 
 

@@ -168,6 +168,8 @@ class Run:
                 translator.feed(event := await self._next())
             if event.reason != "error":
                 return translator.response().dump()
+            if event.param is not None:  # its own input failed it (a grammar that could not go on): no use again
+                raise InvalidRequestError(event.param, event.error or "cannot be followed")
             self._failed(event)
 
     async def streamed(self, headers: dict[str, str]) -> EventStream:
@@ -368,7 +370,7 @@ class Run:
 
 def _lost(event: Event) -> bool:
     """A run that failed on the device (its worker died): it may be sent again."""
-    return isinstance(event, Finish) and event.reason == "error"
+    return isinstance(event, Finish) and event.reason == "error" and event.param is None
 
 
 async def unless_gone(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:

@@ -222,7 +222,8 @@ class CallGuard:
         if at < 0:
             return None
         try:
-            constraint = Constraint(self.tokenizer, self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON, KEYS))
+            constraint = Constraint(self.tokenizer, self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON, KEYS),
+                                    strict=False)
         except InvalidRequestError:  # a schema llguidance cannot enforce: the call stays free
             return None
         ids = self.tokenizer.tokenize_bytes(written[at:])
@@ -233,7 +234,7 @@ def _said(error: str) -> str:
     """llguidance's error on one line, without where in mashbox's own grammar text it arose, nor that text
     (a regex's error keeps the regex and why: ``regex parse error: a(b error: unclosed group``)."""
     said = []
-    for line in error.strip().splitlines():
+    for line in error.partition("<state>")[0].strip().splitlines():  # not the parser's state dump after it
         if re.match(r"\s*\d+ \|", line):  # the grammar text follows
             break
         if line.strip(" ^"):
@@ -244,11 +245,13 @@ def _said(error: str) -> str:
 class Constraint:
     """One request's grammar state: masks its logits, follows its tokens."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str = "tools") -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str = "tools",
+                 strict: bool = True) -> None:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.field, self.strict = field, strict  # strict: a grammar that cannot go on fails the request, else lets go
+        self.failed: str | None = None  # why the grammar could not go on, where it stopped mid-answer
         if self.matcher.is_error():
-            what = "the schema" if field == "response_schema" else "a tool's parameters schema"
-            raise InvalidRequestError(field, f"{what} cannot be enforced: {_said(self.matcher.get_error())}")
+            raise InvalidRequestError(field, self._unenforced())
         self.vocab_size = tokenizer.vocab_size
         self.tokenizer = tokenizer
         self.tentative = False  # held only where the model's own pick is allowed, or an allowed token but for
@@ -275,5 +278,14 @@ class Constraint:
         return any(self.tokenizer.decode_bytes([i]).lower() == word for i in allowed.nonzero().flatten().tolist())
 
     def accept(self, token: int) -> None:
+        """Follow ``token``; where the grammar cannot go on (a limit of llguidance's met mid-answer: it
+        would allow only the end), ``failed`` says why, and the request fails rather than end short."""
         if not self.released:
             self.matcher.consume_token(token)
+            if self.matcher.is_error() and self.failed is None:
+                self.failed = self._unenforced() if self.strict else None
+                self.released = not self.strict
+
+    def _unenforced(self) -> str:
+        what = "the schema" if self.field == "response_schema" else "a tool's parameters schema"
+        return f"{what} cannot be enforced: {_said(self.matcher.get_error())}"
