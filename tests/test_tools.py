@@ -453,3 +453,21 @@ def test_a_local_shell_call_runs_something_for_some_time(tiny_engine, smol_token
         ids = smol_tokenizer.encode(f'<tool_call>\n{{"name":"local_shell","arguments":{arguments}',
                                     add_special_tokens=False)
         assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments
+
+
+@pytest.mark.parametrize(("parameters", "arguments", "whole"), [
+    ({"type": "object", "properties": {}}, "{}", True),  # a tool of no parameters, as most frameworks write it
+    ({"type": "object", "properties": {}}, '{"type":"object"', False),  # a word of its schema: f(type=...) failed
+    ({"type": "object", "properties": {"text": {"type": "string"}}}, '{"text":"a","required":', False),
+    ({"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {}}}}}, '{"o":{"y":', False),
+    ({"type": "object", "properties": {"text": {}}, "additionalProperties": True}, '{"text":1,"more":2}', True),
+    ({"type": "object", "properties": {"d": {"type": "object"}}}, '{"d":{"any":1}}', True),  # any object stays any
+    ({"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}]}, '{"a":1,"b":2}', True),
+])
+def test_a_calls_arguments_name_only_the_keys_its_schema_lists(tiny_engine, smol_tokenizer, parameters, arguments,
+                                                                whole):
+    """An object schema that lists its properties and says nothing of others takes no others (xgrammar's
+    strict mode; llguidance allowed any key, and a 0.5B model filled calls with ``type`` and ``required``)."""
+    constraint = tiny_engine.grammars.for_tools((Tool("f", "", parameters),), "required")
+    ids = smol_tokenizer.encode(f'<tool_call>\n{{"name":"f","arguments":{arguments}', add_special_tokens=False)
+    assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments

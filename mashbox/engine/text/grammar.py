@@ -35,8 +35,39 @@ NAMED = re.compile(r'"name"\s*:\s*"(?:[^"\\]|\\.)*"')  # a call's name, written 
 
 
 def arguments_schema(tool: Tool) -> dict[str, Any]:
-    """The schema of a call's arguments: the tool's parameters where they are an object, else any object."""
-    return tool.parameters if tool.parameters.get("type") == "object" else {"type": "object"}
+    """The schema of a call's arguments: the tool's parameters where they are an object (``closed``), else
+    any object."""
+    return closed(tool.parameters) if tool.parameters.get("type") == "object" else {"type": "object"}
+
+
+DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are JSON data, not schemas
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+BRANCHES = frozenset({"allOf", "anyOf", "oneOf"})
+OPEN = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "if",
+                  "dependentSchemas", "dependencies"}) | BRANCHES  # an object schema whose keys are not all listed
+
+
+def closed(node: Any, merged: bool = False) -> Any:
+    """``node`` where an object schema that lists its ``properties`` and says nothing of others takes no
+    others (``additionalProperties: false``, as xgrammar's strict mode does): left open, a small model
+    fills a call with words of the schema itself (``{"type": "object", "properties": ...}``), and a tool
+    called as ``f(**arguments)`` fails. Not where a schema's keys are listed in parts (``merged``: the
+    parts of an ``allOf``, or of an ``anyOf``/``oneOf`` beside listed properties)."""
+    if isinstance(node, list):
+        return [closed(v, merged) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: closed(schema) for name, schema in value.items()}
+        elif key in BRANCHES:
+            out[key] = closed(value, key == "allOf" or "properties" in node)
+        else:
+            out[key] = value if key in DATA else closed(value)
+    if isinstance(node.get("properties"), dict) and not merged and not OPEN & node.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def call_schema(tool: Tool, key: str = "arguments", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -65,7 +96,7 @@ def _kept(tool: Tool, name: str, defs: dict[str, Any]) -> dict[str, Any] | None:
     reference is read from the root of the whole schema, which theirs no longer is); None where they do not."""
     if tool.parameters.get("type") != "object" or not _refers(tool.parameters):
         return None
-    defs[name] = _pointed(tool.parameters, f"#/$defs/{name}")
+    defs[name] = _pointed(closed(tool.parameters), f"#/$defs/{name}")
     return {"$ref": f"#/$defs/{name}"}
 
 
