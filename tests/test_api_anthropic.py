@@ -126,12 +126,16 @@ def test_a_document_of_text_is_read_as_its_title_context_and_text():
     assert messages[1] == Message("tool", "A\nB", tool_call_id="t1")
 
 
-def test_a_conversation_left_empty_is_refused_naming_messages():
-    """Content blocks that make no message (an empty list) leave nothing to answer or continue: a 400
-    (the fuzzer found a 500 once a last message was looked for, to continue it)."""
-    with pytest.raises(InvalidRequestError) as err:
-        to_engine(_request(messages=[{"role": "user", "content": []}]))
-    assert err.value.param == "messages"
+def test_a_message_of_no_content_is_refused_naming_it():
+    """An empty list of blocks made no message: alone, nothing to answer (the fuzzer found a 500); after an
+    assistant turn, that turn became a prefill and the answer went on with it (", 3" for "1, 2")."""
+    count = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2"}]
+    for messages, at in [([{"role": "user", "content": []}], 0), ([*count, {"role": "user", "content": []}], 2),
+                         ([count[0], {"role": "assistant", "content": []}, {"role": "user", "content": "Go."}], 1)]:
+        with pytest.raises(InvalidRequestError) as err:
+            to_engine(_request(messages=messages))
+        assert err.value.param == f"messages.{at}.content"
+    assert not to_engine(_request(messages=[count[0], {"role": "assistant", "content": []}])).continue_final
 
 
 @pytest.mark.parametrize(

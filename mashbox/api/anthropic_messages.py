@@ -259,6 +259,10 @@ class MessagesRequest(CountTokensRequest, SamplingFields):
 
 def to_engine(req: CountTokensRequest) -> EngineRequest:
     thinking = req.thinking
+    for k, msg in enumerate(req.messages):  # as Anthropic's API: left out, the turn before became a prefill
+        if msg.content == [] and not (k == len(req.messages) - 1 and msg.role == "assistant"):
+            raise InvalidRequestError(f"messages.{k}.content", "is empty: every message but a final assistant "
+                                      "one must have content")
     turns = (replace(m, item=k) for k, msg in enumerate(req.messages) for m in _messages(msg))
     messages = (*_system(req.system), *turns)
     return engine_request(
