@@ -90,6 +90,24 @@ def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(ht
         assert "the prompt is at least" in message and str(ctx) in message
 
 
+@pytest.mark.parametrize("where", ["tools", "messages"])
+def test_tools_or_call_arguments_longer_than_any_tokenization_could_fit_are_refused_untokenized(http, where):
+    """9 MB in a tool's description, or in a call's arguments in the history: only the messages' text was
+    counted, so each was rendered and tokenized (twice for tools) before its refusal, 10-25 s of the
+    worker that every other request waited on."""
+    text = "word " * 1_800_000
+    body = {"messages": USER, "max_tokens": 2}
+    if where == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": text}}]
+    else:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"text": text})}}
+        body["messages"] = [*USER, {"role": "assistant", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    response = http.post("/v1/chat/completions", json=body)
+    assert "the prompt is at least" in error_message("chat", response), response.text
+    assert response.json()["error"]["param"] == where
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_lone_surrogate_is_a_400(http, route):
     path, body, field = ROUTES[route]

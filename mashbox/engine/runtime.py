@@ -132,9 +132,9 @@ class Runtime:
         if not isinstance(request, EngineRequest):
             raise InvalidRequestError("request", f"must be an EngineRequest (got {type(request).__name__}); "
                                                  "a dict is a request of chat(), complete(), respond() or message()")
-        floor = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
-        if floor > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
-            field = "prompt" if request.prompt is not None else "messages"
+        words, tools = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
+        if (floor := words + tools) > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
+            field = "prompt" if request.prompt is not None else "tools" if tools > self.ctx else "messages"
             raise ContextLengthError.of(field, floor, self.ctx, bound="counted from its characters")
         if request.prompt is not None:  # a plain prompt is the client's own: its special tokens are meant
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
@@ -352,13 +352,26 @@ def _quoted(request: EngineRequest, quotes: Quotes) -> tuple[EngineRequest, Quot
     return (replace(request, messages=messages, tools=tools), quotes) if quotes.said else None
 
 
-def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> int:
-    """A lower bound on the prompt's tokens, from lengths alone: every chat template writes at
-    least one token per message, and no token holds more than ``chars_per_token`` characters."""
+def _fewest_tokens(request: EngineRequest, chars_per_token: int) -> tuple[int, int]:
+    """Lower bounds on the prompt's tokens of its messages and of its tools, from lengths alone: every
+    chat template writes at least one token per message, its text (trimmed, maybe), its calls' arguments
+    (half their JSON at least, in any layout), and each shown tool's name, description and the strings of
+    its schema (whatever the form); no token holds more than ``chars_per_token`` characters."""
     if request.prompt is not None:
-        return -(-len(request.prompt) // chars_per_token)
-    chars = sum(len(m.content.strip()) for m in request.messages)  # templates may trim
-    return max(len(request.messages), -(-chars // chars_per_token))
+        return -(-len(request.prompt) // chars_per_token), 0
+    chars = sum(len(m.content.strip()) + sum(len(c.arguments) for c in m.tool_calls) // 2 for m in request.messages)
+    shown = request.tools if request.tool_choice != "none" else ()
+    described = sum(len(t.name) + len(t.description) + _string_chars(t.parameters) for t in shown)
+    return max(len(request.messages), -(-chars // chars_per_token)), described // chars_per_token
+
+
+def _string_chars(node: Any) -> int:
+    """The characters of the strings within a JSON value."""
+    if isinstance(node, str):
+        return len(node)
+    if isinstance(node, dict):
+        return sum(_string_chars(v) for v in node.values())
+    return sum(_string_chars(v) for v in node) if isinstance(node, list) else 0
 
 
 def _context(config: EngineConfig, loaded: LoadedModel) -> int:
