@@ -437,6 +437,64 @@ def test_a_task_that_cannot_be_kept_is_not_handed_out(backend, tmp_path, monkeyp
         assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
 
 
+class EndsUnsaved(TaskStore):
+    """A tasks file that another program holds locked just as a task ends: that save fails."""
+
+    locked = True
+
+    def save(self, tenant, task):
+        if self.locked and task["status"] in ("completed", "failed"):
+            raise StorageError(f"saving task {task['id']} in {self.path} failed (database is locked)")
+        super().save(tenant, task)
+
+
+def test_a_task_whose_end_the_file_did_not_take_is_still_seen_ended_and_saved_later(backend, tmp_path, monkeypatch):
+    """The last save failed: the file kept the task `working` with no output for good, and every look
+    said so (a cancel then answered 409 "the task is working: only a task that is ... working can be ...")."""
+    monkeypatch.setattr("mashbox.server.context.TaskStore", EndsUnsaved)
+    monkeypatch.setattr(EndsUnsaved, "locked", True)
+    db = tmp_path / "t.sqlite3"
+    for url in serve(backend, Settings(tasks_db=str(db))):
+        body = {"user_message_content": "Hi.", "stream": False, "task_id": "ends", "inference_args": {"max_tokens": 2}}
+        ended = httpx.post(url + "/v1/tasks", json=body, timeout=60).json()["result"]["status"]  # cut: failed
+        seen = httpx.get(url + "/v1/tasks/ends", timeout=60).json()["result"]
+        assert seen["status"] == ended in ("completed", "failed") and seen["output"]
+        with sqlite3.connect(db) as file:
+            assert file.execute("SELECT status FROM tasks WHERE id='ends'").fetchone() == ("working",)
+        EndsUnsaved.locked = False  # the lock let go: the next look saves it
+        assert httpx.get(url + "/v1/tasks", timeout=60).json()["result"][0]["status"] == ended
+        with sqlite3.connect(db) as file:
+            assert file.execute("SELECT status FROM tasks WHERE id='ends'").fetchone() == (ended,)
+
+
+def test_a_task_another_server_runs_is_neither_canceled_nor_deleted_here(backend, tmp_path):
+    """Two servers sharing a tasks file: the other's cancel answered "the task is working: only a task that
+    is ... working can be canceled", and its DELETE answered 200 while the task ran on, to be saved back."""
+    db = tmp_path / "t.sqlite3"
+    elsewhere = TaskStore(db, ttl_s=3600)  # the other server, holding the file's lock as it runs
+    elsewhere.save("default", {"id": "theirs", "object": "task", "status": "working", "created_at": 1, "output": []})
+    for url in serve(backend, Settings(tasks_db=str(db))):
+        for answer in (httpx.post(url + "/v1/tasks/theirs/cancel", timeout=60),
+                       httpx.delete(url + "/v1/tasks/theirs", timeout=60)):
+            assert answer.status_code == 409, answer.text
+            assert "on another server that shares this tasks file" in answer.json()["error"]["message"]
+        assert httpx.get(url + "/v1/tasks/theirs", timeout=60).json()["result"]["status"] == "working"
+    elsewhere.close()
+
+
+def test_a_tasks_file_overwritten_while_in_use_is_said(tmp_path):
+    """A read of a file that is no longer a database was a 500 "internal error: DatabaseError"."""
+    path = tmp_path / "tasks.sqlite3"
+    store = TaskStore(path, ttl_s=60)
+    store.save("t", {"id": "job", "status": "completed"})
+    with path.open("r+b") as file:
+        file.write(b"not a database at all" * 8)
+    with pytest.raises(StorageError) as failed:
+        store.get("t", "job")
+    assert str(path) in str(failed.value) and "reading task job" in str(failed.value)
+    store.close()
+
+
 def test_expiry_needs_no_request(backend, tmp_path):
     """A task left paused expires on the server's own timer: its stream, which asks nothing, ends
     with task.expired; a finished task is deleted from the file a time to live later."""

@@ -54,6 +54,7 @@ class Live:
         self.touched = time.monotonic()  # its last event
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.saved: Future[None] | None = None  # its first save (queued): the create answers once it is kept
+        self.in_file = False  # whether a save of it succeeded (a task never kept is never handed out)
         self.finished = False
         self.runner: asyncio.Future[None] | None = None  # its loop's asyncio task (held: tasks are weakly kept)
         self._tick = asyncio.Event()
@@ -99,6 +100,7 @@ class TaskRuns:
         self._metrics = metrics
         self._live: dict[tuple[str, str], Live] = {}
         self._claimed: set[tuple[str, str]] = set()  # ids being created: not yet live, maybe stored
+        self._unsaved: dict[tuple[str, str], dict[str, Any]] = {}  # a task's last state the file did not take
         self.sweep_every_s = min(store.ttl_s / 2, MAX_SWEEP_EVERY_S)
         self._file = ThreadPoolExecutor(1, thread_name_prefix="mashbox-tasks-db")  # the store's calls, in order
 
@@ -106,19 +108,35 @@ class TaskRuns:
         """``call`` on the store's thread, awaited (behind every call queued before it)."""
         return await asyncio.wrap_future(self._file.submit(partial(call, *args, **kwargs)))
 
-    def _save(self, tenant: str, task: dict[str, Any]) -> Future[None] | None:
-        """Save on the store's thread without waiting (a failure is logged); its future."""
-        def saved(done: Future[None]) -> None:
-            if (error := done.exception()) is not None:
-                log.error("%s", error)
-
+    def _save(self, live: Live) -> Future[None] | None:
+        """Save the task as it is now on the store's thread without waiting; its future. A state the file
+        does not take (locked by another program, a full disk) is logged, kept here as the task's, and
+        saved again at each sweep: a task that ended is never left in the file as it was while it ran."""
+        task = live.task.dump()
         try:
-            future = self._file.submit(self.store.save, tenant, task)
+            return self._file.submit(self._kept, live.tenant, task, live)
         except RuntimeError:  # the server is stopping (its thread is gone): saved here
-            self.store.save(tenant, task)
+            self.store.save(live.tenant, task)
             return None
-        future.add_done_callback(saved)
-        return future
+
+    def _kept(self, tenant: str, task: dict[str, Any], live: Live | None = None) -> None:
+        key = (tenant, task["id"])
+        try:
+            self.store.save(tenant, task)
+        except Exception as err:
+            log.error("%s", err)
+            if live is None or live.in_file:  # (one never kept was refused to its client)
+                self._unsaved[key] = task
+            raise
+        self._unsaved.pop(key, None)  # saved in order: any state kept here is this one or older
+        if live is not None:
+            live.in_file = True
+
+    def _saved_again(self) -> None:
+        """Save the states the file did not take (on the store's thread); those it still refuses stay."""
+        for (tenant, _), task in list(self._unsaved.items()):
+            with suppress(Exception):
+                self._kept(tenant, task)
 
     @asynccontextmanager
     async def sweeping(self) -> AsyncIterator[None]:
@@ -208,9 +226,9 @@ class TaskRuns:
             if event.type == "task.working":
                 live.ticket.running()
             if live.accepted.done():
-                self._save(live.tenant, live.task.dump())
+                self._save(live)
             elif event.type == "task.queued":
-                live.saved = self._save(live.tenant, live.task.dump())
+                live.saved = self._save(live)
                 live.accepted.set_result(None)
         live.add(event.dump())
 
@@ -241,6 +259,9 @@ class TaskRuns:
             found = {**found, "status": "canceled"}  # waiting for its client, not running: canceled at once
             await self._stored(self.store.save, tenant, found)
             return found
+        if live is None and found["status"] in needs:  # running on another server that shares the file
+            raise ApiError(409, f"the task is {found['status']} on another server that shares this tasks file: "
+                                f"{action} it there", param="task_id", code="invalid_task_state")
         if live is None or live.task.status not in needs:
             able = needs | ({"input-required"} if action == "cancel" else set())  # canceled above, when not live
             raise ApiError(409, f"the task is {found['status']}: only a task that is {' or '.join(sorted(able))} "
@@ -255,9 +276,10 @@ class TaskRuns:
     async def delete(self, tenant: str, task_id: str) -> dict[str, Any]:
         found = await self.find(tenant, task_id)
         assert found is not None
-        if (tenant, task_id) in self._live:
-            found = await self.act(tenant, task_id, "cancel")
+        if (tenant, task_id) in self._live or found["status"] in NEEDS["cancel"][0]:  # (refused where another
+            found = await self.act(tenant, task_id, "cancel")  # server runs it: it would save it back)
         await self._stored(self.store.delete, tenant, task_id)
+        self._unsaved.pop((tenant, task_id), None)
         return found
 
     async def page(self, tenant: str, limit: int, **filters: Any) -> list[dict[str, Any]]:
@@ -266,13 +288,18 @@ class TaskRuns:
         return [self._running(tenant, t["id"]) or t for t in tasks]
 
     def _running(self, tenant: str, task_id: str) -> dict[str, Any] | None:
-        """A running task as it is now, from memory (None if it is not running, or not yet accepted)."""
+        """A running task as it is now, from memory (None if it is not running, or not yet accepted), or
+        the last state of one that the file did not take."""
         live = self._live.get((tenant, task_id))
-        return live.task.dump() if live is not None and live.accepted.done() else None
+        if live is not None and live.accepted.done():
+            return live.task.dump()
+        return self._unsaved.get((tenant, task_id))
 
     async def sweep(self) -> None:
-        """Expire what is old; a running task paused that long, or with no event that long (a
-        generation that stalled), is expired by its loop."""
+        """Save again what the file did not take; expire what is old; a running task paused that long, or
+        with no event that long (a generation that stalled), is expired by its loop."""
+        if self._unsaved:
+            await self._stored(self._saved_again)
         for key in await self._stored(self.store.sweep, set(self._live)):
             live = self._live.get(key)
             if live is not None and (live.task.status == "paused"

@@ -15,7 +15,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,32 +89,42 @@ class TaskStore:
 
     def _fail_running(self) -> None:
         marks = ",".join("?" * len(RUNNING))
-        rows = self._conn().execute(f"SELECT tenant, body FROM tasks WHERE status IN ({marks})", RUNNING).fetchall()
+        with self._using("failing the tasks left running") as db:
+            rows = db.execute(f"SELECT tenant, body FROM tasks WHERE status IN ({marks})", RUNNING).fetchall()
         for tenant, body in rows:
             self.save(tenant, {**json.loads(body), "status": "failed", "error": STOPPED})
 
-    def save(self, tenant: str, task: dict[str, Any]) -> None:
+    @contextlib.contextmanager
+    def _using(self, what: str) -> Iterator[sqlite3.Connection]:
+        """The connection, under the lock; SQLite's errors (a full disk, a file gone read-only, locked by
+        another program, overwritten) as ``StorageError`` naming the file and ``what`` failed."""
         with self._lock:
             db = self._conn()
             try:
-                db.execute(
-                    "INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES (?,?,?,?,?,?,?) "
-                    "ON CONFLICT (tenant, id) DO UPDATE SET status=excluded.status, updated_at=excluded.updated_at, "
-                    "body=excluded.body",
-                    (tenant, task["id"], task["status"], task.get("session_id", ""), task.get("user_id", ""),
-                     self._clock(), json.dumps(task, ensure_ascii=False)))
-            except sqlite3.Error as err:  # a full disk, a file gone read-only
-                raise StorageError(f"task {task['id']} cannot be saved in {self.path} ({type(err).__name__}: {err}); "
-                                   "free space there, or start the server with --tasks-db naming another file") from err
+                yield db
+            except sqlite3.Error as err:
+                locked = "locked" in str(err) or "busy" in str(err)
+                fix = ("another program holds it locked: try again" if locked else
+                       "free space there, or start the server with --tasks-db naming another file")
+                raise StorageError(f"{what} in {self.path} failed ({type(err).__name__}: {err}); {fix}") from err
+
+    def save(self, tenant: str, task: dict[str, Any]) -> None:
+        with self._using(f"saving task {task['id']}") as db:
+            db.execute(
+                "INSERT INTO tasks (tenant, id, status, session_id, user_id, updated_at, body) VALUES (?,?,?,?,?,?,?) "
+                "ON CONFLICT (tenant, id) DO UPDATE SET status=excluded.status, updated_at=excluded.updated_at, "
+                "body=excluded.body",
+                (tenant, task["id"], task["status"], task.get("session_id", ""), task.get("user_id", ""),
+                 self._clock(), json.dumps(task, ensure_ascii=False)))
 
     def get(self, tenant: str, task_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            row = self._conn().execute("SELECT body FROM tasks WHERE tenant=? AND id=?", (tenant, task_id)).fetchone()
+        with self._using(f"reading task {task_id}") as db:
+            row = db.execute("SELECT body FROM tasks WHERE tenant=? AND id=?", (tenant, task_id)).fetchone()
         return json.loads(row[0]) if row else None
 
     def delete(self, tenant: str, task_id: str) -> None:
-        with self._lock:
-            self._conn().execute("DELETE FROM tasks WHERE tenant=? AND id=?", (tenant, task_id))
+        with self._using(f"deleting task {task_id}") as db:
+            db.execute("DELETE FROM tasks WHERE tenant=? AND id=?", (tenant, task_id))
 
     def page(self, tenant: str, limit: int, after: str | None = None, before: str | None = None,
              statuses: Collection[str] = (), session_id: str | None = None,
@@ -129,20 +139,21 @@ class TaskStore:
             where.append(f"status IN ({','.join('?' * len(statuses))})")
             args += list(statuses)
         order = "ASC" if before is not None and after is None else "DESC"
-        with self._lock:
+        with self._using("listing the tasks") as db:
             for cursor, op, field in ((after, "<", "starting_after"), (before, ">", "ending_before")):
                 if cursor is not None:
                     where.append(f"seq {op} ?")
-                    args.append(self._seq(tenant, cursor, field))
+                    args.append(self._seq(db, tenant, cursor, field))
             sql = f"SELECT body FROM tasks WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"
-            rows = self._conn().execute(sql, [*args, limit]).fetchall()
+            rows = db.execute(sql, [*args, limit]).fetchall()
         bodies = [json.loads(r[0]) for r in rows]
         return bodies[::-1] if order == "ASC" else bodies
 
-    def _seq(self, tenant: str, task_id: str, field: str) -> int:
+    @staticmethod
+    def _seq(db: sqlite3.Connection, tenant: str, task_id: str, field: str) -> int:
         """Where the task a cursor names lies in the listing; a cursor that names none is refused (listing
         from the start, or from nowhere, would be silently wrong)."""
-        row = self._conn().execute("SELECT seq FROM tasks WHERE tenant=? AND id=?", (tenant, task_id)).fetchone()
+        row = db.execute("SELECT seq FROM tasks WHERE tenant=? AND id=?", (tenant, task_id)).fetchone()
         if row is None:
             raise InvalidRequestError(field, f"no task {task_id!r} to page from (deleted, or expired): list again "
                                              "from the start")
@@ -152,8 +163,8 @@ class TaskStore:
         """Expire or delete tasks untouched for ``ttl_s``; the (tenant, id) of live ones found (their
         runs are the caller's to expire)."""
         cutoff = self._clock() - self.ttl_s
-        with self._lock:
-            rows = self._conn().execute("SELECT tenant, id, status, body FROM tasks WHERE updated_at < ?",
+        with self._using("expiring old tasks") as db:
+            rows = db.execute("SELECT tenant, id, status, body FROM tasks WHERE updated_at < ?",
                                         (cutoff,)).fetchall()
         found = []
         for tenant, task_id, status, body in rows:
