@@ -61,6 +61,29 @@ def test_long_prompt_is_chunked_at_fixed_boundaries_while_others_decode():
     ]
 
 
+def test_a_short_prompt_goes_before_the_rest_of_a_long_one_being_computed():
+    """A "Hi" waited for every chunk of a 7k-token prompt before it (35 s here); now it starts at the next
+    step, and the long one goes on beside it, chunk by chunk, at its fixed boundaries."""
+    s = Scheduler(num_slots=2, ctx=4096, chunk_tokens=64, step_tokens=64)
+    s.add(seq("long", 2000))
+    assert [(w.seq.id, w.position) for w in step(s).work] == [("long", 0)]
+    s.add(seq("hi", 5, first=9000))
+    work = [(w.seq.id, w.position, len(w.token_ids), w.sample) for w in step(s).work]
+    assert work[0] == ("hi", 0, 5, True) and all(w[0] == "long" and w[1] % 64 == 0 for w in work[1:])
+    for _ in range(5):
+        plan = step(s)
+        assert [w.seq.id for w in plan.work][0] == "hi" and any(w.seq.id == "long" for w in plan.work)
+    assert s.running[0].in_prefill  # the long one: not done yet, but moving
+
+
+def test_short_prompts_keep_their_order_and_a_long_waiting_one_its_turn():
+    s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=64, step_tokens=64)
+    for name, length, first in (("a", 30, 1), ("b", 30, 500), ("long", 2000, 900)):
+        s.add(seq(name, length, first=first))
+    assert [w.seq.id for w in step(s).work] == ["a", "b"]  # nothing long being computed: first come, first served
+    assert [w.seq.id for w in step(s).work] == ["a", "b", "long"]
+
+
 def test_waiting_requests_wait_for_a_free_slot():
     s = Scheduler(num_slots=1, ctx=64, chunk_tokens=32)
     a, b = seq("a", 3, max_new=2), seq("b", 3, max_new=2)

@@ -15,6 +15,10 @@ step beside decoding requests may also end in the middle of a chunk, at a
 multiple of ``PIECE`` tokens, so that a chunk's cost never stalls them more
 than the pace allows.
 
+Prompts start in the order they came, but for one thing: while a long prompt is computed, a short one
+(SHORT chunks at most) that comes starts at the next step, one a step, and the long one goes on beside
+it at the pace of decoding streams, so a "Hi" never waits for all of someone's 7k-token prompt.
+
 No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
 then starts from a copy of it.
@@ -155,7 +159,12 @@ class Scheduler:
         rows = len(plan.work) + plan.draft_rows
         budget = self.pace.budget(rows, unit, self.busy_tokens, ratio, self.chunk_tokens) if plan else self.step_tokens
         tail = self.pace.budget(rows, 1, self.chunk_tokens, TAIL_RATIO, 1) if plan and short else 0
-        for seq in [s for s in self.running if s.in_prefill]:
+        prefilling = [s for s in self.running if s.in_prefill]
+        if not short and (jumping := self._short_waiting()):  # before the long prompt's next chunks
+            self.waiting.remove(jumping)
+            plan.cache_ops += self._admit(jumping)
+            budget -= self._prefill(plan, jumping, budget, unit, tail)
+        for seq in prefilling:
             budget -= self._prefill(plan, seq, budget, unit, tail)
         for seq in list(self.waiting):
             fits = budget >= min(unit, len(seq.prompt_ids)) if plan else budget > 0
@@ -219,6 +228,15 @@ class Scheduler:
         its last chunks too."""
         first = next((s for s in self.running if s.in_prefill), None) or next(iter(self.waiting), None)
         return first is not None and len(first.prompt_ids) - first.num_cached <= SHORT * self.chunk_tokens
+
+    def _short_waiting(self) -> Sequence | None:
+        """The first short prompt waiting (SHORT chunks at most) that may start now, where a long one is
+        being computed: it goes first, one a step, rather than wait for all of the long one (a "Hi" waited
+        35 s behind a 7k-token prompt); the long one goes on beside it at the pace of decoding streams."""
+        if not self.slots.num_free or not any(s.in_prefill for s in self.running):
+            return None
+        limit = SHORT * self.chunk_tokens
+        return next((s for s in self.waiting if len(s.prompt_ids) <= limit and not self._behind(s)), None)
 
     def _live(self) -> list[Live]:
         return [Live(s.slot, s.prompt_ids, min(s.num_computed, len(s.prompt_ids)), s.cache_salt)
