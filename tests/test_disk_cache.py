@@ -196,6 +196,20 @@ def test_the_folder_keeps_within_its_cap_least_recently_used_out_first(tmp_path:
     assert kept == [0, 0, 1, 1]
 
 
+def test_a_prompt_read_keeps_its_first_pages_longest(tmp_path: Path):
+    """Pages read in order were touched in order, so a trim took a prompt's first page first, and the
+    pages after it, kept, could never be used again."""
+    kept(tmp_path / "probe", [0, 1, 2, 3])
+    size = next((tmp_path / "probe").glob("*.safetensors")).stat().st_size
+    prompt = list(range(12))
+    keys = kept(tmp_path / "pages", prompt)
+    store = PageStore(tmp_path / "pages", int(size * 3.5), "ns", page=4)
+    assert store.read(keys, prompt)[0].shape[1] == 12
+    store.save(store.keys([99] * 4, "")[0], [99] * 4, *page())  # a fourth page: one must go
+    store.close()
+    assert PageStore(tmp_path / "pages", 2**30, "ns", page=4).stored(keys) == 2  # the first two: still of use
+
+
 def test_a_page_that_cannot_be_removed_is_passed_over_and_the_cap_holds(tmp_path: Path):
     """The least recently used page cannot go (a directory in its place, a file marked immutable): the
     trim stopped there for good, and the folder grew past its cap ten times over."""

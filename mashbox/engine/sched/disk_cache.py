@@ -127,10 +127,14 @@ class PageStore:
                 else:  # by another process's trim (and maybe written again since): a miss
                     self._forget(key)
                 break
-            with contextlib.suppress(FileNotFoundError):  # read; another process may have trimmed it since
-                os.utime(path)
+        now = time.time_ns()
+        for i, key in enumerate(reversed(keys[: len(parts)])):  # read: the first page the most recently used
+            with contextlib.suppress(FileNotFoundError):  # (a trim takes a prompt's last pages before its first,
+                os.utime(self._path(key), ns=(now + i * 1000,) * 2)  # which they need; the clock's ticks are
+                # coarser than a read); another process may have trimmed it since
             with self._lock:
-                self._files.move_to_end(key)
+                if key in self._files:
+                    self._files.move_to_end(key)
         if not parts:
             return None
         return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
