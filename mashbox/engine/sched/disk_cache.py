@@ -50,7 +50,8 @@ class PageStore:
     """The pages of one namespace in ``folder``, at most ``cap_bytes`` of them (all namespaces). ``form``:
     the (shape, dtype) of a page's keys and of its values, where known; a page of another is not read."""
 
-    def __init__(self, folder: Path, cap_bytes: int, namespace: str, page: int, form: tuple = ()) -> None:
+    def __init__(self, folder: Path, cap_bytes: int, namespace: str, page: int,
+                 form: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()) -> None:
         self.folder, self.cap, self.namespace, self.page, self.form = folder, cap_bytes, namespace, page, form
         folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
