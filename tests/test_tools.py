@@ -455,6 +455,19 @@ def test_a_local_shell_call_runs_something_for_some_time(tiny_engine, smol_token
         assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments
 
 
+def test_a_tool_whose_parameters_are_no_object_is_refused():
+    with pytest.raises(ValueError, match="'f': its parameters must be an object schema"):
+        EngineRequest(messages=(Message("user", "x"),), tools=(Tool("f", "", {"type": "string"}),))
+
+
+def test_a_schema_that_cannot_be_enforced_names_its_tool(tiny_engine):
+    good = Tool("ok", "", {"type": "object", "properties": {"a": {}}})
+    bad = Tool("lost", "", {"type": "object", "properties": {"n": {"$ref": "#/$defs/Nope"}}})
+    with pytest.raises(InvalidRequestError, match="the tool 'lost': ") as err:
+        tiny_engine.grammars.for_tools((good, bad), "required")
+    assert "'/$defs/Nope'" in err.value.message  # the tool's own pointer, not where mashbox keeps its schema
+
+
 @pytest.mark.parametrize(("parameters", "arguments", "whole"), [
     ({"type": "object", "properties": {}}, "{}", True),  # a tool of no parameters, as most frameworks write it
     ({"type": "object", "properties": {}}, '{"type":"object"', False),  # a word of its schema: f(type=...) failed
@@ -463,6 +476,16 @@ def test_a_local_shell_call_runs_something_for_some_time(tiny_engine, smol_token
     ({"type": "object", "properties": {"text": {}}, "additionalProperties": True}, '{"text":1,"more":2}', True),
     ({"type": "object", "properties": {"d": {"type": "object"}}}, '{"d":{"any":1}}', True),  # any object stays any
     ({"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}]}, '{"a":1,"b":2}', True),
+    ({"type": "object", "$defs": {"base": {"type": "object", "properties": {"city": {}}, "required": ["city"]}},
+      "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"unit": {}}, "required": ["unit"]}]},
+     '{"city":1,"unit":2}', True),  # "extends" (OpenAPI, TypeScript): its base, closed alone, refused the unit
+    ({"$ref": "#/definitions/A", "definitions": {"A": {"type": "object", "properties": {"q": {}}}}}, '{"q":1}', True),
+    ({"$ref": "#/definitions/A", "definitions": {"A": {"type": "object", "properties": {"q": {}}}}}, '{"q":1,"type"',
+     False),  # zod's named form, no type at its root: it was not held to its schema at all
+    ({"properties": {"q": {}}, "required": ["q"]}, '{"x"', False),
+    ({"type": ["object"], "properties": {"q": {}}}, '{"q":1,"x"', False),
+    ({"type": "object", "properties": {"p": {}, "u": {}}, "anyOf": [{"required": ["p"]}, {"required": ["u"]}]},
+     '{"p":1,"anyOf"', False),  # parts that only require keys list none: the object stays closed
 ])
 def test_a_calls_arguments_name_only_the_keys_its_schema_lists(tiny_engine, smol_tokenizer, parameters, arguments,
                                                                 whole):

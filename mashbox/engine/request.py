@@ -161,5 +161,10 @@ class EngineRequest:
         object.__setattr__(self, "tool_choice", chosen(self.tool_choice))
         if self.tool_choice not in ("auto", "none") and not self.tools:
             raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
+        for tool in self.tools:  # as OpenAI's and Anthropic's APIs: a call's arguments are an object
+            kind = tool.parameters.get("type") if isinstance(tool.parameters, dict) else None
+            if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+                raise ValueError(f"tools: the tool {tool.name!r}: its parameters must be an object schema "
+                                 f"(type 'object', not {kind!r})")
         if isinstance(self.tool_choice, Named) and all(t.name != self.tool_choice.name for t in self.tools):
             raise ValueError(f"tool_choice: names a tool that is not in tools: {self.tool_choice.name!r}")

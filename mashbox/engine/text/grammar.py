@@ -35,39 +35,84 @@ NAMED = re.compile(r'"name"\s*:\s*"(?:[^"\\]|\\.)*"')  # a call's name, written 
 
 
 def arguments_schema(tool: Tool) -> dict[str, Any]:
-    """The schema of a call's arguments: the tool's parameters where they are an object (``closed``), else
-    any object."""
-    return closed(tool.parameters) if tool.parameters.get("type") == "object" else {"type": "object"}
+    """The schema of a call's arguments: the tool's parameters (``closed``) where they describe an object,
+    with or without ``"type": "object"`` at their root (zod's ``{"$ref": ...}``, a root ``anyOf``, bare
+    ``properties``); else any object (``{}``: no parameters said)."""
+    params = tool.parameters
+    if not (object_typed(params) or (params.get("type") is None and OBJECT_WORDS & params.keys())):
+        return {"type": "object"}
+    return {**closed(params), "type": "object"}
 
 
+def object_typed(params: dict[str, Any]) -> bool:
+    kind = params.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+OBJECT_WORDS = frozenset({"properties", "required", "$ref", "allOf", "anyOf", "oneOf", "additionalProperties",
+                          "patternProperties"})  # a root without a type that still describes an object
 DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are JSON data, not schemas
 NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 BRANCHES = frozenset({"allOf", "anyOf", "oneOf"})
-OPEN = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "if",
-                  "dependentSchemas", "dependencies"}) | BRANCHES  # an object schema whose keys are not all listed
+ADDS_KEYS = frozenset({"properties", "additionalProperties", "patternProperties", "unevaluatedProperties", "$ref",
+                       "if", "dependentSchemas", "dependencies"}) | BRANCHES  # a schema that may list more keys
+OPENED = ADDS_KEYS - BRANCHES - {"properties"}  # beside its properties: an object whose keys are not all listed
 
 
-def closed(node: Any, merged: bool = False) -> Any:
-    """``node`` where an object schema that lists its ``properties`` and says nothing of others takes no
+def closed(root: dict[str, Any]) -> dict[str, Any]:
+    """``root`` where an object schema that lists its ``properties`` and says nothing of others takes no
     others (``additionalProperties: false``, as xgrammar's strict mode does): left open, a small model
     fills a call with words of the schema itself (``{"type": "object", "properties": ...}``), and a tool
-    called as ``f(**arguments)`` fails. Not where a schema's keys are listed in parts (``merged``: the
-    parts of an ``allOf``, or of an ``anyOf``/``oneOf`` beside listed properties)."""
+    called as ``f(**arguments)`` fails. Not where a schema's keys are listed in parts: the parts of an
+    ``allOf`` (inline or referred to) and its whole, an object beside ``anyOf``/``oneOf`` parts that list
+    keys, and those parts."""
+    return _closed(root, "#", _parts(root), merged=False)
+
+
+def _closed(node: Any, path: str, parts: set[str], merged: bool) -> Any:
     if isinstance(node, list):
-        return [closed(v, merged) for v in node]
+        return [_closed(v, f"{path}/{i}", parts, merged) for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
     out: dict[str, Any] = {}
     for key, value in node.items():
+        at = f"{path}/{key}"
         if key in NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: closed(schema) for name, schema in value.items()}
+            out[key] = {name: _closed(schema, f"{at}/{_escaped(name)}", parts, f"{at}/{_escaped(name)}" in parts)
+                        for name, schema in value.items()}
         elif key in BRANCHES:
-            out[key] = closed(value, key == "allOf" or "properties" in node)
+            out[key] = _closed(value, at, parts, key == "allOf" or "properties" in node)
         else:
-            out[key] = value if key in DATA else closed(value)
-    if isinstance(node.get("properties"), dict) and not merged and not OPEN & node.keys():
+            out[key] = value if key in DATA else _closed(value, at, parts, False)
+    adds = bool(OPENED & node.keys()) or any(_adds_keys(b) for k in BRANCHES for b in node.get(k) or ())
+    if isinstance(node.get("properties"), dict) and not merged and not adds:
         out["additionalProperties"] = False
     return out
+
+
+def _adds_keys(part: Any) -> bool:
+    return isinstance(part, dict) and bool(ADDS_KEYS & part.keys())
+
+
+def _parts(node: Any, beside: bool = False) -> set[str]:
+    """The local references that are parts of an ``allOf``, or of an ``anyOf``/``oneOf`` beside listed
+    properties (``beside``): what they point to lists only some of an object's keys."""
+    found: set[str] = set()
+    if isinstance(node, list):
+        for value in node:
+            found |= _parts(value, beside)
+    elif isinstance(node, dict):
+        if beside and isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+            found.add(ref)
+        for key, value in node.items():
+            if key not in DATA:
+                found |= _parts(value, key == "allOf" or (key in BRANCHES and "properties" in node))
+    return found
+
+
+def _escaped(name: str) -> str:
+    """``name`` as a JSON pointer writes it."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def call_schema(tool: Tool, key: str = "arguments", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -94,9 +139,10 @@ def calls_body(tools: Iterable[Tool], guidance: dict[str, Any], keys: tuple[str,
 def _kept(tool: Tool, name: str, defs: dict[str, Any]) -> dict[str, Any] | None:
     """A reference to ``tool``'s parameters kept as ``defs[name]``, where they refer within themselves (a
     reference is read from the root of the whole schema, which theirs no longer is); None where they do not."""
-    if tool.parameters.get("type") != "object" or not _refers(tool.parameters):
+    parameters = arguments_schema(tool)
+    if not _refers(parameters):
         return None
-    defs[name] = _pointed(closed(tool.parameters), f"#/$defs/{name}")
+    defs[name] = _pointed(parameters, f"#/$defs/{name}")
     return {"$ref": f"#/$defs/{name}"}
 
 
@@ -179,6 +225,17 @@ class Grammars:
         if isinstance(choice, Named):  # a declared tool (EngineRequest checks it is one)
             tools = tuple(t for t in tools if t.name == choice.name)
         many, tags = choice == "required" and parallel, self.tags()
+        try:
+            return self._calls(tools, many, tags)
+        except InvalidRequestError as err:  # which tool: the first that cannot be enforced alone
+            for tool in tools if len(tools) > 1 else ():
+                try:
+                    self._calls((tool,), many, tags)
+                except InvalidRequestError as alone:
+                    raise InvalidRequestError("tools", f"the tool {tool.name!r}: {alone.message}") from None
+            raise err from None
+
+    def _calls(self, tools: tuple[Tool, ...], many: bool, tags: tuple[str, str, str, str]) -> Constraint:
         if self._source.token_id(self.calls.args or None) is not None:
             return Constraint(self.tokenizer, named_grammar(tools, many, tags))  # the model's own form
         return Constraint(self.tokenizer, tool_grammar(tools, many, tags[:2], self.calls.listed))
@@ -270,7 +327,8 @@ def _said(error: str) -> str:
             break
         if line.strip(" ^"):
             said.append(line.strip())
-    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(said)) if said else error
+    text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(said)) if said else error
+    return re.sub(r"/\$defs/tool\d+", "", text)  # where mashbox keeps a tool's schema: the tool's own root
 
 
 class Constraint:
