@@ -437,6 +437,36 @@ def test_a_task_that_cannot_be_kept_is_not_handed_out(backend, tmp_path, monkeyp
         assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
 
 
+class FirstSaveLocked(TaskStore):
+    """A tasks file locked by another program for the first save only (SQLite waits, then gives up)."""
+
+    def save(self, tenant, task):
+        if not getattr(self, "tried", False):
+            self.tried = True
+            time.sleep(3)  # meanwhile the task runs to its end, and its later saves queue behind this one
+            raise StorageError(f"saving task {task['id']} in {self.path} failed (database is locked)")
+        super().save(tenant, task)
+
+
+def test_a_task_whose_create_was_refused_never_appears(backend, tmp_path, monkeypatch):
+    """The create answered 500 "try again", yet the task ran on and its later saves put it in the file: a
+    client that tried again ran it twice."""
+    monkeypatch.setattr("mashbox.server.context.TaskStore", FirstSaveLocked)
+    db = tmp_path / "t.sqlite3"
+    for url in serve(backend, Settings(tasks_db=str(db))):
+        answer = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, "task_id": "once",
+                                                     "inference_args": {"max_tokens": 8}}, timeout=60)
+        assert answer.status_code == 500, answer.text
+        for _ in range(100):  # until its run, canceled, has ended here
+            if httpx.get(url + "/v1/tasks/once", timeout=60).status_code == 404:
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)  # any save it queued has run
+        assert httpx.get(url + "/v1/tasks/once", timeout=60).status_code == 404
+        with sqlite3.connect(db) as file:
+            assert file.execute("SELECT count(*) FROM tasks WHERE id='once'").fetchone() == (0,)
+
+
 class EndsUnsaved(TaskStore):
     """A tasks file that another program holds locked just as a task ends: that save fails."""
 
@@ -467,18 +497,19 @@ def test_a_task_whose_end_the_file_did_not_take_is_still_seen_ended_and_saved_la
             assert file.execute("SELECT status FROM tasks WHERE id='ends'").fetchone() == (ended,)
 
 
-def test_a_task_another_server_runs_is_neither_canceled_nor_deleted_here(backend, tmp_path):
+def test_a_task_another_server_runs_is_not_canceled_here_and_says_so(backend, tmp_path):
     """Two servers sharing a tasks file: the other's cancel answered "the task is working: only a task that
-    is ... working can be canceled", and its DELETE answered 200 while the task ran on, to be saved back."""
+    is ... working can be canceled". A DELETE removes it (its server may have died while it ran)."""
     db = tmp_path / "t.sqlite3"
     elsewhere = TaskStore(db, ttl_s=3600)  # the other server, holding the file's lock as it runs
     elsewhere.save("default", {"id": "theirs", "object": "task", "status": "working", "created_at": 1, "output": []})
     for url in serve(backend, Settings(tasks_db=str(db))):
-        for answer in (httpx.post(url + "/v1/tasks/theirs/cancel", timeout=60),
-                       httpx.delete(url + "/v1/tasks/theirs", timeout=60)):
-            assert answer.status_code == 409, answer.text
-            assert "on another server that shares this tasks file" in answer.json()["error"]["message"]
+        answer = httpx.post(url + "/v1/tasks/theirs/cancel", timeout=60)
+        assert answer.status_code == 409, answer.text
+        assert "not on this server: another server sharing this tasks file runs it" in answer.json()["error"]["message"]
         assert httpx.get(url + "/v1/tasks/theirs", timeout=60).json()["result"]["status"] == "working"
+        assert httpx.delete(url + "/v1/tasks/theirs", timeout=60).status_code == 200
+        assert httpx.get(url + "/v1/tasks/theirs", timeout=60).status_code == 404
     elsewhere.close()
 
 

@@ -54,7 +54,8 @@ class Live:
         self.touched = time.monotonic()  # its last event
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.saved: Future[None] | None = None  # its first save (queued): the create answers once it is kept
-        self.in_file = False  # whether a save of it succeeded (a task never kept is never handed out)
+        self.in_file = False  # whether a save of it succeeded
+        self.refused = False  # its first save failed: its create was refused, so it is never saved
         self.finished = False
         self.runner: asyncio.Future[None] | None = None  # its loop's asyncio task (held: tasks are weakly kept)
         self._tick = asyncio.Event()
@@ -121,12 +122,16 @@ class TaskRuns:
 
     def _kept(self, tenant: str, task: dict[str, Any], live: Live | None = None) -> None:
         key = (tenant, task["id"])
+        if live is not None and live.refused:
+            return
         try:
             self.store.save(tenant, task)
         except Exception as err:
             log.error("%s", err)
-            if live is None or live.in_file:  # (one never kept was refused to its client)
+            if live is None or live.in_file:
                 self._unsaved[key] = task
+            else:  # its first save: the create answers with this error, so the task must not appear later
+                live.refused = True
             raise
         self._unsaved.pop(key, None)  # saved in order: any state kept here is this one or older
         if live is not None:
@@ -259,9 +264,10 @@ class TaskRuns:
             found = {**found, "status": "canceled"}  # waiting for its client, not running: canceled at once
             await self._stored(self.store.save, tenant, found)
             return found
-        if live is None and found["status"] in needs:  # running on another server that shares the file
-            raise ApiError(409, f"the task is {found['status']} on another server that shares this tasks file: "
-                                f"{action} it there", param="task_id", code="invalid_task_state")
+        if live is None and found["status"] in needs:  # on another server that shares the file, or one that died
+            raise ApiError(409, f"the task is {found['status']}, but not on this server: another server sharing this "
+                                f"tasks file runs it ({action} it there), or stopped while it ran (DELETE removes it)",
+                           param="task_id", code="invalid_task_state")
         if live is None or live.task.status not in needs:
             able = needs | ({"input-required"} if action == "cancel" else set())  # canceled above, when not live
             raise ApiError(409, f"the task is {found['status']}: only a task that is {' or '.join(sorted(able))} "
@@ -276,8 +282,8 @@ class TaskRuns:
     async def delete(self, tenant: str, task_id: str) -> dict[str, Any]:
         found = await self.find(tenant, task_id)
         assert found is not None
-        if (tenant, task_id) in self._live or found["status"] in NEEDS["cancel"][0]:  # (refused where another
-            found = await self.act(tenant, task_id, "cancel")  # server runs it: it would save it back)
+        if (tenant, task_id) in self._live:
+            found = await self.act(tenant, task_id, "cancel")
         await self._stored(self.store.delete, tenant, task_id)
         self._unsaved.pop((tenant, task_id), None)
         return found
