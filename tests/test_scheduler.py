@@ -76,6 +76,26 @@ def test_a_short_prompt_goes_before_the_rest_of_a_long_one_being_computed():
     assert s.running[0].in_prefill  # the long one: not done yet, but moving
 
 
+def test_a_short_prompt_begun_goes_on_before_a_long_one_beside_decoding_streams():
+    """Beside a decoding stream the step's prompt budget is small: the short prompt got its first piece,
+    then waited behind the long one being computed for all of it (40 s behind two 7k-token prompts)."""
+    def timed(s):
+        plan = s.schedule()
+        s.update(plan, [7] * sum(w.sample for w in plan.work), 0.05 + 0.002 * plan.prompt_tokens)
+        return plan
+
+    s = Scheduler(num_slots=4, ctx=4096, chunk_tokens=64, step_tokens=256)
+    s.cut_anywhere = True
+    s.add(seq("decoding", 64, max_new=500))
+    s.add(seq("long", 3000, first=3000))
+    for _ in range(6):
+        timed(s)
+    s.add(seq("hi", 40, first=9000))
+    for _ in range(3):
+        timed(s)
+    assert not next(q for q in s.running if q.id == "hi").in_prefill
+
+
 def test_short_prompts_keep_their_order_and_a_long_waiting_one_its_turn():
     s = Scheduler(num_slots=3, ctx=4096, chunk_tokens=64, step_tokens=64)
     for name, length, first in (("a", 30, 1), ("b", 30, 500), ("long", 2000, 900)):

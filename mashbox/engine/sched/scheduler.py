@@ -16,8 +16,9 @@ multiple of ``PIECE`` tokens, so that a chunk's cost never stalls them more
 than the pace allows.
 
 Prompts start in the order they came, but for one thing: while a long prompt is computed, a short one
-(SHORT chunks at most) that comes starts at the next step, one a step, and the long one goes on beside
-it at the pace of decoding streams, so a "Hi" never waits for all of someone's 7k-token prompt.
+(SHORT chunks at most) that comes starts at the next step, one a step, and short prompts being computed
+go before long ones; the long ones go on beside them at the pace of decoding streams, so a "Hi" never
+waits for all of someone's 7k-token prompts.
 
 No prompt chunk is computed twice at once: a waiting request whose prompt starts
 like one still prefilling waits until that prefill has computed what they share,
@@ -153,13 +154,13 @@ class Scheduler:
         drafts = [()] * len(decoding) if prompts or len(decoding) > SPEC_ROWS else self._afford(decoding)
         plan = Plan([Work(s, (s.output_ids[-1], *d), s.num_tokens - 1, sample=True, draft=len(d))
                      for s, d in zip(decoding, drafts)])
-        short = self._short_first()
+        prefilling = sorted((s for s in self.running if s.in_prefill), key=lambda s: not self._short(s))
+        short = self._short(prefilling[0] if prefilling else next(iter(self.waiting), None))
         unit = self.chunk_tokens if short or not self.cut_anywhere else PIECE
         ratio = SHORT_RATIO if short else RATIO
         rows = len(plan.work) + plan.draft_rows
         budget = self.pace.budget(rows, unit, self.busy_tokens, ratio, self.chunk_tokens) if plan else self.step_tokens
         tail = self.pace.budget(rows, 1, self.chunk_tokens, TAIL_RATIO, 1) if plan and short else 0
-        prefilling = [s for s in self.running if s.in_prefill]
         if not short and (jumping := self._short_waiting()):  # before the long prompt's next chunks
             self.waiting.remove(jumping)
             plan.cache_ops += self._admit(jumping)
@@ -221,13 +222,12 @@ class Scheduler:
                 break
         return kept
 
-    def _short_first(self) -> bool:
-        """Whether the prompt first in line is short (at most SHORT chunks not found in the prefix
-        cache): beside decoding requests it runs in whole chunks, one at least, in longer steps (a
-        quick first token); a longer one is spread in pieces where prompts may be cut anywhere,
-        its last chunks too."""
-        first = next((s for s in self.running if s.in_prefill), None) or next(iter(self.waiting), None)
-        return first is not None and len(first.prompt_ids) - first.num_cached <= SHORT * self.chunk_tokens
+    def _short(self, seq: Sequence | None) -> bool:
+        """Whether ``seq``'s prompt is short (at most SHORT chunks not found in the prefix cache): short
+        prompts being computed go before long ones; where the first in line is short, beside decoding
+        requests it runs in whole chunks, one at least, in longer steps (a quick first token); a longer
+        one is spread in pieces where prompts may be cut anywhere, its last chunks too."""
+        return seq is not None and len(seq.prompt_ids) - seq.num_cached <= SHORT * self.chunk_tokens
 
     def _short_waiting(self) -> Sequence | None:
         """The first short prompt waiting (SHORT chunks at most) that may start now, where a long one is
