@@ -215,9 +215,9 @@ class Engine(Runtime):
 def _check(method: str, event: Event) -> None:
     """A failed request raises, but where its protocol has a failed answer (a Response's status)."""
     _stopped(event)
-    if isinstance(event, Finish) and event.reason == "error" and event.param and method != "respond":
-        raise InvalidRequestError(event.param, event.error or "cannot be followed")
     if isinstance(event, Finish) and event.reason == "error" and method != "respond":
+        if event.param:  # its own input failed it (a grammar that could not go on)
+            raise InvalidRequestError(event.param, event.error or "cannot be followed")
         raise GenerationError(f"the request failed: {event.error or 'generation failed'}")
 
 

@@ -422,16 +422,21 @@ class FullDisk(TaskStore):
         return SimpleNamespace(execute=execute)
 
 
+def _refused(url: str, task_id: str, max_tokens: int) -> str:
+    """Create a task the server cannot keep: its 500's message."""
+    answer = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, "task_id": task_id,
+                                                 "inference_args": {"max_tokens": max_tokens}}, timeout=60)
+    assert answer.status_code == 500, answer.text
+    return answer.json()["error"]["message"]
+
+
 def test_a_task_that_cannot_be_kept_is_not_handed_out(backend, tmp_path, monkeypatch):
     """On a full disk every create answered 200 with a task id that every later look then said was no task
     (the save's failure only logged, with no file named)."""
     monkeypatch.setattr("mashbox.server.context.TaskStore", FullDisk)
     db = tmp_path / "t.sqlite3"
     for url in serve(backend, Settings(tasks_db=str(db))):
-        answer = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, "task_id": "kept",
-                                                     "inference_args": {"max_tokens": 2}}, timeout=60)
-        assert answer.status_code == 500, answer.text
-        message = answer.json()["error"]["message"]
+        message = _refused(url, "kept", 2)
         assert str(db) in message and "--tasks-db" in message and "disk is full" in message
         assert httpx.get(url + "/v1/tasks/kept", timeout=60).status_code == 404
         assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
@@ -454,9 +459,7 @@ def test_a_task_whose_create_was_refused_never_appears(backend, tmp_path, monkey
     monkeypatch.setattr("mashbox.server.context.TaskStore", FirstSaveLocked)
     db = tmp_path / "t.sqlite3"
     for url in serve(backend, Settings(tasks_db=str(db))):
-        answer = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False, "task_id": "once",
-                                                     "inference_args": {"max_tokens": 8}}, timeout=60)
-        assert answer.status_code == 500, answer.text
+        assert "database is locked" in _refused(url, "once", 8)
         for _ in range(100):  # until its run, canceled, has ended here
             if httpx.get(url + "/v1/tasks/once", timeout=60).status_code == 404:
                 break

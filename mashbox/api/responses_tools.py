@@ -3,7 +3,8 @@
 Function tools pass through. A ``namespace`` tool (Codex) contributes its inner tools, under
 their own names unless another tool has taken the name (then ``<namespace>__<name>``); calls keep
 their namespace. A ``custom`` tool takes one string ``input`` (held to its regex format, if it has
-one); ``local_shell`` takes a command list. Hosted tools (web_search, file_search, ...) are skipped and reported as ``tools[<type>]``.
+one); ``local_shell`` takes a command list. Hosted tools (web_search, file_search, ...) are skipped
+and reported as ``tools[<type>]``.
 """
 
 from __future__ import annotations

@@ -84,6 +84,12 @@ class ToolCall:
     arguments: str = "{}"
 
 
+def object_typed(parameters: dict[str, Any]) -> bool:
+    """Whether a JSON schema's ``type`` says an object (``"object"``, or a list of types that holds it)."""
+    kind = parameters.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
 @dataclass(slots=True, frozen=True)
 class Tool:
     """A function the model may call, described by a JSON schema."""
@@ -163,7 +169,7 @@ class EngineRequest:
             raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
         for tool in self.tools:  # as OpenAI's and Anthropic's APIs: a call's arguments are an object
             kind = tool.parameters.get("type") if isinstance(tool.parameters, dict) else None
-            if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            if kind is not None and not object_typed(tool.parameters):
                 raise ValueError(f"tools: the tool {tool.name!r}: its parameters must be an object schema "
                                  f"(type 'object', not {kind!r})")
         if isinstance(self.tool_choice, Named) and all(t.name != self.tool_choice.name for t in self.tools):

@@ -161,7 +161,7 @@ class Scheduler:
         rows = len(plan.work) + plan.draft_rows
         budget = self.pace.budget(rows, unit, self.busy_tokens, ratio, self.chunk_tokens) if plan else self.step_tokens
         tail = self.pace.budget(rows, 1, self.chunk_tokens, TAIL_RATIO, 1) if plan and short else 0
-        if not short and (jumping := self._short_waiting()):  # before the long prompt's next chunks
+        if prefilling and not short and (jumping := self._short_waiting()):  # before the long prompt's next chunks
             self.waiting.remove(jumping)
             plan.cache_ops += self._admit(jumping)
             budget -= self._prefill(plan, jumping, budget, unit, tail)
@@ -233,10 +233,9 @@ class Scheduler:
         """The first short prompt waiting (SHORT chunks at most) that may start now, where a long one is
         being computed: it goes first, one a step, rather than wait for all of the long one (a "Hi" waited
         35 s behind a 7k-token prompt); the long one goes on beside it at the pace of decoding streams."""
-        if not self.slots.num_free or not any(s.in_prefill for s in self.running):
+        if not self.slots.num_free:
             return None
-        limit = SHORT * self.chunk_tokens
-        return next((s for s in self.waiting if len(s.prompt_ids) <= limit and not self._behind(s)), None)
+        return next((s for s in self.waiting if self._short(s) and not self._behind(s)), None)
 
     def _live(self) -> list[Live]:
         return [Live(s.slot, s.prompt_ids, min(s.num_computed, len(s.prompt_ids)), s.cache_salt)

@@ -22,7 +22,7 @@ import llguidance
 import numpy as np
 import torch
 
-from mashbox.engine.request import Named, Tool, ToolChoice
+from mashbox.engine.request import Named, Tool, ToolChoice, object_typed
 from mashbox.engine.text.markup import HERMES, CallFormat
 from mashbox.engine.text.tokenizer import Tokenizer
 from mashbox.errors import InvalidRequestError
@@ -42,11 +42,6 @@ def arguments_schema(tool: Tool) -> dict[str, Any]:
     if not (object_typed(params) or (params.get("type") is None and OBJECT_WORDS & params.keys())):
         return {"type": "object"}
     return {**closed(params), "type": "object"}
-
-
-def object_typed(params: dict[str, Any]) -> bool:
-    kind = params.get("type")
-    return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
 OBJECT_WORDS = frozenset({"properties", "required", "$ref", "allOf", "anyOf", "oneOf", "additionalProperties",
