@@ -4,8 +4,8 @@ In a terminal: line editing and history (readline; kept in the mashbox cache), C
 answer being written (not the program), Ctrl-D or ``/exit`` quits, ``/reset`` starts over,
 ``/system TEXT`` sets the system prompt. When the conversation outgrows the context, its oldest
 turns are dropped, with a notice; an answer cut by ``--max-tokens`` says so, and a question the
-engine refuses is said and the chat goes on. Piped in, each line is one question; its answer is
-followed by a separator line.
+engine refuses is said and the chat goes on. A model's thinking is shown dimmed before its answer.
+Piped in, each line is one question; its answer (without the thinking) is followed by a separator line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mashbox.errors import ContextLengthError, MashboxError
 
 HELP = "/reset starts over, /system TEXT sets the system prompt, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
 SEPARATOR = "---"
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # thinking's look, and back
 
 
 class Conversation:
@@ -53,7 +54,7 @@ def run(engine: Any, system: str | None, options: dict[str, Any], interactive: b
                 break
             continue
         conversation.turns.append({"role": "user", "content": line})
-        answer = _answer(engine, conversation, options)
+        answer = _answer(engine, conversation, options, interactive)
         if answer is not None:
             conversation.turns.append({"role": "assistant", "content": answer})
         if not interactive:
@@ -114,8 +115,9 @@ def _command(line: str, conversation: Conversation) -> str | None:
     return None
 
 
-def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) -> str | None:
-    """Stream one answer; the text written (all of it, or up to Ctrl-C), None if it did not fit."""
+def _answer(engine: Any, conversation: Conversation, options: dict[str, Any], thinking: bool) -> str | None:
+    """Stream one answer (its ``thinking`` too, dimmed); the text written (all of it, or up to Ctrl-C), None
+    if it did not fit."""
     try:
         stream = _fitting(engine, conversation, options)
     except KeyboardInterrupt:  # right after Enter, before the answer began
@@ -124,11 +126,16 @@ def _answer(engine: Any, conversation: Conversation, options: dict[str, Any]) ->
     if stream is None:
         return None
     text: list[str] = []
-    cut = False
+    cut = thought = False
     try:
         for chunk in stream:
             choice = chunk.choices[0] if chunk.choices else None
+            if thinking and choice and choice.delta.reasoning_content:
+                print(DIM + choice.delta.reasoning_content + PLAIN, end="", flush=True)
+                thought = True
             if choice and choice.delta.content:
+                if thought and not text:
+                    print()  # the answer on a line of its own
                 text.append(choice.delta.content)
                 print(choice.delta.content, end="", flush=True)
             cut = cut or bool(choice and choice.finish_reason == "length")

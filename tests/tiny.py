@@ -86,3 +86,37 @@ def answers_as_transformers(folder: Path, model, tokenizer, prompts: list[str], 
         for prompt in prompts:
             expected = tokenizer.decode(generate(model, tokenizer.encode(prompt), n), skip_special_tokens=True)
             assert engine.complete(prompt=prompt, max_tokens=n, temperature=0).choices[0].text == expected
+
+
+def scripted(path: Path, source: Path, template: str, chain: list[str], special: bool = False) -> Path:
+    """A 2-layer Llama saved at ``path``, with the tokenizer of the model at ``source``, whose next token
+    depends only on the last one: each token of ``chain`` (one token each; ``<think>`` and ``</think>`` are
+    added to the vocabulary, as special tokens where ``special``) is followed by the next, every other token
+    by ``<|im_end|>``. Its answers are known to the token, whatever the prompt before its last token."""
+    from transformers import AddedToken, AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t in ("<think>", "</think>")])
+    tokenizer.chat_template = template
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in chain]
+    assert all(len(i) == 1 for i in ids), [(t, i) for t, i in zip(chain, ids) if len(i) != 1]
+    follows = dict(zip((i[0] for i in ids), (i[0] for i in ids[1:])))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = LlamaForCausalLM(tiny_config(len(tokenizer), tie_word_embeddings=False, eos_token_id=end)).eval()
+    hidden = model.config.hidden_size
+    known = sorted({*follows, *follows.values()})
+    assert len(known) < hidden
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):  # the layers add nothing
+                p.zero_()
+        model.model.embed_tokens.weight[:] = torch.eye(hidden)[hidden - 1]  # any other token: the last unit
+        head = model.lm_head.weight
+        head.zero_()
+        head[end, hidden - 1] = 50.0
+        for unit, token in enumerate(known):
+            model.model.embed_tokens.weight[token] = torch.eye(hidden)[unit]
+            head[follows.get(token, end), unit] = 50.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -69,8 +69,8 @@ class Stream:
         if self.guard is not None:  # the answer up to this token (a step may have appended more)
             self.seq.constraint = self.guard.follow(self.markup.open_call(), self.seq.output_ids[: self.pushed])
         self.reasoning_tokens += thinking
-        budget = self.budget
-        if budget and thinking and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
+        budget = self.budget  # spent with thinking still open after this token (which may have closed it)
+        if budget and self.markup.state == "think" and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
             self.seq.forced.extend(budget.close_ids)
 
     @property
@@ -118,7 +118,7 @@ class EngineCore:
     def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None,
                guard: CallGuard | None = None) -> Channel[Event]:
         markup = markup or Markup(calls=None)
-        detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:], markup.calls.tags if markup.calls else ())
+        detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:], markup.tags)
         stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup, budget, guard)
         with self._closing, self._live_lock:
             if self.closed:

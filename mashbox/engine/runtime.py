@@ -202,18 +202,28 @@ class Runtime:
         guard = None
         if request.tools and request.tool_choice == "auto" and seq.constraint is None and self.config.constrain_calls:
             guard = self.grammars.guard(request.tools)
-        return Job(seq, self._markup(request, ids), self._budget(request), guard)
+        return Job(seq, self._markup(request, ids, seq.constraint is not None), self._budget(request), guard)
 
-    def _markup(self, request: EngineRequest, ids: list[int]) -> Markup:
+    def _markup(self, request: EngineRequest, ids: list[int], constrained: bool) -> Markup:
         calls = self.calls if request.tools and request.tool_choice != "none" else None
         think = self.template.knows_thinking and request.enable_thinking is not False
-        in_think = think and self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
+        # a grammar that writes the answer from its first token leaves no thinking, whatever the prompt opened
+        in_think = self.template.knows_thinking and not constrained and self._opens_thinking(request, ids)
         names = frozenset(t.name for t in request.tools) if calls else frozenset()
         forced = calls is not None and request.tool_choice != "auto"  # the grammar writes only calls
         loop = looping_call(request.messages) if calls and request.tool_choice == "auto" else None
         made = frozenset([loop] if loop else [])
         return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced,
                       made=made, one_call=not request.parallel_tool_calls)
+
+    def _opens_thinking(self, request: EngineRequest, ids: list[int]) -> bool:
+        """Whether the answer begins inside thinking: the prompt ends with ``<think>`` (a template that opens it
+        whatever the request asks, as DeepSeek-R1's and QwQ's do), or the text it continues (a prefill) opened
+        thinking and did not close it."""
+        if request.continue_final:
+            text = request.messages[-1].content
+            return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+        return self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:

@@ -132,6 +132,7 @@ class Markup:
         self.names = names
         self.think = think
         self.state = "think" if in_think else "text"
+        self.thought = False  # thinking just closed: the new lines that follow it are no part of the answer
         self.held = ""
         self.body = ""
         self.list_at = self.list_made = 0  # of a list of calls being written: where its next call begins, and
@@ -153,6 +154,12 @@ class Markup:
         while buf and not self.repeated and not self.done:
             buf = self._step(buf, events)
         return events
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The markers it reads: a detokenizer keeps them where the vocabulary has them as special tokens."""
+        thinking = (THINK_OPEN, THINK_CLOSE) if self.think or self.state == "think" else ()
+        return (self.calls.tags if self.calls else ()) + thinking
 
     def open_call(self) -> tuple[str, str] | None:
         """The call the model is writing, if any: its form (``tag``, or ``bare`` or ``fenced`` with
@@ -272,6 +279,9 @@ class Markup:
         elif self.state == "think":
             events += [ReasoningDelta(text)] if text else []
         else:
+            if self.thought:
+                text = text.lstrip("\r\n")
+                self.thought = not text
             if self.bare and self.bare.open:
                 offered, self.blank = self.bare.offer(self.blank + text), ""
                 if offered is None:
@@ -314,7 +324,7 @@ class Markup:
         if tag == THINK_OPEN:
             self.state = "think"
         elif tag == THINK_CLOSE:
-            self.state = "text"
+            self.state, self.thought = "text", True
         elif self.calls and tag == self.calls.open:
             if self.bare:  # what it held was text, not a call: it goes out before the tagged call
                 self._text(self.bare.release(), events)
