@@ -292,16 +292,18 @@ def test_a_folder_removed_while_in_use_is_made_again(tmp_path: Path, caplog):
 
 
 def test_a_temporary_file_safetensors_left_goes_when_old(tmp_path: Path):
-    """safetensors writes through a temporary file of its own (``.tmpXXXXXX``): a writer killed then left it."""
+    """safetensors writes through a temporary file of its own (``.tmpXXXXXX``), and an older mashbox wrote
+    pages through ``.KEY.tmp``: a writer killed then left it."""
     prompt = list(range(4))
     keys = kept(tmp_path, prompt)
-    left, fresh = tmp_path / ".tmp3yXUti", tmp_path / ".tmpysUXYa"
-    left.write_bytes(b"x" * 1000), fresh.write_bytes(b"")
-    os.utime(left, (time.time() - 3600,) * 2)
+    left, fresh, older = tmp_path / ".tmp3yXUti", tmp_path / ".tmpysUXYa", tmp_path / f".{'a' * 40}.tmp"
+    left.write_bytes(b"x" * 1000), fresh.write_bytes(b""), older.write_bytes(b"x" * 1000)
+    for path in (left, older):
+        os.utime(path, (time.time() - 3600,) * 2)
     store = PageStore(tmp_path, 1, "ns", page=4)  # a cap it is over: the folder is counted again
     store.save(store.keys([9] * 4, "")[0], [9] * 4, *page())
     store.close()
-    assert not left.exists() and fresh.exists() and keys
+    assert not left.exists() and not older.exists() and fresh.exists() and keys
 
 
 def _run(engine: Engine, salt: str = "") -> tuple[int, str]:

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +141,8 @@ def test_a_tokenizer_copy_the_disk_cannot_take_is_said_and_leaves_nothing(tmp_pa
 
 def test_saving_a_tokenizer_copy_removes_the_stale_ones(tmp_path: Path, smol_tokenizer) -> None:
     """Copies whose GGUF is gone or changed go, and those made before copies named their GGUF, and
-    those an older mashbox made with the whole model in them; copies of a GGUF still there, and
-    copies being written, stay."""
+    those an older mashbox made with the whole model in them, and those whose save was cut off a day
+    ago; copies of a GGUF still there, and copies being written, stay."""
     folder = tmp_path / "converted"
     kept, changed = tmp_path / "kept.gguf", tmp_path / "changed.gguf"
     kept.write_bytes(b"GGUF kept")
@@ -161,13 +162,17 @@ def test_saving_a_tokenizer_copy_removes_the_stale_ones(tmp_path: Path, smol_tok
     stays, writing, now_changed = copy("stays", kept), copy("writing.x1", None, complete=False), copy("c", changed)
     whole = copy("whole-float32", kept)
     (whole / "model.safetensors").write_bytes(b"an older mashbox's dequantized model")
+    cut = copy("cut.k7x2q9ab", None, complete=False)
+    (cut / "model.safetensors").write_bytes(b"half of an older mashbox's model, its save killed")
+    for path in (cut, cut / "model.safetensors"):
+        os.utime(path, (time.time() - 2 * 86400,) * 2)
     changed.write_bytes(b"GGUF after, longer")
     new = folder / "new"
     loader._save_tokenizer(Tokenizer.of(smol_tokenizer), new, kept)
     assert (new / "complete").is_file() and json.loads((new / "source.json").read_text())["path"] == str(kept)
     assert (new / "tokenizer.json").is_file()
     assert {p.name for p in folder.iterdir()} == {"new", "stays", "writing.x1"}
-    assert not any(p.exists() for p in (gone, old, now_changed, whole)) and stays.exists() and writing.exists()
+    assert not any(p.exists() for p in (gone, old, now_changed, whole, cut)) and stays.exists() and writing.exists()
 
 
 def test_hf_directory_loads(smol: LoadedModel, tmp_path: Path) -> None:

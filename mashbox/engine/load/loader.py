@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 CTX_CAP = 8192
 _DONE = "complete"  # marker file in a converted directory, written last
+ABANDONED_S = 24 * 3600.0  # a converted directory unfinished and untouched this long: its save was cut off
 _SOURCE = "source.json"  # the GGUF a converted directory was made from: its path and stamp
 _COPIED = ("tokenizer.json", "tokenizer_config.json")  # what a complete converted directory holds
 log = logging.getLogger("mashbox.engine")
@@ -297,11 +299,26 @@ def _stale(copy: Path) -> bool:
 
 
 def _prune_converted(folder: Path, keep: Path) -> None:
-    """Remove the complete copies in ``folder`` but ``keep`` that are stale."""
+    """Remove the complete copies in ``folder`` but ``keep`` that are stale, and the copies a save began
+    long ago and never finished (a process killed mid-save; an older mashbox's were whole models)."""
     for copy_dir in folder.iterdir():
-        if copy_dir != keep and (copy_dir / _DONE).is_file() and _stale(copy_dir):  # else in use, or being written
+        if copy_dir == keep or not copy_dir.is_dir():
+            continue
+        if (copy_dir / _DONE).is_file() and _stale(copy_dir):  # else in use, or being written
             log.info("removing the converted copy '%s': its GGUF is gone or changed, or it is an old form", copy_dir)
             shutil.rmtree(copy_dir, ignore_errors=True)
+        elif not (copy_dir / _DONE).exists() and _abandoned(copy_dir):
+            log.info("removing '%s': a converted copy whose save was cut off", copy_dir)
+            shutil.rmtree(copy_dir, ignore_errors=True)
+
+
+def _abandoned(copy: Path) -> bool:
+    """Whether nothing was written in ``copy`` for a day: no save takes that long."""
+    try:
+        newest = max([copy.stat().st_mtime, *(f.stat().st_mtime for f in copy.iterdir())])
+    except OSError:  # removed meanwhile
+        return False
+    return time.time() - newest > ABANDONED_S
 
 
 def _save_tokenizer(tokenizer: Tokenizer, dest: Path, gguf: Path) -> None:
