@@ -606,8 +606,9 @@ def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_pat
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    8000000 kB\n")
-    assert available(torch.device("cpu"), meminfo) == 8000000 * 1024
-    assert available(torch.device("cpu"), tmp_path / "none") is None
+    none = tmp_path / "none"
+    assert available(torch.device("cpu"), meminfo, none) == 8000000 * 1024
+    assert available(torch.device("cpu"), none, none) is None
     check_fits(1024, 4, 256, 1024 * 4 * 256, "this machine")  # exactly fits
     check_fits(10**9, 4, 256, None, "this machine")  # unknown: not refused
     with pytest.raises(ConfigError, match=r"needs 1\.0 GiB of KV cache but this machine has 0\.5 GiB free; "
@@ -615,6 +616,51 @@ def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_pat
         check_fits(2**20, 4, 256, 2**29, "this machine")
     with pytest.raises(ConfigError, match="lower slots and ctx$"):
         check_fits(2**20, 1024, 2**20, 2**30, "cuda:0")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_containers_memory_limit_bounds_the_memory_free(tmp_path, version):
+    """A container's limit (its cgroup's, or a parent's), less what it uses but the file cache it can let go:
+    the machine's free memory is the host's there, and a KV cache past the limit was an OOM kill under load."""
+    import torch
+
+    from mashbox.engine.model.memory import available
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:    8000000 kB\n")
+    cgroups, root = tmp_path / "cgroup", tmp_path / "fs"
+    gib = 2**30
+    if version == 2:
+        cgroups.write_text("0::/box/app\n")
+        files = {"box": ("memory.max", 3 * gib, "memory.current", 2 * gib, "inactive_file"),
+                 "box/app": ("memory.max", "max", "memory.current", 2 * gib, "inactive_file")}
+    else:
+        cgroups.write_text("4:memory:/box/app\n3:cpu,cpuacct:/box/app\n")
+        files = {"memory/box": ("memory.limit_in_bytes", 3 * gib, "memory.usage_in_bytes", 2 * gib,
+                                "total_inactive_file"),
+                 "memory/box/app": ("memory.limit_in_bytes", 2**63 - 4096, "memory.usage_in_bytes", 2 * gib,
+                                    "total_inactive_file")}
+    for folder, (limit, limit_value, used, used_value, cache) in files.items():
+        (root / folder).mkdir(parents=True)
+        (root / folder / limit).write_text(f"{limit_value}\n")
+        (root / folder / used).write_text(f"{used_value}\n")
+        (root / folder / "memory.stat").write_text(f"anon 1\n{cache} {gib // 2}\n")
+    assert available(torch.device("cpu"), meminfo, cgroups, root) == gib + gib // 2
+    assert available(torch.device("cpu"), meminfo, tmp_path / "none", root) == 8000000 * 1024
+
+
+def test_an_address_space_limit_refuses_a_kv_cache_past_it_in_one_line(tiny_model_dir):
+    """``ulimit -v``: the cache was allocated anyway, and torch's allocation failed with its own words."""
+    import subprocess
+    import sys
+
+    code = (f"from mashbox import Engine; from mashbox.errors import ConfigError\n"
+            f"try:\n    Engine({str(tiny_model_dir)!r}, ctx=16384, slots=1024, allow_long_context=True, quiet=True)\n"
+            f"except ConfigError as err:\n    print('refused:', err)\n")
+    limit = 4 * 2**20  # KiB: 4 GiB of address space (~1 GiB of it the process's); the cache needs 4 GiB
+    done = subprocess.run(["bash", "-c", f"ulimit -v {limit} && exec {sys.executable} -c \"$0\"", code],
+                          capture_output=True, text=True, timeout=300)
+    assert "refused: ctx 16384 x 1024 slots needs 4.0 GiB" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def test_a_model_other_than_the_loaded_one_is_refused_as_the_server_does(tiny_engine):

@@ -23,7 +23,7 @@ from mashbox.engine.load.loader import LoadedModel, converted_dir, hf_model, loa
 from mashbox.engine.request import Message
 from mashbox.engine.text.template import ChatTemplate
 from mashbox.engine.text.tokenizer import Tokenizer
-from mashbox.errors import ModelLoadError
+from mashbox.errors import ConfigError, ModelLoadError
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +360,48 @@ def test_assemble_wrong_size(tmp_path: Path) -> None:
         assemble([part], tmp_path / "out" / "x.gguf", size=4,
                  sha256=hashlib.sha256(b"abc").hexdigest())
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_join_a_killed_process_left_goes_and_one_under_way_stays(parts, tmp_path: Path) -> None:
+    """Ctrl-C or the OOM killer mid-join left its temp file (up to the model's size) for good."""
+    refs, whole = parts
+    split = SplitFile(refs, "joined.gguf", len(whole), hashlib.sha256(whole).hexdigest())
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    left, joining = cache / "joined.gguf.3ypby5ih.tmp", cache / "joined.gguf.k2m9x0aa.tmp"
+    left.write_bytes(b"x" * 1000), joining.write_bytes(b"x" * 10)
+    os.utime(left, (time.time() - 3600,) * 2)
+    assert assemble_split(split, cache) is not None
+    assert sorted(p.name for p in cache.iterdir()) == sorted(["joined.gguf", "joined.gguf.verified", joining.name])
+
+
+def test_a_join_that_cannot_be_written_says_where_and_what_to_do(parts, tmp_path: Path) -> None:
+    refs, whole = parts
+    split = SplitFile(refs, "joined.gguf", len(whole), hashlib.sha256(whole).hexdigest())
+    in_the_way = tmp_path / "cache"
+    in_the_way.write_text("a file where the cache's folder goes")
+    with pytest.raises(ModelLoadError, match=r"Cannot write the model file .*joined\.gguf.* set MASHBOX_CACHE"):
+        assemble_split(split, in_the_way)
+
+
+def test_no_home_folder_for_the_cache_is_a_config_error_naming_mashbox_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HOME and a user the passwd file does not know (``docker --user 12345``): Python's RuntimeError was a
+    traceback from every command."""
+    def homeless() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("MASHBOX_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(Path, "home", homeless)
+    with pytest.raises(ConfigError, match="Could not determine home directory. Set MASHBOX_CACHE"):
+        catalog.cache_dir()
+
+
+def test_a_model_path_that_is_a_pipe_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelLoadError, match="not a regular file"):
+        resolve(str(fifo))
 
 
 def _saved_llama(folder: Path, smol_tokenizer, **config) -> LlamaForCausalLM:

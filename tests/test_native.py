@@ -1,5 +1,6 @@
 """mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
 
+import ctypes
 from types import SimpleNamespace
 
 import pytest
@@ -371,3 +372,34 @@ def test_a_decode_step_starts_no_torch_parallel_region(lib):
         scheduler.update(plan, runner.run(plan))
     names = {event.name for event in prof.events()}
     assert "aten::index_select" in names and "aten::index" not in names
+
+
+def test_a_kernels_file_cut_short_is_built_again(tmp_path, monkeypatch):
+    """A kernels file cut short (a power loss after its rename, a full disk, a copy cut off) was loaded, and
+    every start died of SIGBUS at the first call, until someone found and removed it."""
+    compiler = native.find_compiler()
+    whole = native._build(compiler)  # the test session's own
+    monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path))
+    cut = tmp_path / "kernels" / whole.name
+    cut.parent.mkdir()
+    cut.write_bytes(whole.read_bytes()[:1000])
+    assert not native._whole(cut) and native._whole(whole)
+    assert native._build(compiler) == cut and native._whole(cut)
+    native.bind(ctypes.CDLL(str(cut)))
+
+
+def test_a_failed_build_says_the_compilers_words():
+    import subprocess
+
+    err = subprocess.CalledProcessError(1, ["cc"], stderr=b"kernels.c:3:10: fatal error: omp.h: No such file\n")
+    assert "fatal error: omp.h: No such file" in native._why(err)
+
+
+def test_weights_named_in_bytes_that_are_not_utf8_get_their_packed_name():
+    """A model file named ``caf\\xe9.gguf`` (Latin-1 bytes) failed its load: UnicodeEncodeError."""
+    import os
+    from pathlib import Path
+
+    from mashbox.engine.model.packed import _prefix
+
+    assert _prefix(Path(os.fsdecode(b"/models/caf\xe9.gguf"))).startswith("caf")

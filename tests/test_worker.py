@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -274,3 +275,43 @@ def test_what_loading_built_is_frozen_out_of_later_collections(tiny_model_dir, t
         process.join(30)
     assert enabled  # on again, whether the load succeeded or not
     assert (frozen > 50_000) == loads  # torch and the engine's objects are out of the collector's walks
+
+
+ORPHAN = '''
+import multiprocessing, os, sys, threading, time
+from mashbox.server import worker_child
+
+def loading():  # a worker still loading: its pipe is read by no one
+    threading.Thread(target=worker_child._orphaned, args=(os.getppid(),), daemon=True).start()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=loading)
+    child.start()
+    time.sleep(float(sys.argv[1]))
+    print(child.pid, child.is_alive(), flush=True)
+    os._exit(0)  # as a server killed with SIGKILL: no Stop sent
+'''
+
+
+def test_a_worker_whose_server_died_while_it_loads_ends(tmp_path):
+    """A server killed (SIGKILL) mid-load left its worker loading for minutes, orphaned, with its memory."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    done = subprocess.run([sys.executable, str(script), "3"], capture_output=True, text=True, timeout=60)
+    pid, alive = done.stdout.split()
+    assert alive == "True", done.stderr[-2000:]  # loading while its server ran
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z":  # ended; its new parent may not reap
+                return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.2)
+    pid = int(pid)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the orphaned worker went on")

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from mashbox.engine.events import Event, Finish
 from mashbox.engine.model.openmp import prefer_passive_wait
 from mashbox.engine.request import EngineRequest
-from mashbox.errors import ConfigError, EngineClosedError
+from mashbox.errors import ConfigError, EngineClosedError, MashboxError
 from mashbox.server import logs
 from mashbox.server.worker_messages import (
     STATS_EVERY,
@@ -57,6 +58,7 @@ def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
     # lets its answers end, then sends Stop
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, signal.SIG_IGN)
+    threading.Thread(target=_orphaned, args=(os.getppid(),), name="mashbox-parent", daemon=True).start()
     logs.to_stderr()  # the engine's notes (a format widened at load, packed weights saved) beside the server's
     engine = _load(conn, model, options)
     if engine is not None:
@@ -65,6 +67,14 @@ def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skips tearing down torch's modules, which takes seconds; nothing is left to save
+
+
+def _orphaned(server: int) -> None:
+    """End the worker once its server is gone (killed with SIGKILL, it sends no Stop and its pipe is not
+    read while the model loads): a load would go on for minutes, orphaned."""
+    while os.getppid() == server:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _load(conn: Connection, model: str, options: dict[str, Any]) -> Runtime | None:
@@ -85,7 +95,7 @@ def _load(conn: Connection, model: str, options: dict[str, Any]) -> Runtime | No
         conn.send(Failed(str(exc), refused=True))
         return None
     except Exception as exc:  # reported to the server, which shows it and stops
-        conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+        conn.send(Failed(str(exc) if isinstance(exc, MashboxError) else f"{type(exc).__name__}: {exc}"))
         return None
     finally:
         gc.enable()

@@ -12,21 +12,25 @@ size of the weights file on disk, ``install`` the command that installs the weig
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import importlib.resources
 import importlib.util
 import json
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mashbox.errors import ModelLoadError
+from mashbox.errors import ConfigError, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 _CHUNK = 8 << 20
+STALE_JOIN_S = 600.0  # a join's temp file untouched this long was left by a process that died
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,9 +93,13 @@ def catalog() -> dict[str, CatalogEntry]:
 
 def cache_dir() -> Path:
     """``$MASHBOX_CACHE``, else ``$XDG_CACHE_HOME/mashbox``, else ``~/.cache/mashbox``."""
-    if env := os.environ.get("MASHBOX_CACHE"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    try:
+        if env := os.environ.get("MASHBOX_CACHE"):
+            return Path(env).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError as err:  # no HOME, and a user with no home in the passwd file (docker --user N)
+        raise ConfigError(f"the mashbox cache has no folder: {err.args[0] if err.args else err} Set "
+                          "MASHBOX_CACHE (or HOME) to a folder this user can write in.") from None
     return Path(base) / "mashbox"
 
 
@@ -179,6 +187,9 @@ def _resolve_path(path: Path) -> ModelSource:
 
 def check_gguf(path: Path, install: str | None = None) -> None:
     """Raise ModelLoadError unless ``path`` is a readable file starting with the GGUF magic."""
+    if path.exists() and not path.is_file():  # a pipe or a device: a read could wait for good
+        raise ModelLoadError(f"'{path}' is not a regular file (a pipe or a device): give a .gguf file or an HF "
+                             "model directory.")
     try:
         with path.open("rb") as f:
             magic = f.read(4)
@@ -248,8 +259,12 @@ def assemble(parts: Sequence[Path], dest: Path, *, size: int, sha256: str,
 
     On a mismatch nothing is left behind and ModelLoadError says what to do.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_joins(dest)
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")
+    except OSError as err:
+        raise _unwritable(dest, size, err) from None
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -258,11 +273,29 @@ def assemble(parts: Sequence[Path], dest: Path, *, size: int, sha256: str,
             os.fsync(out.fileno())
         _check_joined(dest, written, digest, size, sha256, install)
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _unwritable(dest, size, err) from None
         raise
-    _write_marker(dest, sha256)
+    with contextlib.suppress(OSError):  # without it, the next start reads the file through again
+        _write_marker(dest, sha256)
     return dest
+
+
+def _remove_stale_joins(dest: Path) -> None:
+    """Remove the temp files of joins that a killed process left (Ctrl-C or the OOM killer mid-join: up to
+    the whole model's size each); one written to in the last minutes is another process's, joining now."""
+    for tmp in dest.parent.glob(f"{glob.escape(dest.name)}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if time.time() - tmp.stat().st_mtime > STALE_JOIN_S:
+                tmp.unlink()
+
+
+def _unwritable(dest: Path, size: int, err: OSError) -> ModelLoadError:
+    return ModelLoadError(f"Cannot write the model file '{dest}' ({size / 1e6:.0f} MB, joined from its parts "
+                          f"once): {err.strerror or err}. Free space there, or set MASHBOX_CACHE to a folder "
+                          "this user can write in, with room for it.")
 
 
 def _copy_parts(parts: Sequence[Path], out) -> tuple[int, str]:

@@ -3,6 +3,7 @@ so that a context too large for the machine is one clear error, not minutes of a
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 import torch
@@ -17,16 +18,77 @@ def kv_bytes_per_token(spec: Spec, form: Form) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * form.kv_row(spec.head_dim) * form.kv_dtype.itemsize
 
 
-def available(device: torch.device, meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """Bytes free for a new allocation on ``device``; None where that cannot be told."""
+def available(device: torch.device, meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/proc/self/cgroup"),
+              root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes free for a new allocation on ``device``; None where that cannot be told. On the CPU the least
+    of the machine's free memory, what its cgroup (a container's limit) leaves and what its address-space
+    limit (``ulimit -v``) leaves."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    rooms = [_machine_room(meminfo), *_cgroup_rooms(cgroups, root), _address_room()]
+    known = [room for room in rooms if room is not None]
+    return min(known) if known else None
+
+
+def _machine_room(meminfo: Path) -> int | None:
     try:
         lines = meminfo.read_text().splitlines()
     except OSError:
         return None
     found = [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
     return found[0] if found else None
+
+
+# a cgroup's files: its limit, its use, and the file cache in its use that can be let go (v2, then v1)
+_V2 = ("memory.max", "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def _cgroup_rooms(cgroups: Path, root: Path) -> list[int | None]:
+    """What this process's memory cgroup and each one above it leave free under their limits."""
+    try:
+        lines = cgroups.read_text().splitlines()
+    except OSError:
+        return []
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            bases, names = (root, root / "unified"), _V2
+        elif "memory" in controllers.split(","):
+            bases, names = (root / "memory",), _V1
+        else:
+            continue
+        for base in bases:  # inside a container the mount may be the process's own cgroup, not its path
+            leaf = base / path.lstrip("/")
+            rooms += [_cgroup_room(folder, names) for folder in (leaf, *leaf.parents) if folder.is_relative_to(base)]
+    return rooms
+
+
+def _cgroup_room(folder: Path, names: tuple[str, str, str]) -> int | None:
+    limit_file, used_file, cache_key = names
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        used = int((folder / used_file).read_text())
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 2**60:  # no limit (v1 says so with a number near 2**63)
+        return None
+    return max(int(limit) - used + int(stat.get(cache_key, 0)), 0)
+
+
+def _address_room(status: Path = Path("/proc/self/status")) -> int | None:
+    """What an address-space limit (``ulimit -v``) leaves of this process's."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        size = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                    if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return max(limit - size, 0)
 
 
 def check_fits(ctx: int, slots: int, per_token: int, free: int | None, where: str) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from functools import cache
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mashbox.engine.load.catalog import cache_dir
+from mashbox.errors import ConfigError
 
 log = logging.getLogger("mashbox.engine")
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -58,9 +60,16 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         return bind(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, subprocess.SubprocessError) as err:
-        log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", err)
+    except (OSError, subprocess.SubprocessError, ConfigError) as err:
+        log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", _why(err))
         return None
+
+
+def _why(err: Exception) -> str:
+    """What stopped a build: the compiler's own last lines where it failed."""
+    said = getattr(err, "stderr", None)
+    lines = said.decode(errors="replace").strip().splitlines()[-3:] if isinstance(said, bytes) else []
+    return " / ".join([str(err), *lines])
 
 
 def find_compiler() -> str | None:
@@ -90,18 +99,36 @@ def source_hash() -> str:
 def _build(compiler: str) -> Path:
     key = hashlib.sha256((source_hash() + compiler + _cpu_id()).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"kernels-{key}.so"
-    if target.is_file():
+    if _whole(target):
         return target
+    if target.exists():  # loaded, a file cut short faults the process (SIGBUS) at the first call
+        log.warning("the kernels file %s is damaged (cut short): building it again", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
                        capture_output=True, timeout=120)
+        with open(tmp, "rb") as built:  # on the disk before its name is: a crash leaves no file cut short
+            os.fsync(built.fileno())
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
     return target
+
+
+def _whole(path: Path) -> bool:
+    """Whether ``path`` is a 64-bit ELF file as long as its header says (its section table, at its end, in it)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+        return False
+    table, entry, count = struct.unpack_from("<Q", head, 0x28)[0], *struct.unpack_from("<HH", head, 0x3A)
+    return size >= table + entry * count
 
 
 def _cpu_id() -> str:

@@ -124,7 +124,7 @@ def _made(weights: Path) -> list[list[Any]] | None:
 
 
 def _prefix(weights: Path) -> str:
-    return f"{weights.stem}-{sha256(str(weights).encode()).hexdigest()[:8]}"
+    return f"{weights.stem}-{sha256(os.fsencode(weights)).hexdigest()[:8]}"
 
 
 def _write(f, made: list[quant.Blocks], origin: dict[str, Any]) -> None:
