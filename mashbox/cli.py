@@ -12,6 +12,7 @@ from importlib.metadata import version
 from typing import Any, NoReturn
 from pathlib import Path
 
+from mashbox.engine.config import MOST_CACHE_GIB
 from mashbox.engine.load.catalog import catalog
 from mashbox.errors import ConfigError, MashboxError
 
@@ -103,10 +104,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="turn off speculation: by default greedy answers propose their next tokens from the "
                           "prompt and their own text (where their last tokens occurred before) and check them "
                           "in one step: the same tokens, faster where an answer copies (an agent re-writing a file)")
-    run.add_argument("--sampling", type=_sampling, default={}, metavar="NAME=VALUE,...",
+    run.add_argument("--sampling", type=_sampling, default={}, metavar="NAME=VALUE,...", action=_Merged,
                      help="sampling for requests that leave these fields out, e.g. temperature=0.7,top_p=0.8 "
                           "(Qwen's advice for agents; fields: " + ", ".join(SAMPLING_FIELDS) + "); a request's own "
-                          "values win (default: none: greedy)")
+                          "values win; repeatable (default: none: greedy)")
     run.add_argument("--cache-ram", type=_mib, default=2048, metavar="MiB",
                      help="host memory for prompt prefixes saved from slots about to be reused, in MiB; "
                           "0 = off (default: %(default)s)")
@@ -206,6 +207,18 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "presence_penalty")
 
 
+class _Merged(argparse.Action):
+    """A flag of NAME=VALUE pairs given again adds its pairs (it replaced them all); a name given twice is
+    refused."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest) or {}
+        if twice := sorted(before.keys() & values.keys()):
+            parser.error(f"argument {option_string}: {', '.join(twice)} given twice")
+        setattr(namespace, self.dest, {**before, **values})
+
+
 def _sampling(text: str) -> dict[str, float]:
     from mashbox.engine.request import SamplingParams
 
@@ -214,6 +227,8 @@ def _sampling(text: str) -> dict[str, float]:
         name, eq, value = (x.strip() for x in part.partition("="))
         if name not in SAMPLING_FIELDS or not eq:
             raise argparse.ArgumentTypeError(f"must be NAME=VALUE pairs of {', '.join(SAMPLING_FIELDS)} (got {text!r})")
+        if name in values:
+            raise argparse.ArgumentTypeError(f"{name} given twice (got {text!r})")
         try:
             values[name] = int(value) if name == "top_k" else float(value)
         except ValueError:
@@ -233,8 +248,8 @@ def _count(text: str) -> int:
 
 
 def _mib(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a whole number of MiB, 0 or more (got {text!r})")
+    if not text.isdigit() or int(text) > MOST_CACHE_GIB * 1024:
+        raise argparse.ArgumentTypeError(f"must be a whole number of MiB, 0 to {MOST_CACHE_GIB * 1024} (got {text!r})")
     return int(text)
 
 
@@ -243,8 +258,8 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of GiB, 0 or more (got {text!r})")
+    if not 0 <= value <= MOST_CACHE_GIB:
+        raise argparse.ArgumentTypeError(f"must be a number of GiB, 0 to {MOST_CACHE_GIB} (got {text!r})")
     return value
 
 

@@ -263,7 +263,12 @@ def _worker_pid_if_loading(port):
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--cache-disk", "inf"], "mashbox run: argument --cache-disk: must be a number of GiB, 0 or more"),
+    (["--cache-disk", "inf"], "mashbox run: argument --cache-disk: must be a number of GiB, 0 to 1048576"),
+    (["--cache-disk", "1e300"], "mashbox run: argument --cache-disk: must be a number of GiB, 0 to"),  # overflowed
+    (["--cache-ram", "99999999999999999999"], "mashbox run: argument --cache-ram: must be a whole number of MiB, 0 to"),
+    (["--sampling", "temperature=0.7", "--sampling", "temperature=0.1"],
+     "mashbox run: argument --sampling: temperature given twice"),
+    (["--sampling", "top_k=5,top_k=6"], "mashbox run: argument --sampling: top_k given twice"),
     (["--cache-dir", "/proc/no-such-folder"], "mashbox: cache_dir: /proc/no-such-folder cannot be a folder here"),
     (["--cache-dir", "/dev/null"], "mashbox: cache_dir: /dev/null cannot be a folder here"),
     (["--slots", "abc"], "mashbox run: argument --slots: invalid int value: 'abc' (see mashbox run --help)"),
@@ -428,3 +433,12 @@ def test_a_second_ctrl_c_ends_the_answers_at_once_each_with_its_error_event():
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0 and "Traceback" not in err and "Exception in ASGI" not in err, err
+
+
+def test_sampling_flags_given_again_add_up():
+    """The second --sampling replaced the first whole: its temperature gone, unsaid."""
+    from mashbox.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--sampling", "temperature=0.7", "--sampling", "top_p=0.5,top_k=20"])
+    assert args.sampling == {"temperature": 0.7, "top_p": 0.5, "top_k": 20}
+    assert build_parser().parse_args(["run"]).sampling == {}

@@ -414,6 +414,8 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     ({"dtype": 16}, "dtype: must be a name"), ({"cache_disk_gib": float("nan")}, "cache_disk_gib: must be a number"),
     ({"cache_disk_gib": float("inf")}, "cache_disk_gib: must be a number"),  # an OverflowError at the first page
     ({"cache_disk_gib": True}, "cache_disk_gib: must be a number"),
+    ({"cache_disk_gib": 1e300}, "cache_disk_gib: must be a number from 0 to"),  # an OverflowError at load
+    ({"cache_ram_mib": 10**20}, "cache_ram_mib: must be from 0 to"),
 ])
 def test_every_bad_engine_setting_is_a_config_error_naming_it(setting, words):
     """``except MashboxError`` catches them all (they were ValueError, TypeError or torch's RuntimeError)."""

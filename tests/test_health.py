@@ -71,6 +71,7 @@ def test_cache_namespace_is_stable_and_tracks_what_cached_states_depend_on():
     assert same != cache_namespace(model_info(weights="/models/other.gguf"))
     assert same != cache_namespace(model_info(ctx=1024))
     assert same != cache_namespace(model_info(dtype="bfloat16"))
+    assert same != cache_namespace(model_info(kv_dtype="q8_0"))  # an f16 and a q8_0 server shared the id
     assert same == cache_namespace(model_info(gb=9.9))  # not part of what a cached prompt means
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from os import PathLike
@@ -11,6 +10,7 @@ from mashbox.errors import ConfigError
 
 KV_DTYPES = (None, "f16", "q8_0")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+MOST_CACHE_GIB = 2**20  # 1 PiB: a cache's size past it is a typo (past 2**33 its bytes overflowed)
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,14 +97,14 @@ class EngineConfig:
         if not 1 <= self.slots <= 1024:
             raise ConfigError(f"slots: must be between 1 and 1024 (got {self.slots})")
         disk = self.cache_disk_gib
-        if not isinstance(disk, int | float) or isinstance(disk, bool) or not 0 <= disk < math.inf:
-            raise ConfigError(f"cache_disk_gib: must be a number >= 0 (got {disk!r})")
+        if not isinstance(disk, int | float) or isinstance(disk, bool) or not 0 <= disk <= MOST_CACHE_GIB:
+            raise ConfigError(f"cache_disk_gib: must be a number from 0 to {MOST_CACHE_GIB} (got {disk!r})")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"model: must be a catalog id or a path (got {self.model!r})")
         if self.dtype is not None and not isinstance(self.dtype, str):
             raise ConfigError(f"dtype: must be a name such as float16 or int8 (got {self.dtype!r})")
-        if self.cache_ram_mib < 0:
-            raise ConfigError(f"cache_ram_mib: must be >= 0 (got {self.cache_ram_mib})")
+        if not 0 <= self.cache_ram_mib <= MOST_CACHE_GIB * 1024:
+            raise ConfigError(f"cache_ram_mib: must be from 0 to {MOST_CACHE_GIB * 1024} (got {self.cache_ram_mib})")
         if self.chunk_tokens < 16:
             raise ConfigError(f"chunk_tokens: must be >= 16 (got {self.chunk_tokens})")
         for name in ("step_tokens", "busy_tokens"):

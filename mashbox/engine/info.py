@@ -16,3 +16,4 @@ class ModelInfo:
     device: str
     dtype: str
     weights_mode: str
+    kv_dtype: str = "float16"  # the KV cache's form: q8_0, or its floats' dtype

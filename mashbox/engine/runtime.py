@@ -405,4 +405,4 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 def _info(loaded: LoadedModel, ctx: int, slots: int, form: Form, weights: Weights) -> ModelInfo:
     what, mode = form.describe(weights)
     return ModelInfo(loaded.id, ctx, slots, PurePath(loaded.weights).name, loaded.bpw, weights.nbytes / 1e9,
-                     str(loaded.device), what, mode)
+                     str(loaded.device), what, mode, form.kv_name)
