@@ -118,7 +118,7 @@ def test_a_call_to_a_declared_tool_cut_off_anywhere_is_neither_text_nor_a_call(f
     """Cut by max_tokens or a stop string mid-call (in auto mode), its JSON came back as the answer's text;
     a forced call's was dropped. Now both: OpenAI's and Anthropic's answers hold no such text either."""
     start = form.index("{}")
-    for cut in range(len('{"name"'), len(WEATHER_CALL)):
+    for cut in range(1, len(WEATHER_CALL)):  # from ``{`` (cut before its name, the first token or two was text)
         assert parse([form[:start] + WEATHER_CALL[:cut]], names=NAMES) == [], WEATHER_CALL[:cut]
     text = "The answer: " + WEATHER_CALL[:30]  # not at the answer's start: text, as before
     assert parse([text], names=NAMES) == [("text", text)]

@@ -107,6 +107,7 @@ NAME = re.compile(r"\w[\w.\-]*")  # a tool's name written bare (Mistral's later 
 CALL_ID = re.compile(r"[A-Za-z0-9_\-]+")
 LONGEST_NAME = 256
 CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
+CALL_STARTS = tuple(fence + bracket + CALL_LIKE for fence in ("", "```json") for bracket in ("", "["))  # blanks out
 BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
 LOOP_TURNS = 3  # turns in a row of one call with one result, after which that call is a loop
@@ -461,7 +462,10 @@ def cut_call(text: str, names: frozenset[str]) -> bool:
     closed once too often: that is a broken call, kept as text), its name one of them, or the start of one,
     or not yet written."""
     begun = CALL_BEGUN.match(text)
-    if begun is None or not _left_open(text):
+    if begun is None:
+        written = "".join(text.split())  # cut before its name: ``{"`` (the first tokens of the call)
+        return bool(written) and any(start.startswith(written) for start in CALL_STARTS)
+    if not _left_open(text):
         return False
     name, quoted = begun.group(1), begun.group(2)
     if name is None:
