@@ -99,6 +99,27 @@ def test_tools_map_namespaces_custom_and_local_shell():
     assert request.ignored_fields() == ["tools[apply_patch].format", "tools[web_search]"]  # lark: shown, not held
 
 
+def test_a_namespace_tool_before_a_top_level_tool_of_its_name_gets_a_name_of_its_own():
+    """Top-level after it, the top-level tool took the name: two tools named ``read_file``, and the namespace's
+    never called (in history too, a call of it was the top-level one's)."""
+    inner = {"type": "namespace", "name": "mcp__fs", "tools": [{"type": "function", "name": "read_file"}]}
+    request = _request(tools=[inner, {"type": "function", "name": "read_file"}])
+    assert [t.name for t in to_engine(request).tools] == ["mcp__fs__read_file", "read_file"]
+    refs = request.tool_map()
+    assert (refs.ref("mcp__fs__read_file").namespace, refs.ref("read_file").namespace) == ("mcp__fs", None)
+    assert refs.visible("read_file", "mcp__fs") == "mcp__fs__read_file"
+
+
+@pytest.mark.parametrize(("entry", "names"), [
+    ({"type": "local_shell"}, ["local_shell"]),  # a tool of no name, listed by its type: was a 400 "no tools"
+    ({"type": "namespace", "name": "agents"}, ["spawn", "agents__exec_command"]),
+    ({"type": "function", "name": "exec_command", "namespace": "agents"}, ["agents__exec_command"]),
+])
+def test_allowed_tools_lists_a_tool_by_its_type_or_its_namespace(entry, names):
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [entry]}
+    assert [t.name for t in to_engine(_request(tools=TOOLS, tool_choice=choice)).tools] == names
+
+
 def test_a_custom_tool_s_regex_is_the_pattern_its_input_is_held_to():
     phone = {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex",
                                                          "definition": "[0-9]{3}-[0-9]{4}"}}

@@ -197,3 +197,9 @@ def test_what_this_server_does_not_keep_is_refused_saying_what_to_send_instead()
         parse(ResponsesRequest, {"input": "hi", "previous_response_id": "resp_1"})
     assert (err.value.param, err.value.code) == ("previous_response_id", "unsupported_parameter")
     assert "previous_response_id cannot refer to one" in err.value.message
+    for field, value in (("conversation", "conv_1"), ("conversation", {"id": "conv_1"}), ("prompt", {"id": "pmpt_1"})):
+        with pytest.raises(InvalidRequestError) as err:  # were ignored: the answer lacked what they refer to
+            parse(ResponsesRequest, {"input": "What did I say?", field: value})
+        assert (err.value.param, err.value.code) == (field, "unsupported_parameter")
+        assert f"keeps no {field}s, so {field} cannot refer to one" in err.value.message
+    parse(ResponsesRequest, {"input": "hi", "conversation": None, "prompt": None})

@@ -84,8 +84,13 @@ from mashbox.errors import InvalidRequestError
 
 __all__ = ["ResponsesRequest", "Response", "StreamEvent", "Translator", "to_engine"]
 
-STATELESS = ("this server keeps no responses, so previous_response_id cannot refer to one; send the whole "
-             "conversation in input (as clients do with store: false)")
+STATEFUL = {"previous_response_id": "responses", "conversation": "conversations", "prompt": "prompts"}  # what
+# each field refers to, which this server does not keep: refused unless null (ignored, the answer lacked it)
+
+
+def stateless(field: str) -> str:
+    return (f"this server keeps no {STATEFUL[field]}, so {field} cannot refer to one; send the whole conversation "
+            "in input (as clients do with store: false)")
 
 
 class ReasoningConfig(Part):
@@ -126,15 +131,18 @@ class ResponsesRequest(RequestModel, SamplingFields):
     top_logprobs: int | None = None
     text: TextConfig | None = None
     max_output_tokens: MaxTokens | None = None
-    previous_response_id: str | None = None  # refused unless null (STATELESS): known, so a keyword gets the reason
+    previous_response_id: str | None = None  # refused unless null (STATEFUL): known, so a keyword gets the reason
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
 
     _no_logprobs = field_validator("top_logprobs")(refuse_logprobs)
 
     @model_validator(mode="before")
     @classmethod
     def _stateless(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("previous_response_id") is not None:
-            raise InvalidRequestError("previous_response_id", STATELESS, code="unsupported_parameter")
+        for field in STATEFUL:
+            if isinstance(data, dict) and data.get(field) is not None:
+                raise InvalidRequestError(field, stateless(field), code="unsupported_parameter")
         return data
 
     @field_validator("include")

@@ -103,6 +103,7 @@ class ToolMap:
     def __init__(self, tools: list[Any] | None) -> None:
         self.tools: list[Tool] = []
         self._refs: dict[str, ToolRef] = {}
+        self._top = {t.name for t in tools or () if isinstance(t, FunctionTool | CustomTool)}  # names taken outright
         for tool in tools or ():
             self._add(tool)
 
@@ -129,9 +130,18 @@ class ToolMap:
             description = "Run a command on the user's machine and return its output."
             self._register(ToolRef("local_shell", LOCAL_SHELL), description, LOCAL_SHELL_PARAMETERS)
 
+    def allowed(self, entry: dict[str, Any]) -> set[str]:
+        """The names the model knows the tools an ``allowed_tools`` entry lists by: a namespace's, the shell
+        (named by its type alone), or one tool."""
+        if entry.get("type") == "local_shell":
+            return {LOCAL_SHELL} & self._refs.keys()
+        if entry.get("type") == "namespace":
+            return {called for called, ref in self._refs.items() if ref.namespace == entry.get("name")}
+        return {self.visible(entry.get("name", ""), entry.get("namespace"))}
+
     def _register(self, ref: ToolRef, description: str | None, parameters: dict[str, Any] | None) -> None:
         called = ref.name
-        if called in self._refs and ref.namespace:
+        if ref.namespace and (called in self._refs or called in self._top):  # a tool of its name before it or after
             called = f"{ref.namespace}__{ref.name}"
         self._refs[called] = ref
         self.tools.append(Tool(called, description or "", parameters or {}))
@@ -214,7 +224,7 @@ def allowed_tools(choice: ToolChoice | None, tools: ToolMap) -> tuple[Tool, ...]
     """The tools the model may call: all, or those an ``allowed_tools`` choice lists."""
     if not isinstance(choice, ToolChoiceObject) or choice.type != "allowed_tools":
         return tuple(tools.tools)
-    names = {tools.visible(t.get("name", ""), t.get("namespace")) for t in choice.tools or ()}
+    names = set().union(*(tools.allowed(entry) for entry in choice.tools or ()))
     return tuple(t for t in tools.tools if t.name in names)
 
 
