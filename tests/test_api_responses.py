@@ -288,6 +288,15 @@ def test_parallel_tool_calls_is_echoed_as_sent_and_defaults_to_false_as_the_serv
     assert to_engine(request).parallel_tool_calls is echoed  # and the grammar lets the model make that many calls
 
 
+@pytest.mark.parametrize(("sent", "echoed"), [({}, None), ({"max_output_tokens": 7}, 7), ({"max_tokens": 3}, 3),
+                                              ({"max_output_tokens": 7, "max_tokens": 3}, 7)])
+def test_the_output_limit_that_ran_is_echoed_under_any_of_its_names(sent, echoed):
+    """``max_tokens`` (the other routes' name) held the answer to 3 tokens, and the response said null."""
+    request = parse(ResponsesRequest, {"input": "hi", **sent})
+    translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])
+    assert translator.response().dump()["max_output_tokens"] == echoed == request.max_new_tokens()
+
+
 def test_echoed_tool_choice_takes_the_responses_shape():
     request = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "spawn"}})
     translator, _ = _stream(request, [Finish("stop", USAGE, TIMINGS)])

@@ -198,7 +198,7 @@ def _echo(request: ResponsesRequest, model: str) -> dict[str, Any]:
         "tool_choice": echo_tool_choice(request.tool_choice),
         "tools": [echo_tool(t) for t in request.tools or ()],
         "instructions": request.instructions,
-        "max_output_tokens": request.max_output_tokens,
+        "max_output_tokens": request.max_new_tokens(),  # what ran (also max_tokens, the other routes' name)
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "presence_penalty": sampling.presence_penalty,
