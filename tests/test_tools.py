@@ -486,6 +486,8 @@ def test_a_schema_that_cannot_be_enforced_names_its_tool(tiny_engine):
     ({"type": ["object"], "properties": {"q": {}}}, '{"q":1,"x"', False),
     ({"type": "object", "properties": {"p": {}, "u": {}}, "anyOf": [{"required": ["p"]}, {"required": ["u"]}]},
      '{"p":1,"anyOf"', False),  # parts that only require keys list none: the object stays closed
+    ({"type": "object", "properties": {"query": {}}, "required": ["query", "limit"]}, '{"query":1,"limit":2}',
+     True),  # requires a key it does not list: closed, no call fit it (forced, another tool was called instead)
 ])
 def test_a_calls_arguments_name_only_the_keys_its_schema_lists(tiny_engine, smol_tokenizer, parameters, arguments,
                                                                 whole):

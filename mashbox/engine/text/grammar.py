@@ -80,9 +80,15 @@ def _closed(node: Any, path: str, parts: set[str], merged: bool) -> Any:
         else:
             out[key] = value if key in DATA else _closed(value, at, parts, False)
     adds = bool(OPENED & node.keys()) or any(_adds_keys(b) for k in BRANCHES for b in node.get(k) or ())
-    if isinstance(node.get("properties"), dict) and not merged and not adds:
+    if isinstance(node.get("properties"), dict) and not merged and not adds and not _requires_more(node):
         out["additionalProperties"] = False
     return out
+
+
+def _requires_more(node: dict[str, Any]) -> bool:
+    """Whether ``node`` requires a key its ``properties`` do not list: closed, no object would fit it."""
+    required = node.get("required")
+    return isinstance(required, list) and any(key not in node["properties"] for key in required)
 
 
 def _adds_keys(part: Any) -> bool:
