@@ -103,6 +103,14 @@ def test_messages_continue_a_prefilled_answer(claude, oai, smol_engine):
     with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
         claude.messages.create(model="x", max_tokens=8, messages=[ask[0], {"role": "assistant", "content": prefill + " "}])
 
+@pytest.mark.parametrize("prefill", ["<", ">", "|", "im_end", "x>"])
+def test_a_prefill_that_the_turns_end_marker_also_holds_is_continued_right_after_it(smol_engine, prefill):
+    """Found by its text, the prefill's end was taken inside ``<|im_end|>``: ``<`` was written twice, ``>``
+    closed the turn before the answer began."""
+    messages = (Message("user", "hi"), Message("assistant", prefill))
+    assert smol_engine.template.render(messages, continue_final=True).endswith("<|im_start|>assistant\n" + prefill)
+
+
 def test_count_tokens_and_models(claude, smol_server):
     assert claude.messages.count_tokens(model="x", messages=USER).input_tokens > 5
     (model,) = claude.models.list().data

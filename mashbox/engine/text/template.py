@@ -65,6 +65,7 @@ PROBE_TEXT = "mashbox_probe_text"
 HI = {"role": "user", "content": "Hi"}
 ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 SYSTEM_MARK = "\x00mashbox-system-text\x00"  # stands for the system text while the tools block is found
+CONTINUE_MARK = "\x00mashbox-answer-goes-on\x00"  # ends a continued message's text: the answer starts there
 TOOLS_END = "</tools>"  # where a Hermes-style tools block's schemas end and its call rules begin
 
 
@@ -102,8 +103,17 @@ class ChatTemplate:
                continue_final: bool = False) -> str:
         """The prompt: ``messages`` and ``tools`` through the template, ending where the answer begins (a
         new assistant turn; with ``continue_final``, right after the last message's text)."""
-        rendered = self._rendered(messages, tools, enable_thinking, not continue_final)
-        return _continued(rendered, messages[-1]) if continue_final else rendered
+        if not continue_final:
+            return self._rendered(messages, tools, enable_thinking, True)
+        final = messages[-1]
+        if final.role != "assistant" or not final.content.strip():
+            raise InvalidRequestError("messages", "the last message cannot be continued: it is not an assistant "
+                                      "message with text")
+        marked = (*messages[:-1], replace(final, content=final.content.rstrip() + CONTINUE_MARK))
+        rendered = self._rendered(marked, tools, enable_thinking, False)
+        if (at := rendered.find(CONTINUE_MARK)) >= 0:  # its text may be in what the template writes after it
+            return rendered[:at]
+        return _continued(self._rendered(messages, tools, enable_thinking, False), final)
 
     def _rendered(self, messages: tuple[Message, ...], tools: tuple[Tool, ...], enable_thinking: bool | None,
                   new_turn: bool) -> str:
@@ -193,9 +203,9 @@ class ChatTemplate:
 
 def _continued(rendered: str, final: Message) -> str:
     """``rendered`` cut right after the text of ``final``, the last message (the template's own end of
-    that turn dropped), so that the answer goes on from it."""
+    that turn dropped), so that the answer goes on from it: where the rendering lost the mark."""
     text = final.content.strip()
-    at = rendered.rfind(text) if final.role == "assistant" and text else -1
+    at = rendered.rfind(text)
     if at < 0:
         raise InvalidRequestError("messages", "the last message cannot be continued: it is not an assistant "
                                   "message whose text the chat template shows")
