@@ -455,6 +455,13 @@ def test_a_local_shell_call_runs_something_for_some_time(tiny_engine, smol_token
         assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_a_tool_of_no_name_is_refused(name):
+    """Forced, its call was written with an empty name and came back as text (``any`` promises a call)."""
+    with pytest.raises(ValueError, match="tools: a tool's name is empty"):
+        EngineRequest(messages=(Message("user", "x"),), tools=(Tool(name, "", {"type": "object"}),), tool_choice="required")
+
+
 def test_a_tool_whose_parameters_are_no_object_is_refused():
     with pytest.raises(ValueError, match="'f': its parameters must be an object schema"):
         EngineRequest(messages=(Message("user", "x"),), tools=(Tool("f", "", {"type": "string"}),))

@@ -168,6 +168,8 @@ class EngineRequest:
         if self.tool_choice not in ("auto", "none") and not self.tools:
             raise ValueError("tool_choice: asks for a tool call, but the request declares no tools to call")
         for tool in self.tools:  # as OpenAI's and Anthropic's APIs: a call's arguments are an object
+            if not tool.name.strip():  # the model could only write a call of no name: text, even when forced
+                raise ValueError("tools: a tool's name is empty")
             kind = tool.parameters.get("type") if isinstance(tool.parameters, dict) else None
             if kind is not None and not object_typed(tool.parameters):
                 raise ValueError(f"tools: the tool {tool.name!r}: its parameters must be an object schema "
