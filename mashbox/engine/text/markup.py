@@ -107,7 +107,8 @@ NAME = re.compile(r"\w[\w.\-]*")  # a tool's name written bare (Mistral's later 
 CALL_ID = re.compile(r"[A-Za-z0-9_\-]+")
 LONGEST_NAME = 256
 CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a loop, even if it does not parse
-CALL_STARTS = tuple(fence + bracket + CALL_LIKE for fence in ("", "```json") for bracket in ("", "["))  # blanks out
+# how a call written without tags begins (its blanks left out): bare or fenced, alone or in a list
+CALL_STARTS = tuple(fence + bracket + CALL_LIKE for fence in ("", "```json") for bracket in ("", "["))
 BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
 LOOP_TURNS = 3  # turns in a row of one call with one result, after which that call is a loop
