@@ -373,6 +373,8 @@ def test_a_join_a_killed_process_left_goes_and_one_under_way_stays(parts, tmp_pa
     os.utime(left, (time.time() - 3600,) * 2)
     assert assemble_split(split, cache) is not None
     assert sorted(p.name for p in cache.iterdir()) == sorted(["joined.gguf", "joined.gguf.verified", joining.name])
+    os.utime(joining, (time.time() - 3600,) * 2)  # Ctrl-C, then a start that joined: the file is there already
+    assert assemble_split(split, cache) is not None and not joining.exists()
 
 
 def test_a_join_that_cannot_be_written_says_where_and_what_to_do(parts, tmp_path: Path) -> None:
@@ -395,6 +397,27 @@ def test_no_home_folder_for_the_cache_is_a_config_error_naming_mashbox_cache(mon
     monkeypatch.setattr(Path, "home", homeless)
     with pytest.raises(ConfigError, match="Could not determine home directory. Set MASHBOX_CACHE"):
         catalog.cache_dir()
+
+
+def test_a_model_file_named_in_bytes_that_are_not_utf8_gets_an_id_every_answer_can_carry(tmp_path: Path) -> None:
+    """``caf\\xe9.gguf`` (Latin-1): its id held a lone surrogate, and every HTTP answer naming the model was a
+    500; the tokenizer's copy was never kept."""
+    path = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.gguf"))
+    path.write_bytes(b"GGUF" + bytes(60))
+    source = resolve(str(path))
+    assert source.id == "caf\ufffd" and json.dumps(source.id, ensure_ascii=False).encode()
+    loader.converted_dir(source).name.encode()  # no lone surrogate: tokenizers (Rust) saves there
+
+
+def test_a_converted_copy_cut_off_goes_at_a_later_start_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pruned only where a tokenizer copy was saved: once the model's own copy was there, never again."""
+    monkeypatch.setenv("MASHBOX_CACHE", str(tmp_path))
+    loader.load("smollm2-135m")  # its tokenizer's copy saved
+    cut = tmp_path / "converted" / "other-tokenizer.k7x2q9ab"
+    cut.mkdir()
+    os.utime(cut, (time.time() - 2 * 86400,) * 2)
+    loader.load("smollm2-135m")
+    assert not cut.exists()
 
 
 def test_a_model_path_that_is_a_pipe_is_refused_not_waited_on(tmp_path: Path) -> None:

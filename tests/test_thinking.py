@@ -25,8 +25,8 @@ ANSWER = ["The", " answer", "."]
 HI = [{"role": "user", "content": "hi"}]
 
 
-def engine(tmp_path, tiny_model_dir, template: str, chain: list[str], special: bool = False) -> Engine:
-    return Engine(str(scripted(tmp_path / "model", tiny_model_dir, template, chain, special)), ctx=256, slots=2,
+def engine(tmp_path, tiny_model_dir, template: str, chain: list[str], **options) -> Engine:
+    return Engine(str(scripted(tmp_path / "model", tiny_model_dir, template, chain, **options)), ctx=256, slots=2,
                   quiet=True)
 
 
@@ -61,6 +61,18 @@ def test_a_budget_spent_as_the_model_closes_thinking_closes_it_once(tmp_path, ti
             found = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in blocks.content]
             assert [kind for kind, _ in found] == ["thinking", "text"], (budget, found)
             assert "Let me think hard".startswith(found[0][1]) and found[1][1] == "The answer.", (budget, found)
+
+
+def test_a_budget_spent_inside_a_close_written_in_pieces_forces_only_the_rest_of_it(tmp_path, tiny_model_dir):
+    """``</think>`` of three tokens: spent after ``</``, the whole tag was forced after it, and the thinking
+    ended with ``</`` (``</think`` after ``think``)."""
+    chain = ["\n", *THOUGHT, "</", "think", ">", "\n\n", *ANSWER]
+    with engine(tmp_path, tiny_model_dir, OPENED, chain, think_tokens=False) as e:
+        for budget in range(1, len(THOUGHT) + 4):
+            blocks = e.message(messages=HI, max_tokens=30, thinking={"type": "enabled", "budget_tokens": budget})
+            found = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in blocks.content]
+            assert found[0][0] == "thinking" and "Let me think hard".startswith(found[0][1]), (budget, found)
+            assert found[1:] == [("text", "The answer.")], (budget, found)
 
 
 @pytest.mark.parametrize("template", [OWN, OPENED])

@@ -88,15 +88,17 @@ def answers_as_transformers(folder: Path, model, tokenizer, prompts: list[str], 
             assert engine.complete(prompt=prompt, max_tokens=n, temperature=0).choices[0].text == expected
 
 
-def scripted(path: Path, source: Path, template: str, chain: list[str], special: bool = False) -> Path:
+def scripted(path: Path, source: Path, template: str, chain: list[str], special: bool = False,
+             think_tokens: bool = True) -> Path:
     """A 2-layer Llama saved at ``path``, with the tokenizer of the model at ``source``, whose next token
     depends only on the last one: each token of ``chain`` (one token each; ``<think>`` and ``</think>`` are
-    added to the vocabulary, as special tokens where ``special``) is followed by the next, every other token
+    added to the vocabulary where ``think_tokens``, as special tokens where ``special``) is followed by the next, every other token
     by ``<|im_end|>``. Its answers are known to the token, whatever the prompt before its last token."""
     from transformers import AddedToken, AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t in ("<think>", "</think>")])
+    if think_tokens:  # else the tags are written in pieces (``</``, ``think``, ``>``)
+        tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t in ("<think>", "</think>")])
     tokenizer.chat_template = template
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in chain]
     assert all(len(i) == 1 for i in ids), [(t, i) for t, i in zip(chain, ids) if len(i) != 1]

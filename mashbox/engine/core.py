@@ -35,10 +35,14 @@ CLOSED = "this Engine is closed (engine.close() or the end of its `with` block);
 
 @dataclass(slots=True, frozen=True)
 class ThinkBudget:
-    """Thinking ends when ``tokens`` are spent: ``close_ids`` are then forced."""
+    """Thinking ends when ``tokens`` are spent: the ids of ``</think>`` and a blank line are then forced, but
+    for the start of the tag the model wrote already (``closes``: the ids by what of the tag is written)."""
 
     tokens: int
-    close_ids: tuple[int, ...]
+    closes: dict[str, tuple[int, ...]]
+
+    def close_ids(self, written: str) -> tuple[int, ...]:
+        return self.closes.get(written, self.closes[""])
 
 
 @dataclass(slots=True)
@@ -71,7 +75,7 @@ class Stream:
         self.reasoning_tokens += thinking
         budget = self.budget  # spent with thinking still open after this token (which may have closed it)
         if budget and self.markup.state == "think" and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
-            self.seq.forced.extend(budget.close_ids)
+            self.seq.forced.extend(budget.close_ids(self.markup.held))  # held: what of </think> came (</)
 
     @property
     def ended(self) -> bool:

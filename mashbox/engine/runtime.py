@@ -228,8 +228,9 @@ class Runtime:
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
         if request.thinking_budget is None:
             return None
-        close = tuple(self.tokenizer.encode(THINK_CLOSE + "\n\n", add_special_tokens=False))
-        return ThinkBudget(request.thinking_budget, close)
+        closes = {THINK_CLOSE[:i]: tuple(self.tokenizer.encode(THINK_CLOSE[i:] + "\n\n", add_special_tokens=False))
+                  for i in range(len(THINK_CLOSE))}
+        return ThinkBudget(request.thinking_budget, closes)
 
     def _located(self, event: Event, request: EngineRequest, ids: list[int]) -> Event:
         """``event``, and where a ``Started`` one's prompt left a longer cached prefix: the part of

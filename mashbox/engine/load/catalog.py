@@ -160,7 +160,14 @@ def _named(path: Path) -> str:
     """A file's name without .gguf, or a folder's name, as the user wrote it: a link's own name (the
     hub's cache names a snapshot's files by links to blobs named by their hash)."""
     path = Path(os.path.abspath(path.expanduser()))
-    return path.name if path.is_dir() else path.stem
+    return readable(path.name if path.is_dir() else path.stem)
+
+
+def readable(name: str) -> str:
+    """A file name as text: bytes of it that are not UTF-8 (Latin-1's ``caf\\xe9``) as U+FFFD, where Python
+    keeps them as lone surrogates that no JSON answer (the model's id) or Rust call (the tokenizer's save)
+    takes."""
+    return os.fsencode(name).decode("utf-8", "replace")
 
 
 def _known(entries: dict[str, CatalogEntry]) -> str:
@@ -232,6 +239,7 @@ def assemble_split(split: SplitFile, cache: Path, *, install: str | None = None)
     """
     dest = cache / split.file
     if _is_verified(dest, split):
+        _remove_stale_joins(dest)  # a start cut off mid-join (Ctrl-C), then one that joined: its temp file stays
         return dest
     parts = [package_file(ref) for ref in split.parts]
     if any(p is None for p in parts):

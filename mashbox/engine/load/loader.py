@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # mashbox never fetches from a mod
 import torch  # noqa: E402
 
 from mashbox.engine.load import checkpoint, gguf_file  # noqa: E402
-from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, resolve, stamp  # noqa: E402
+from mashbox.engine.load.catalog import ModelSource, cache_dir, corrupt_message, readable, resolve, stamp  # noqa: E402
 from mashbox.engine.model import native  # noqa: E402
 from mashbox.engine.model.form import pick_dtype  # noqa: E402
 from mashbox.engine.text.template import FALLBACKS  # noqa: E402
@@ -135,6 +135,7 @@ def _gguf_tokenizer(source: ModelSource, converted: Path, step: Callable[[str], 
         if missing := [name for name in _COPIED if not (converted / name).is_file()]:
             raise _CacheUnreadable(f"The cached copy '{converted}' lacks {' and '.join(missing)}")
         step("reading the tokenizer")
+        _prune_converted(converted.parent, converted)  # at every start: a copy turns stale, or abandoned, later
         with _cached(converted / "tokenizer.json"):
             return Tokenizer.read(converted)
     step("converting the GGUF's tokenizer (first load only)")
@@ -279,7 +280,7 @@ def converted_dir(source: ModelSource) -> Path | None:
     if source.kind != "gguf":
         return None
     key = json.dumps(_made_from(source.path)).encode()
-    return cache_dir() / "converted" / f"{source.path.stem}-{hashlib.sha256(key).hexdigest()[:12]}-tokenizer"
+    return cache_dir() / "converted" / f"{readable(source.path.stem)}-{hashlib.sha256(key).hexdigest()[:12]}-tokenizer"
 
 
 def _made_from(gguf: Path) -> dict:

@@ -78,8 +78,12 @@ def _cgroup_room(folder: Path, names: tuple[str, str, str]) -> int | None:
     return max(int(limit) - used + int(stat.get(cache_key, 0)), 0)
 
 
+ADDRESS_HEADROOM = 2**30  # what the process maps after its KV cache: threads' arenas and stacks, a step's work
+
+
 def _address_room(status: Path = Path("/proc/self/status")) -> int | None:
-    """What an address-space limit (``ulimit -v``) leaves of this process's."""
+    """What an address-space limit (``ulimit -v``) leaves of this process's, less what it maps later (the
+    cache given all of it, the first request failed its allocations: SIGABRT, over and over)."""
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     if limit == resource.RLIM_INFINITY:
         return None
@@ -88,7 +92,7 @@ def _address_room(status: Path = Path("/proc/self/status")) -> int | None:
                     if line.startswith("VmSize:"))
     except (OSError, StopIteration, ValueError):
         return None
-    return max(limit - size, 0)
+    return max(limit - size - ADDRESS_HEADROOM, 0)
 
 
 def check_fits(ctx: int, slots: int, per_token: int, free: int | None, where: str) -> None:
