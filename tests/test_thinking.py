@@ -43,6 +43,12 @@ def test_a_prompt_that_opens_thinking_starts_the_answer_in_it_even_with_thinking
             ("thinking", "Let me think hard"), ("text", "The answer.")]
 
 
+def test_a_think_tag_the_model_writes_again_after_the_prompts_is_no_thought(tmp_path, tiny_model_dir):
+    with engine(tmp_path, tiny_model_dir, OPENED, ["\n", "<think>", *THOUGHT, "</think>", "\n\n", *ANSWER]) as e:
+        message = e.chat(messages=HI, max_tokens=30).choices[0].message
+        assert (message.reasoning_content, message.content) == ("Let me think hard", "The answer.")
+
+
 def test_a_forced_call_after_a_prompt_that_opens_thinking_is_a_call(tmp_path, tiny_model_dir):
     """The grammar writes the call from the answer's first token: it was taken for thinking, and lost."""
     tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}

@@ -134,6 +134,7 @@ class Markup:
         self.names = names
         self.think = think
         self.state = "think" if in_think else "text"
+        self.opening = in_think  # the prompt opened thinking: a <think> the model writes before any thought is it
         self.thought = False  # thinking just closed: the new lines that follow it are no part of the answer
         self.held = ""
         self.body = ""
@@ -266,7 +267,7 @@ class Markup:
 
     def _tags(self) -> list[str]:
         if self.state == "think":
-            return [THINK_CLOSE]
+            return [THINK_CLOSE, THINK_OPEN] if self.opening else [THINK_CLOSE]
         if self.state == "call":
             return [self.calls.close]
         tags = [self.calls.open] if self.calls else []
@@ -279,6 +280,7 @@ class Markup:
             self.body += text
             self._listed(events)
         elif self.state == "think":
+            self.opening = self.opening and not text.strip()
             events += [ReasoningDelta(text)] if text else []
         else:
             if self.thought:
@@ -324,7 +326,7 @@ class Markup:
 
     def _enter(self, tag: str, events: list[Event]) -> None:
         if tag == THINK_OPEN:
-            self.state = "think"
+            self.state, self.opening = "think", False
         elif tag == THINK_CLOSE:
             self.state, self.thought = "text", True
         elif self.calls and tag == self.calls.open:
