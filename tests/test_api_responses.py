@@ -110,6 +110,23 @@ def test_a_namespace_tool_before_a_top_level_tool_of_its_name_gets_a_name_of_its
     assert refs.visible("read_file", "mcp__fs") == "mcp__fs__read_file"
 
 
+def test_a_namespace_tool_named_as_the_shell_and_a_choice_of_a_namespaces_function():
+    """The shell takes ``local_shell`` outright: a namespace's ``local_shell`` before it was shadowed; and a
+    ``tool_choice`` naming a namespace's function forced the top-level one of that name."""
+    shell = {"type": "namespace", "name": "fs", "tools": [{"type": "function", "name": "local_shell"}]}
+    request = _request(tools=[shell, {"type": "local_shell"}])
+    assert [t.name for t in to_engine(request).tools] == ["fs__local_shell", "local_shell"]
+    choice = {"type": "function", "name": "exec_command", "namespace": "agents"}
+    assert to_engine(_request(tools=TOOLS, tool_choice=choice)).tool_choice == Named("agents__exec_command")
+
+
+def test_allowed_tools_that_name_none_of_the_tools_say_so():
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "namespace", "name": "nowhere"}]}
+    with pytest.raises(InvalidRequestError, match="names none of the request's tools") as err:
+        to_engine(_request(tools=TOOLS, tool_choice=choice))
+    assert err.value.param == "tool_choice.tools"
+
+
 @pytest.mark.parametrize(("entry", "names"), [
     ({"type": "local_shell"}, ["local_shell"]),  # a tool of no name, listed by its type: was a 400 "no tools"
     ({"type": "namespace", "name": "agents"}, ["spawn", "agents__exec_command"]),

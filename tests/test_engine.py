@@ -670,6 +670,12 @@ def test_an_address_space_limit_refuses_a_kv_cache_past_it_in_one_line(tiny_mode
                           capture_output=True, text=True, timeout=120)
     given, gap = map(int, done.stdout.split())
     assert given <= gap - 2**30, (given, gap)
+    host = (f"from mashbox import Engine\n"  # its 2 GiB beside a 1 GiB KV cache failed requests' allocations later
+            f"e = Engine({str(tiny_model_dir)!r}, ctx=4096, slots=1024, allow_long_context=True, quiet=True)\n"
+            f"print(e.stats().host_cache_cap_bytes)\n")
+    done = subprocess.run(["bash", "-c", f"ulimit -v {limit} && exec {sys.executable} -c \"$0\"", host],
+                          capture_output=True, text=True, timeout=300)
+    assert 0 < int(done.stdout.split()[-1]) < 2048 * 2**20, done.stdout + done.stderr[-2000:]
 
 
 def test_a_model_other_than_the_loaded_one_is_refused_as_the_server_does(tiny_engine):

@@ -377,6 +377,13 @@ def test_a_join_a_killed_process_left_goes_and_one_under_way_stays(parts, tmp_pa
     assert assemble_split(split, cache) is not None and not joining.exists()
 
 
+def test_a_part_that_cannot_be_read_is_named_not_the_cache(tmp_path: Path) -> None:
+    part = tmp_path / "gone.bin"
+    with pytest.raises(ModelLoadError, match=r"Cannot read the model's part '.*gone\.bin'.*Reinstall the parts: pip x"):
+        assemble([part], tmp_path / "out" / "x.gguf", size=3, sha256="0" * 64, install="pip x")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_join_that_cannot_be_written_says_where_and_what_to_do(parts, tmp_path: Path) -> None:
     refs, whole = parts
     split = SplitFile(refs, "joined.gguf", len(whole), hashlib.sha256(whole).hexdigest())

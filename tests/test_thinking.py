@@ -100,6 +100,9 @@ def test_a_prefill_that_opened_thinking_goes_on_thinking(tmp_path, tiny_model_di
         closed = [*HI, {"role": "assistant", "content": "<think>\nI know.\n</think>\n\nThe"}]
         message = e.chat(messages=closed, continue_final_message=True, max_tokens=30).choices[0].message
         assert (message.reasoning_content, message.content) == (None, " answer.")
+        named = [*HI, {"role": "assistant", "content": "<think>\nok\n</think>\n\nWrite the <think> tag.\n\nThe"}]
+        message = e.chat(messages=named, continue_final_message=True, max_tokens=30).choices[0].message
+        assert (message.reasoning_content, message.content) == (None, " answer.")  # a mention of the tag is text
 
 
 def test_mashbox_chat_shows_the_thinking_dimmed_in_a_terminal_not_piped(tmp_path, tiny_model_dir, capsys):

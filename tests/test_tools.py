@@ -455,6 +455,13 @@ def test_a_local_shell_call_runs_something_for_some_time(tiny_engine, smol_token
         assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments
 
 
+def test_a_required_list_of_no_names_is_a_400_not_a_500(tiny_engine):
+    """``"required": [["a"]]``: the check whether it names a key the properties lack raised TypeError (a 500)."""
+    tool = Tool("f", "", {"type": "object", "properties": {"a": {}}, "required": [["a"]]})
+    with pytest.raises(InvalidRequestError, match="a tool's parameters schema cannot be enforced"):
+        tiny_engine.grammars.for_tools((tool,), "required")
+
+
 @pytest.mark.parametrize("name", ["", "  "])
 def test_a_tool_of_no_name_is_refused(name):
     """Forced, its call was written with an empty name and came back as text (``any`` promises a call)."""

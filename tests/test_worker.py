@@ -279,39 +279,44 @@ def test_what_loading_built_is_frozen_out_of_later_collections(tiny_model_dir, t
 
 ORPHAN = '''
 import multiprocessing, os, sys, threading, time
-from mashbox.server import worker_child
+from pathlib import Path
 
-def loading():  # a worker still loading: its pipe is read by no one
-    threading.Thread(target=worker_child._orphaned, args=(os.getppid(),), daemon=True).start()
+def loading(server, started):  # a worker still loading: its pipe is read by no one
+    from mashbox.server import worker_child
+    threading.Thread(target=worker_child._orphaned, args=(server,), daemon=True).start()
+    Path(started).write_text("watching")
     time.sleep(120)
 
 if __name__ == "__main__":
-    child = multiprocessing.get_context("spawn").Process(target=loading)
+    child = multiprocessing.get_context("spawn").Process(target=loading, args=(os.getpid(), sys.argv[2]))
     child.start()
     time.sleep(float(sys.argv[1]))
-    print(child.pid, child.is_alive(), flush=True)
+    print(child.pid, flush=True)
     os._exit(0)  # as a server killed with SIGKILL: no Stop sent
 '''
 
 
-def test_a_worker_whose_server_died_while_it_loads_ends(tmp_path):
-    """A server killed (SIGKILL) mid-load left its worker loading for minutes, orphaned, with its memory."""
+@pytest.mark.parametrize("after", [0.5, 3.0])
+def test_a_worker_whose_server_died_while_it_loads_ends(tmp_path, after):
+    """A server killed (SIGKILL) mid-load left its worker loading for minutes, orphaned, with its memory; also
+    one killed while the worker still started (its imports), before it could note its parent."""
     import subprocess
     import sys
 
-    script = tmp_path / "orphan.py"
+    script, started = tmp_path / "orphan.py", tmp_path / "started"
     script.write_text(ORPHAN)
-    done = subprocess.run([sys.executable, str(script), "3"], capture_output=True, text=True, timeout=60)
-    pid, alive = done.stdout.split()
-    assert alive == "True", done.stderr[-2000:]  # loading while its server ran
-    deadline = time.monotonic() + 10
+    done = subprocess.run([sys.executable, str(script), str(after), str(started)], capture_output=True, text=True,
+                          timeout=60)
+    pid = done.stdout.split()[0]
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z":  # ended; its new parent may not reap
-                return
+                break
         except (OSError, IndexError):
-            return
+            break
         time.sleep(0.2)
-    pid = int(pid)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError("the orphaned worker went on")
+    else:
+        os.kill(int(pid), signal.SIGKILL)
+        raise AssertionError("the orphaned worker went on")
+    assert started.read_text() == "watching", done.stderr[-2000:]  # it got as far as watching

@@ -17,6 +17,7 @@ from pydantic import Discriminator, Field, Tag
 from mashbox.api.base import Part, type_of
 from mashbox.engine.request import Named, Tool
 from mashbox.engine.request import ToolChoice as EngineToolChoice
+from mashbox.errors import InvalidRequestError
 
 
 class FunctionTool(Part):
@@ -103,7 +104,8 @@ class ToolMap:
     def __init__(self, tools: list[Any] | None) -> None:
         self.tools: list[Tool] = []
         self._refs: dict[str, ToolRef] = {}
-        self._top = {t.name for t in tools or () if isinstance(t, FunctionTool | CustomTool)}  # names taken outright
+        self._top = {LOCAL_SHELL if isinstance(t, LocalShellTool) else t.name  # names taken outright
+                     for t in tools or () if isinstance(t, FunctionTool | CustomTool | LocalShellTool)}
         for tool in tools or ():
             self._add(tool)
 
@@ -195,6 +197,7 @@ def skipped(tools: list[Any] | None, choice: ToolChoice | None) -> list[str]:
 class ToolChoiceObject(Part):
     type: str
     name: str | None = None
+    namespace: str | None = None  # a function of a namespace tool
     function: dict[str, Any] | None = None
     mode: Literal["auto", "required", "none"] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -216,7 +219,7 @@ def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> EngineToolC
         return Named(LOCAL_SHELL)
     name = choice.named() if choice.type in ("function", "custom") else None  # an mcp choice's name is its server's
     if name is not None:
-        return Named(tools.visible(name))
+        return Named(tools.visible(name, choice.namespace))
     return choice.mode or "auto"
 
 
@@ -225,7 +228,10 @@ def allowed_tools(choice: ToolChoice | None, tools: ToolMap) -> tuple[Tool, ...]
     if not isinstance(choice, ToolChoiceObject) or choice.type != "allowed_tools":
         return tuple(tools.tools)
     names = set().union(*(tools.allowed(entry) for entry in choice.tools or ()))
-    return tuple(t for t in tools.tools if t.name in names)
+    allowed = tuple(t for t in tools.tools if t.name in names)
+    if tools.tools and not allowed and choice.mode != "none":
+        raise InvalidRequestError("tool_choice.tools", "names none of the request's tools")
+    return allowed
 
 
 def echo_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:

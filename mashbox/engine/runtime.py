@@ -22,7 +22,7 @@ from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore, ThinkBudget
 from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.info import ModelInfo
-from mashbox.engine.load.catalog import cache_dir, stamp
+from mashbox.engine.load.catalog import cache_dir, readable, stamp
 from mashbox.engine.load.loader import LoadedModel, load, pick_device
 from mashbox.engine.load.progress import loading
 from mashbox.engine.model import native
@@ -76,8 +76,14 @@ class Runtime:
         self.ctx = _context(config, loaded)
         per_token = kv_bytes_per_token(loaded.checkpoint.spec, form)
         graphs = config.cuda_graphs and device.type == "cuda"
-        check_fits(self.ctx, config.slots + graphs, per_token, available(device),
-                   "this machine" if device.type == "cpu" else str(device))
+        free = available(device)
+        where = "this machine" if device.type == "cpu" else str(device)
+        check_fits(self.ctx, config.slots + graphs, per_token, free, where)
+        host_cap = config.cache_ram_mib * 2**20
+        if device.type == "cpu" and free is not None and free - self.ctx * config.slots * per_token < host_cap:
+            host_cap = max(free - self.ctx * config.slots * per_token, 0)  # the host cache lives beside the KV cache
+            log.info("the host prefix cache holds at most %d MiB (of %d asked): the memory the KV cache leaves",
+                     host_cap >> 20, config.cache_ram_mib)
         self.eos_ids = _eos_ids(loaded)
         self._templates: dict[bool, ChatTemplate] = {}
         templates = (self.tokenizer.chat_template, self.tokenizer.tool_template)
@@ -90,7 +96,7 @@ class Runtime:
         packer = Packer.kept(form.lib, cache_dir() / "packed", Path(loaded.weights), form.mode) if form.lib else None
         runner = ModelRunner(loaded.checkpoint, config.slots, self.ctx, form, graphs, packer)
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
-        scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, config.cache_ram_mib * 2**20,
+        scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, host_cap,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
                               _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
         self._speculate = config.speculation and runner.cut_anywhere  # a row's bits never depend on its batch
@@ -220,9 +226,9 @@ class Runtime:
         """Whether the answer begins inside thinking: the prompt ends with ``<think>`` (a template that opens it
         whatever the request asks, as DeepSeek-R1's and QwQ's do), or the text it continues (a prefill) opened
         thinking and did not close it."""
-        if request.continue_final:
+        if request.continue_final:  # opened at its start (a later mention of the tag is text)
             text = request.messages[-1].content
-            return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+            return text.lstrip().startswith(THINK_OPEN) and THINK_CLOSE not in text
         return self.tokenizer.decode(ids[-4:]).rstrip().endswith(THINK_OPEN)
 
     def _budget(self, request: EngineRequest) -> ThinkBudget | None:
@@ -405,5 +411,5 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 
 def _info(loaded: LoadedModel, ctx: int, slots: int, form: Form, weights: Weights) -> ModelInfo:
     what, mode = form.describe(weights)
-    return ModelInfo(loaded.id, ctx, slots, PurePath(loaded.weights).name, loaded.bpw, weights.nbytes / 1e9,
+    return ModelInfo(loaded.id, ctx, slots, readable(PurePath(loaded.weights).name), loaded.bpw, weights.nbytes / 1e9,
                      str(loaded.device), what, mode, form.kv_name)

@@ -16,6 +16,7 @@ re-sends, is sent again once.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import multiprocessing
 import queue
@@ -253,7 +254,7 @@ class WorkerBackend:
     def _start(self) -> Incarnation:
         """Start a worker process (lock held) with its reader and sender threads."""
         conn, child_conn = self._spawn.Pipe()
-        process = self._spawn.Process(target=serve, args=(child_conn, self._model, self._options),
+        process = self._spawn.Process(target=serve, args=(child_conn, self._model, self._options, os.getpid()),
                                       name="mashbox-worker", daemon=True)
         process.start()
         child_conn.close()  # so that the worker's death reads as EOF here

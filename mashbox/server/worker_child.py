@@ -52,13 +52,14 @@ if TYPE_CHECKING:
     from mashbox.engine.runtime import Runtime
 
 
-def serve(conn: Connection, model: str, options: dict[str, Any]) -> None:
+def serve(conn: Connection, model: str, options: dict[str, Any], server: int) -> None:
     """The worker process's entry point: load the model, then answer commands."""
     # Ctrl-C, or a stop sent to the whole process group (systemd, timeout), reaches the server as well: it
     # lets its answers end, then sends Stop
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, signal.SIG_IGN)
-    threading.Thread(target=_orphaned, args=(os.getppid(),), name="mashbox-parent", daemon=True).start()
+    threading.Thread(target=_orphaned, args=(server,), name="mashbox-parent", daemon=True).start()  # its pid from
+    # the server itself: one killed while this process started (seconds of imports) was not seen
     logs.to_stderr()  # the engine's notes (a format widened at load, packed weights saved) beside the server's
     engine = _load(conn, model, options)
     if engine is not None:

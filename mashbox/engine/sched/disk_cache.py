@@ -224,7 +224,7 @@ class PageStore:
             else:  # written whole then renamed, a page is never empty: this one lost its bytes (a crash)
                 log.warning("skipped the cached prompt page %s (it is empty); removing it", path)
                 _unlink(path)
-        ours = [(path, stat) for path, stat in _stats(self.folder, ".*.tmp")  # .key.id.tmp (an older mashbox's: .key.tmp)
+        ours = [(path, stat) for path, stat in _stats(self.folder, ".*.tmp")  # .key.id.tmp (older: .key.tmp)
                 if PAGE_NAME.fullmatch(path.name.split(".")[1])]
         for path, stat in [*ours, *_stats(self.folder, ".tmp*")]:  # ours, safetensors'
             if time.time() - stat.st_mtime > STALE_S:

@@ -88,7 +88,8 @@ def _closed(node: Any, path: str, parts: set[str], merged: bool) -> Any:
 def _requires_more(node: dict[str, Any]) -> bool:
     """Whether ``node`` requires a key its ``properties`` do not list: closed, no object would fit it."""
     required = node.get("required")
-    return isinstance(required, list) and any(key not in node["properties"] for key in required)
+    listed = node["properties"]
+    return isinstance(required, list) and any(isinstance(key, str) and key not in listed for key in required)
 
 
 def _adds_keys(part: Any) -> bool:
