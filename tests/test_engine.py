@@ -908,3 +908,17 @@ def test_chat_s_continue_final_message_continues_the_answer_as_an_anthropic_pref
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.chat(messages=turns[:1], max_tokens=8, continue_final_message=True)
     assert err.value.param == "continue_final_message"
+
+
+def test_a_model_file_named_in_bytes_that_are_not_utf8_is_described_in_text(tmp_path):
+    """``caf\\xe9.gguf`` (Latin-1 bytes): its id and its weights' name held a lone surrogate, and /v1/models
+    could not write them (a 500)."""
+    import os
+    import shutil
+
+    from mashbox.engine.load.catalog import resolve
+
+    copy = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.gguf")
+    shutil.copyfile(resolve("smollm2-135m").path, copy)
+    with Engine(copy, ctx=256, slots=1, quiet=True) as engine:
+        assert (engine.info.id, engine.info.weights) == ("caf\ufffd", "caf\ufffd.gguf")
