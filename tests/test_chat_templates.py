@@ -82,18 +82,19 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_turn
     assert "Be brief." in rendered and rendered.index("Be brief.") < rendered.index("Paris and Rome?")
     model, user = rendered.split("<start_of_turn>model\n")[1], rendered.split("<start_of_turn>user\n")[2]
     assert model.startswith("Checking.\n<tool_call>") and model.count("<tool_call>") == 2
-    assert user == ("<tool_response>\nRESULT_ROME\n</tool_response>\n<tool_response>\nRESULT_PARIS\n</tool_response>"
-                    "<end_of_turn>\n<start_of_turn>model\n")
+    assert user == ("<tool_response>\nRESULT_PARIS\n</tool_response>\n<tool_response>\nRESULT_ROME\n</tool_response>"
+                    "<end_of_turn>\n<start_of_turn>model\n")  # in the calls' order: no id says which is which
     assert template(GEMMA2).render((Message("system", "Be brief."), Message("user", "Hi"))).startswith(
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>")
 
 
 def test_a_template_that_skips_the_tool_role_gets_the_results_as_the_users():
-    """Phi-3.5's template renders only system, user and assistant turns: the results came to nothing."""
+    """Phi-3.5's template renders only system, user and assistant turns: the results came to nothing. Sent out
+    of their calls' order, they are put in it (matched by id): no id shows which call the nth result answers."""
     rendered = template(PHI35).render(TWO_CALLS, (WEATHER,))
     assert "RESULT_ROME" in rendered and "RESULT_PARIS" in rendered
-    assert rendered.endswith("<|user|>\n<tool_response>\nRESULT_ROME\n</tool_response>\n<tool_response>\n"
-                             "RESULT_PARIS\n</tool_response><|end|>\n<|assistant|>\n")
+    assert rendered.endswith("<|user|>\n<tool_response>\nRESULT_PARIS\n</tool_response>\n<tool_response>\n"
+                             "RESULT_ROME\n</tool_response><|end|>\n<|assistant|>\n")
 
 
 def test_a_template_of_one_call_a_turn_gets_each_call_in_its_own_turn_with_its_result():
@@ -112,8 +113,8 @@ def test_call_ids_are_made_nine_letters_and_digits_where_the_template_takes_no_o
     rendered = template(MISTRAL).render(TWO_CALLS, (WEATHER,))
     ids = re.findall(r"\[CALL_ID\](\w+)\[ARGS\]", rendered)
     assert len(ids) == 2 and len(set(ids)) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)
-    assert re.findall(r"\[TOOL_RESULTS\](\w+)\[TOOL_CONTENT\]RESULT_(\w+)", rendered) == [(ids[1], "ROME"),
-                                                                                           (ids[0], "PARIS")]
+    assert re.findall(r"\[TOOL_RESULTS\](\w+)\[TOOL_CONTENT\]RESULT_(\w+)", rendered) == [(ids[0], "PARIS"),
+                                                                                           (ids[1], "ROME")]
     assert template(MISTRAL).render(TWO_CALLS, (WEATHER,)) == rendered
     nine = (Message("user", "Hi"), Message("assistant", tool_calls=(ToolCall("abc123XYZ", "get_weather", "{}"),)))
     assert "[CALL_ID]abc123XYZ[ARGS]" in template(MISTRAL).render(nine, (WEATHER,)), "an id of nine stays"
@@ -125,7 +126,7 @@ def test_a_template_of_alternating_turns_gets_the_users_words_joined():
     chat = template(ALTERNATING)
     assert chat.render((Message("user", "Hi"), Message("user", "Weather?"))) == "[user]Hi\nWeather?"
     rendered = chat.render((*TWO_CALLS[1:], Message("user", "And tomorrow?")), (WEATHER,))
-    assert rendered.endswith("[TOOL_RESULTS]RESULT_ROME[/TOOL_RESULTS][TOOL_RESULTS]RESULT_PARIS\nAnd tomorrow?"
+    assert rendered.endswith("[TOOL_RESULTS]RESULT_PARIS[/TOOL_RESULTS][TOOL_RESULTS]RESULT_ROME\nAnd tomorrow?"
                              "[/TOOL_RESULTS]")
 
 

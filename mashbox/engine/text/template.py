@@ -164,7 +164,7 @@ class ChatTemplate:
             schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
         system = "\n\n".join(parts)
-        kept = messages if self.many_calls else _one_call_each(messages)
+        kept = _in_call_order(messages) if self.many_calls else _one_call_each(messages)
         turns = [self._turn(m) for m in kept if m.role != "system"]
         if not (self.takes_tool_role and self.users_in_row):  # one turn of the user's at a time (results too)
             turns = _joined(turns)
@@ -248,6 +248,19 @@ def _arguments(call: ToolCall) -> Any:
 def _call(call: ToolCall, ident: str | None = None) -> dict[str, Any]:
     function = {"name": call.name, "arguments": _arguments(call)}
     return {"id": call.id if ident is None else ident, "type": "function", "function": function}
+
+
+def _in_call_order(messages: tuple[Message, ...]) -> list[Message]:
+    """``messages`` with the results after a turn of several calls in the calls' order (by id; those of no
+    call's id after them): a template that shows no ids pairs the nth result with the nth call."""
+    out = list(messages)
+    for i, m in enumerate(messages):
+        if m.role != "assistant" or len(m.tool_calls) < 2:
+            continue
+        end = next((j for j in range(i + 1, len(messages)) if messages[j].role != "tool"), len(messages))
+        order = {c.id: k for k, c in enumerate(m.tool_calls)}
+        out[i + 1 : end] = sorted(messages[i + 1 : end], key=lambda r: order.get(r.tool_call_id, len(order)))
+    return out
 
 
 def _one_call_each(messages: tuple[Message, ...]) -> list[Message]:
