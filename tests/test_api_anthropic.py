@@ -88,6 +88,14 @@ def test_conversation_with_tools_and_thinking():
     )
 
 
+def test_a_tool_result_of_null_content_is_an_empty_result():
+    """A tool that printed nothing: ``"content": null`` was a 400 ("Input should be a valid string")."""
+    messages = [{"role": "user", "content": "run it"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": None}]}]
+    assert to_engine(_request(messages=messages)).messages[-1] == Message("tool", "", tool_call_id="t1")
+
+
 def test_tools_skip_server_tools():
     tools = [{"name": "Read", "description": "d", "input_schema": {"type": "object"}},
              {"type": "custom", "name": "Bash", "input_schema": {}},

@@ -132,13 +132,14 @@ ResultPart = Annotated[TextBlock | DocumentBlock | MediaBlock, Field(discriminat
 class ToolResultBlock(Part):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[ResultPart] = ""
+    content: str | list[ResultPart] | None = ""  # null: no output (a tool that printed nothing)
     is_error: bool | None = None
 
     def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "\n".join(
-            b.text for b in self.content if isinstance(b, TextBlock | DocumentBlock)
-        )
+        if isinstance(self.content, list):
+            text = "\n".join(b.text for b in self.content if isinstance(b, TextBlock | DocumentBlock))
+        else:
+            text = self.content or ""
         return f"Error: {text}" if self.is_error else text
 
 
