@@ -190,6 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of the output went (`mashbox models | head -1`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit, when stdout is flushed)
         return 1
+    except OSError as err:  # the output cannot be written (a full disk: `> /dev/full`)
+        if err.filename is not None or args.command not in ("chat", None, "models"):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"mashbox: the output cannot be written: {err.strerror or err}", file=sys.stderr)
+        return 1
 
 
 def list_models() -> int:
@@ -351,8 +357,9 @@ def chat(args: argparse.Namespace) -> int:
     from mashbox.engine.request import SamplingParams
     from mashbox.facade import Engine  # torch loads only when needed
 
-    if sys.stdin is None:
-        print("mashbox: chat reads its questions from stdin, and there is none (it is closed)", file=sys.stderr)
+    if sys.stdin is None or sys.stdout is None:
+        which = "reads its questions from stdin" if sys.stdin is None else "writes its answers to stdout"
+        print(f"mashbox: chat {which}, and there is none (it is closed)", file=sys.stderr)
         return 2
     interactive = sys.stdin.isatty()
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature}

@@ -171,3 +171,16 @@ def test_utf8_is_read_and_any_text_written_where_the_streams_are_ascii(tiny_engi
     print("café", end="", flush=True)
     assert "not UTF-8 text" not in capsys.readouterr().err
     assert out.getvalue().endswith(rb"caf\xe9")
+
+
+def test_an_output_that_cannot_be_written_is_said_in_one_line(tiny_model_dir, own_cache):
+    """A full disk (``> /dev/full``) or stdout closed: a traceback from input() or print()."""
+    base = [sys.executable, "-m", "mashbox", "chat", str(tiny_model_dir), "--ctx", "256", "--max-tokens", "4"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(base, input=b"hi\n", stdout=full, stderr=subprocess.PIPE, timeout=300)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "the output cannot be written: No space left on device" in err, err
+    assert "Traceback" not in err
+    done = subprocess.run(["bash", "-c", 'exec "$@" >&-', "-", *base], input=b"hi\n", stderr=subprocess.PIPE,
+                          timeout=300)
+    assert done.returncode == 2 and "writes its answers to stdout, and there is none" in done.stderr.decode()
