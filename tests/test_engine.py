@@ -603,14 +603,14 @@ def test_a_kv_cache_larger_than_the_memory_free_is_refused_before_allocating(tin
 def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_path):
     import torch
 
-    from mashbox.engine.model.memory import available, check_fits
+    from mashbox.engine.model.memory import check_fits, room
     from mashbox.errors import ConfigError
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    8000000 kB\n")
     none = tmp_path / "none"
-    assert available(torch.device("cpu"), meminfo, none) == 8000000 * 1024
-    assert available(torch.device("cpu"), none, none) is None
+    assert room(torch.device("cpu"), meminfo, none) == (8000000 * 1024, "this machine")
+    assert room(torch.device("cpu"), none, none)[0] is None
     check_fits(1024, 4, 256, 1024 * 4 * 256, "this machine")  # exactly fits
     check_fits(10**9, 4, 256, None, "this machine")  # unknown: not refused
     with pytest.raises(ConfigError, match=r"needs 1\.0 GiB of KV cache but this machine has 0\.5 GiB free; "
@@ -626,7 +626,7 @@ def test_a_containers_memory_limit_bounds_the_memory_free(tmp_path, version):
     the machine's free memory is the host's there, and a KV cache past the limit was an OOM kill under load."""
     import torch
 
-    from mashbox.engine.model.memory import available
+    from mashbox.engine.model.memory import room
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable:    8000000 kB\n")
@@ -647,8 +647,9 @@ def test_a_containers_memory_limit_bounds_the_memory_free(tmp_path, version):
         (root / folder / limit).write_text(f"{limit_value}\n")
         (root / folder / used).write_text(f"{used_value}\n")
         (root / folder / "memory.stat").write_text(f"anon 1\n{cache} {gib // 2}\n")
-    assert available(torch.device("cpu"), meminfo, cgroups, root) == gib + gib // 2
-    assert available(torch.device("cpu"), meminfo, tmp_path / "none", root) == 8000000 * 1024
+    limited = (gib + gib // 2, "this process's cgroup (its memory limit)")
+    assert room(torch.device("cpu"), meminfo, cgroups, root) == limited
+    assert room(torch.device("cpu"), meminfo, tmp_path / "none", root) == (8000000 * 1024, "this machine")
 
 
 def test_an_address_space_limit_refuses_a_kv_cache_past_it_in_one_line(tiny_model_dir):
@@ -662,7 +663,8 @@ def test_an_address_space_limit_refuses_a_kv_cache_past_it_in_one_line(tiny_mode
     limit = 4 * 2**20  # KiB: 4 GiB of address space (~1 GiB of it the process's); the cache needs 4 GiB
     done = subprocess.run(["bash", "-c", f"ulimit -v {limit} && exec {sys.executable} -c \"$0\"", code],
                           capture_output=True, text=True, timeout=300)
-    assert "refused: ctx 16384 x 1024 slots needs 4.0 GiB" in done.stdout, done.stdout + done.stderr[-2000:]
+    said = "refused: ctx 16384 x 1024 slots needs 4.0 GiB of KV cache but this process's address space (ulimit -v)"
+    assert said in done.stdout, done.stdout + done.stderr[-2000:]
     room = ("from mashbox.engine.model import memory\n"  # given all the gap, the first request's allocations failed
             "size = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
             f"print(memory._address_room(), {limit * 1024} - size)\n")

@@ -27,7 +27,7 @@ from mashbox.engine.load.loader import LoadedModel, load, pick_device
 from mashbox.engine.load.progress import loading
 from mashbox.engine.model import native
 from mashbox.engine.model.form import Form, decide
-from mashbox.engine.model.memory import available, check_fits, kv_bytes_per_token
+from mashbox.engine.model.memory import check_fits, kv_bytes_per_token, room
 from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Weights
@@ -76,8 +76,7 @@ class Runtime:
         self.ctx = _context(config, loaded)
         per_token = kv_bytes_per_token(loaded.checkpoint.spec, form)
         graphs = config.cuda_graphs and device.type == "cuda"
-        free = available(device)
-        where = "this machine" if device.type == "cpu" else str(device)
+        free, where = room(device)
         check_fits(self.ctx, config.slots + graphs, per_token, free, where)
         host_cap = config.cache_ram_mib * 2**20
         if device.type == "cpu" and free is not None and free - self.ctx * config.slots * per_token < host_cap:

@@ -18,16 +18,17 @@ def kv_bytes_per_token(spec: Spec, form: Form) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * form.kv_row(spec.head_dim) * form.kv_dtype.itemsize
 
 
-def available(device: torch.device, meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/proc/self/cgroup"),
-              root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes free for a new allocation on ``device``; None where that cannot be told. On the CPU the least
-    of the machine's free memory, what its cgroup (a container's limit) leaves and what its address-space
-    limit (``ulimit -v``) leaves."""
+def room(device: torch.device, meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/proc/self/cgroup"),
+         root: Path = Path("/sys/fs/cgroup")) -> tuple[int | None, str]:
+    """Bytes free for a new allocation on ``device`` (None where that cannot be told), and what bounds them: on
+    the CPU the least of the machine's free memory, what its cgroup (a container's limit) leaves and what its
+    address-space limit (``ulimit -v``) leaves."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    rooms = [_machine_room(meminfo), *_cgroup_rooms(cgroups, root), _address_room()]
-    known = [room for room in rooms if room is not None]
-    return min(known) if known else None
+        return torch.cuda.mem_get_info(device)[0], str(device)
+    rooms = [(_machine_room(meminfo), "this machine"), (_address_room(), "this process's address space (ulimit -v)"),
+             *((free, "this process's cgroup (its memory limit)") for free in _cgroup_rooms(cgroups, root))]
+    known = [(free, where) for free, where in rooms if free is not None]
+    return min(known) if known else (None, "this machine")
 
 
 def _machine_room(meminfo: Path) -> int | None:
