@@ -1,6 +1,8 @@
 """mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
 
 import ctypes
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -383,9 +385,13 @@ def test_a_kernels_file_cut_short_is_built_again(tmp_path, monkeypatch):
     cut = tmp_path / "kernels" / whole.name
     cut.parent.mkdir()
     cut.write_bytes(whole.read_bytes()[:1000])
+    left, building = cut.parent / "tmpk2j9x0a1.so", cut.parent / "tmpm3n8y1b2.so"  # a killed build's, and one now
+    left.write_bytes(b"x"), building.write_bytes(b"x")
+    os.utime(left, (time.time() - 3600,) * 2)
     assert not native._whole(cut) and native._whole(whole)
     assert native._build(compiler) == cut and native._whole(cut)
     native.bind(ctypes.CDLL(str(cut)))
+    assert not left.exists() and building.exists()
 
 
 def test_a_failed_build_says_the_compilers_words():
@@ -397,7 +403,6 @@ def test_a_failed_build_says_the_compilers_words():
 
 def test_weights_named_in_bytes_that_are_not_utf8_get_their_packed_name():
     """A model file named ``caf\\xe9.gguf`` (Latin-1 bytes) failed its load: UnicodeEncodeError."""
-    import os
     from pathlib import Path
 
     from mashbox.engine.model.packed import _prefix
