@@ -203,3 +203,4 @@ def test_what_this_server_does_not_keep_is_refused_saying_what_to_send_instead()
         assert (err.value.param, err.value.code) == (field, "unsupported_parameter")
         assert f"keeps no {field}s, so {field} cannot refer to one" in err.value.message
     parse(ResponsesRequest, {"input": "hi", "conversation": None, "prompt": None})
+    assert parse(ResponsesRequest, {"input": "hi", "prompt": "x"}).ignored_fields() == ["prompt"]  # no stored one's

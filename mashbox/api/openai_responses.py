@@ -132,16 +132,15 @@ class ResponsesRequest(RequestModel, SamplingFields):
     text: TextConfig | None = None
     max_output_tokens: MaxTokens | None = None
     previous_response_id: str | None = None  # refused unless null (STATEFUL): known, so a keyword gets the reason
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
 
     _no_logprobs = field_validator("top_logprobs")(refuse_logprobs)
 
     @model_validator(mode="before")
     @classmethod
     def _stateless(cls, data: Any) -> Any:
-        for field in STATEFUL:
-            if isinstance(data, dict) and data.get(field) is not None:
+        for field in STATEFUL:  # a prompt that is no stored one's reference ({"id": ...}) is ignored, as before
+            value = data.get(field) if isinstance(data, dict) else None
+            if value is not None and (field != "prompt" or isinstance(value, dict)):
                 raise InvalidRequestError(field, stateless(field), code="unsupported_parameter")
         return data
 
