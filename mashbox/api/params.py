@@ -82,8 +82,6 @@ class ResponsesParams(SamplingKeywords, total=False):
     text: Object | None
     max_output_tokens: int | None
     previous_response_id: str | None  # refused unless null: this server keeps no responses
-    conversation: str | dict[str, Any] | None  # refused unless null: nor conversations
-    prompt: dict[str, Any] | None  # a stored prompt's reference is refused: nor prompts
 
 
 class CountTokensParams(TypedDict, total=False):
