@@ -79,8 +79,9 @@ class Runtime:
         free, where = room(device)
         check_fits(self.ctx, config.slots + graphs, per_token, free, where)
         host_cap = config.cache_ram_mib * 2**20
-        if device.type == "cpu" and free is not None and free - self.ctx * config.slots * per_token < host_cap:
-            host_cap = max(free - self.ctx * config.slots * per_token, 0)  # the host cache lives beside the KV cache
+        left = None if free is None else free - self.ctx * config.slots * per_token  # beside the KV cache
+        if device.type == "cpu" and left is not None and left < host_cap:
+            host_cap = max(left, 0)  # the host cache lives there too
             log.info("the host prefix cache holds at most %d MiB (of %d asked): the memory the KV cache leaves",
                      host_cap >> 20, config.cache_ram_mib)
         self.eos_ids = _eos_ids(loaded)
