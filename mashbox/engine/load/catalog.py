@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,7 +30,7 @@ from mashbox.errors import ConfigError, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 _CHUNK = 8 << 20
-STALE_JOIN_S = 600.0  # a join's temp file untouched this long was left by a process that died
+STALE_TEMP_S = 600.0  # a temp file untouched this long was left by a process that died (Ctrl-C, the OOM killer)
 
 
 @dataclass(slots=True, frozen=True)
@@ -239,7 +239,7 @@ def assemble_split(split: SplitFile, cache: Path, *, install: str | None = None)
     """
     dest = cache / split.file
     if _is_verified(dest, split):
-        _remove_stale_joins(dest)  # a start cut off mid-join (Ctrl-C), then one that joined: its temp file stays
+        remove_stale(_joins(dest))  # a start cut off mid-join (Ctrl-C), then one that joined: its temp file stays
         return dest
     parts = [package_file(ref) for ref in split.parts]
     if any(p is None for p in parts):
@@ -269,7 +269,7 @@ def assemble(parts: Sequence[Path], dest: Path, *, size: int, sha256: str,
     """
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_joins(dest)
+        remove_stale(_joins(dest))
         fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")
     except OSError as err:
         raise _unwritable(dest, size, err) from None
@@ -291,13 +291,17 @@ def assemble(parts: Sequence[Path], dest: Path, *, size: int, sha256: str,
     return dest
 
 
-def _remove_stale_joins(dest: Path) -> None:
-    """Remove the temp files of joins that a killed process left (Ctrl-C or the OOM killer mid-join: up to
-    the whole model's size each); one written to in the last minutes is another process's, joining now."""
-    for tmp in dest.parent.glob(f"{glob.escape(dest.name)}.*.tmp"):
+def remove_stale(paths: Iterable[Path]) -> None:
+    """Remove the temp files among ``paths`` that a killed process left (a join, a build or a page cut off: up
+    to the whole model's size each); one written to in the last minutes is another process's, at work now."""
+    for path in paths:
         with contextlib.suppress(OSError):
-            if time.time() - tmp.stat().st_mtime > STALE_JOIN_S:
-                tmp.unlink()
+            if time.time() - path.stat().st_mtime > STALE_TEMP_S:
+                path.unlink()
+
+
+def _joins(dest: Path) -> Iterable[Path]:
+    return dest.parent.glob(f"{glob.escape(dest.name)}.*.tmp")
 
 
 def _unwritable(dest: Path, size: int, err: OSError) -> ModelLoadError:

@@ -10,7 +10,6 @@ one pool of threads.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -20,13 +19,12 @@ import shutil
 import struct
 import subprocess
 import tempfile
-import time
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from mashbox.engine.load.catalog import cache_dir
+from mashbox.engine.load.catalog import cache_dir, remove_stale
 from mashbox.errors import ConfigError
 
 log = logging.getLogger("mashbox.engine")
@@ -49,7 +47,6 @@ _SIGNATURES = {
     "mb_gelu_mul": (_P, _P, _I, _I),
 }
 
-STALE_BUILD_S = 600.0  # a build's temp file untouched this long was left by a process that died
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-pthread", "-ffp-contract=off")
 
 @cache
@@ -102,10 +99,7 @@ def source_hash() -> str:
 def _build(compiler: str) -> Path:
     key = hashlib.sha256((source_hash() + compiler + _cpu_id()).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"kernels-{key}.so"
-    for left in target.parent.glob("tmp*.so"):  # a build whose process was killed (its compiler ran on)
-        with contextlib.suppress(OSError):
-            if time.time() - left.stat().st_mtime > STALE_BUILD_S:
-                left.unlink()
+    remove_stale(target.parent.glob("tmp*.so"))  # a build whose process was killed (its compiler ran on)
     if _whole(target):
         return target
     if target.exists():  # loaded, a file cut short faults the process (SIGBUS) at the first call

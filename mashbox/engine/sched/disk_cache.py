@@ -35,11 +35,12 @@ from pathlib import Path
 
 import torch
 
+from mashbox.engine.load.catalog import remove_stale
+
 log = logging.getLogger("mashbox.engine")
 
 FORMAT = "mashbox-kv-page/1"
 RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes, whatever its index says
-STALE_S = 600.0  # a temp file this old was left by a writer that died
 STUCK = 3  # pages in a row that cannot be removed: the folder cannot be trimmed now
 ROOM = 1 << 30  # free bytes a page must leave on its disk (the cap may be more than a small disk has)
 PAGE_NAME = re.compile(r"[0-9a-f]{40}")  # a page's file is named by its key: the folder may hold other files
@@ -224,11 +225,8 @@ class PageStore:
             else:  # written whole then renamed, a page is never empty: this one lost its bytes (a crash)
                 log.warning("skipped the cached prompt page %s (it is empty); removing it", path)
                 _unlink(path)
-        ours = [(path, stat) for path, stat in _stats(self.folder, ".*.tmp")  # .key.id.tmp (older: .key.tmp)
-                if PAGE_NAME.fullmatch(path.name.split(".")[1])]
-        for path, stat in [*ours, *_stats(self.folder, ".tmp*")]:  # ours, safetensors'
-            if time.time() - stat.st_mtime > STALE_S:
-                _unlink(path)
+        ours = [path for path in self.folder.glob(".*.tmp") if PAGE_NAME.fullmatch(path.name.split(".")[1])]
+        remove_stale([*ours, *self.folder.glob(".tmp*")])  # ours (.key.id.tmp, older: .key.tmp), safetensors'
         with self._lock:  # pages claimed here and not yet written stay claimed
             claimed = {key: 0 for key, size in self._files.items() if size == 0 and key not in files}
             self._files = OrderedDict({**claimed, **files})
