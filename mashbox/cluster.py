@@ -13,9 +13,11 @@ What the configuration does:
 
 - A request that names its session goes to the replica that holds its prompt prefix: consistent
   hashing on the first of ``SESSION_HEADERS`` it carries (mashbox's, Claude Code's, Codex's, Pi's),
-  else on the body's ``prompt_cache_key`` (OpenAI's; read where the body fits in HAProxy's 256 KiB
-  buffer). Consistent, so that a replica leaving or coming back moves only its own sessions.
-- A request without one goes to the replica with the fewest open connections.
+  else on the body's ``prompt_cache_key`` (OpenAI's), else its ``metadata.user_id`` (Claude Code's
+  holds its session; both read where the body fits in HAProxy's 256 KiB buffer). Consistent, so that a replica leaving or coming back moves only its own sessions.
+- A request without one goes to the replica with the fewest open connections. Requests to
+  ``/v1/messages`` take backends of their own (the same servers and ring): HAProxy's own errors there
+  are in Anthropic's shape.
 - Health checks on ``/health`` every second: a replica is out once a check or a connection fails
   and until its ``/health`` answers 200 (it answers 503 while it loads); a request whose
   connection is refused is sent to another replica.
@@ -28,6 +30,7 @@ What the configuration does:
 from __future__ import annotations
 
 import ctypes
+import http.client
 import json
 import os
 import shutil
@@ -41,18 +44,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mashbox.engine.load.catalog import cache_dir
-from mashbox.server.errors import ApiError, answer
+from mashbox.server.errors import OVERLOADED, ApiError, answer
 from mashbox.server.generation import SESSION_HEADERS  # as the server reads them; prompt_cache_key after them
-from mashbox.server.settings import is_loopback
+from mashbox.server.security import LOOPBACK_NAMES
 from mashbox.server.task_routes import paths as task_paths
 
 BUFFER = 256 * 1024  # HAProxy's buffer, so that prompt_cache_key is found in bodies up to its size
 RESTART_S = 2.0  # a replica that dies is started again, at most once in this many seconds
 TASKS = tuple(task_paths())  # /v1/tasks and its alias: both go to the replica the tasks live in
 NOT_UP = "no replica is up: their models are loading, or starting again; retry shortly"
+NO_ANSWER = {  # HAProxy's own errors, said as a mashbox server would
+    503: NOT_UP,
+    502: "the replica closed the connection with no answer (it stopped, or its process died); retry",
+    504: "the replica did not answer in time; retry",
+}
 REFUSED = (1, 2)  # `mashbox run` exits with these when its model or its flags are refused: no restart
-# (on a replica's first start: after a crash, a reload the OOM killer stops exits 1 too, and is tried again)
+# (on a replica's first start, before it was ever ready: a reload the OOM killer stops exits 1 too, and is tried again)
 PR_SET_PDEATHSIG = 1  # Linux: the signal a child gets when the cluster dies, killed (its SIGTERM is handled)
+HARD_STOP_S = 30  # HAProxy stopping softly waits this long at most for the answers under way
+MESSAGES = ("/v1/messages",)  # Anthropic's routes: HAProxy's own errors there in Anthropic's shape
+HEALTH = ("/health", "/v1/health")
+BY_SESSION = ["    balance hash var(txn.session)",  # a session to the replica it hashes to, on every such backend
+              "    hash-type consistent sdbm avalanche"]  # similar session ids spread (no avalanche: they bunch)
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +85,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
                 f"{{ req.hdr({name}) -m len gt 0 }}" for name in SESSION_HEADERS]  # an empty one names none
     # weight 100: 1600 points each on the hash ring (weight 1 gives 16, and a few sessions land unevenly)
     checked = [f"    server {r.name} 127.0.0.1:{r.port} check weight 100" for r in members]
-    tracked = [f"    server {r.name} 127.0.0.1:{r.port} track sessions/{r.name}" for r in members]
+    tracked = [f"    server {r.name} 127.0.0.1:{r.port} track sessions/{r.name} weight 100" for r in members]
     return "\n".join([
         "# HAProxy in front of mashbox replicas: written by mashbox.cluster.haproxy_config",
         "# (`mashbox cluster` writes and runs it; `haproxy -f haproxy.cfg` runs this one).",
@@ -80,6 +93,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    maxconn 1024",
         f"    tune.bufsize {BUFFER}",
         "    noreuseport",  # a second cluster on the same port fails to bind, not shares it unseen
+        f"    hard-stop-after {HARD_STOP_S}s",  # a soft stop (the cluster stopping, or killed) ends in time
         "",
         "defaults",
         "    mode http",
@@ -93,25 +107,29 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    option redispatch 1",  # and the retry goes to another replica
         "    option abortonclose",
         "    default-server inter 1s fall 1 rise 1 observe layer4 error-limit 1 on-error mark-down",
-        f"    http-error {_reply('/v1')}",  # HAProxy's own 503 (no replica answered) as a mashbox server's
+        *_errors("/v1"),  # HAProxy's own 502-504 (no replica answered) as a mashbox server's, not its HTML
         "",
         "frontend mashbox",
         f"    bind {bind}",
         "    option http-buffer-request",
         *sessions,
-        "    http-request set-var(txn.session) req.body,json_query('$.prompt_cache_key') "
-        "if !{ var(txn.session) -m len gt 0 } { method POST }",
+        *(f"    http-request set-var(txn.session) req.body,json_query('{path}') "
+          "if !{ var(txn.session) -m len gt 0 } { method POST }"
+          for path in ("$.prompt_cache_key", "$.metadata.user_id")),  # Claude Code's session is in its user_id
         "    http-response set-header x-mashbox-replica %[srv_name]",
+        f"    http-request return {_reply(HEALTH[0], more={'status': 'loading'})} if {{ nbsrv(replicas) eq 0 }} "
+        f"{{ path {' '.join(HEALTH)} }}",  # a monitor reads the status, as a loading replica's
         *(f"    http-request return {_reply(paths[0])} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {' '.join(paths)} }}"
-          for paths in (("/v1/messages",), TASKS)),
+          for paths in (MESSAGES, TASKS)),
         f"    http-request return {_reply('/v1')} if {{ nbsrv(replicas) eq 0 }}",
         f"    use_backend tasks if {{ path_beg {' '.join(TASKS)} }}",
+        f"    use_backend messages_sessions if {{ path_beg {' '.join(MESSAGES)} }} {{ var(txn.session) -m len gt 0 }}",
+        f"    use_backend messages if {{ path_beg {' '.join(MESSAGES)} }}",
         "    use_backend sessions if { var(txn.session) -m len gt 0 }",
         "    default_backend replicas",
         "",
         "backend sessions",
-        "    balance hash var(txn.session)",
-        "    hash-type consistent sdbm avalanche",  # similar session ids spread (no avalanche: they bunch)
+        *BY_SESSION,
         "    option httpchk GET /health",
         "    http-check expect status 200",
         *checked,
@@ -120,21 +138,42 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
         "    balance leastconn",
         *tracked,
         "",
+        "backend messages_sessions",  # as sessions and replicas, with HAProxy's own errors in Anthropic's shape
+        *BY_SESSION,
+        *_errors(MESSAGES[0]),
+        *tracked,
+        "",
+        "backend messages",
+        "    balance leastconn",
+        *_errors(MESSAGES[0]),
+        *tracked,
+        "",
         "backend tasks",  # a task lives in the replica that runs it: all on the first one up
         "    balance first",
-        f"    http-error {_reply(TASKS[0])}",  # the tasks API's shape where no replica answered
+        *_errors(TASKS[0]),  # the tasks API's shape where no replica answered
         *tracked,
         "",
     ])
 
 
-def _reply(path: str) -> str:
-    """HAProxy's arguments for the answer a mashbox server at ``path`` gives while it loads (the
-    protocol's error shape, 503, or Anthropic's 529 with x-should-retry; Retry-After), for the
-    moments no replica is up: the balancer's own page would be HTML."""
-    status, body, headers = answer(path, ApiError(503, NOT_UP, retry_after=1))
+def _errors(path: str) -> list[str]:
+    """The ``http-error`` lines of a backend whose requests go to ``path``: HAProxy's own 502-504 in
+    that route's shape. Anthropic's 529 is no status ``http-error`` takes: set after, on 503 (a replica
+    says 529 itself there, never 503)."""
+    lines = [f"    http-error {_reply(path, status, status=status)}" for status in NO_ANSWER]
+    if answer(path, ApiError(503, NOT_UP))[0] != 503:
+        lines.append(f"    http-after-response set-status {OVERLOADED} if {{ status 503 }}")
+    return lines
+
+
+def _reply(path: str, error: int = 503, more: dict | None = None, status: int | None = None) -> str:
+    """HAProxy's arguments for the answer a mashbox server at ``path`` gives with ``error`` (the
+    protocol's error shape: for 503, as while it loads, Anthropic's 529 with x-should-retry;
+    Retry-After; ``more`` fields beside the error, e.g. /health's status; ``status`` in place of the
+    answer's), for the moments no replica answers: the balancer's own page would be HTML."""
+    code, body, headers = answer(path, ApiError(error, NO_ANSWER[error], retry_after=1))
     hdrs = "".join(f' hdr {name} "{value}"' for name, value in headers.items())
-    return f"status {status} content-type application/json string '{json.dumps(body)}'{hdrs}"
+    return f"status {status or code} content-type application/json string '{json.dumps({**(more or {}), **body})}'{hdrs}"
 
 
 @dataclass
@@ -149,31 +188,42 @@ class Cluster:
     _replicas: dict[str, subprocess.Popen] = field(default_factory=dict)
     _started: dict[str, float] = field(default_factory=dict)
     _starts: dict[str, int] = field(default_factory=dict)
+    _served: set[str] = field(default_factory=set)  # the replicas that were ready once: none is refused since
+    _balancer: subprocess.Popen | None = None
+    _balanced: float = 0.0  # when HAProxy was started
 
     def run(self) -> int:
-        """Serve until Ctrl-C, SIGTERM or SIGHUP (0); 1 when HAProxy stops or a replica's model is refused."""
+        """Serve until Ctrl-C, SIGTERM or SIGHUP (0); 1 when HAProxy cannot start or a replica's model is refused."""
+        # a closed terminal (SIGHUP) stops it as Ctrl-C does
         previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
         with tempfile.TemporaryDirectory(prefix="mashbox-cluster-") as folder:
             config = Path(folder) / "haproxy.cfg"
             config.write_text(haproxy_config(self.host, self.port, self.members))
-            balancer = None
             try:
                 for member in self.members:
                     self._start(member)
-                # a session of its own, as the replicas': a terminal's Ctrl-C reaches the cluster only, which
-                # stops HAProxy softly (it stopped at once, cutting every stream)
-                balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)], start_new_session=True,
-                                            preexec_fn=_child())
+                balancer = self._balance(config)
                 host = f"[{self.host}]" if ":" in self.host else self.host
                 _say(f"on http://{host}:{self.port}: HAProxy (pid {balancer.pid}) in front of "
                      + ", ".join(f"{r.name} on 127.0.0.1:{r.port}" for r in self.members))
-                return self._watch(balancer)
+                return self._watch(config, balancer)
             except KeyboardInterrupt:
                 return 0
             finally:
-                for sig, handler in previous.items():  # a closed terminal (SIGHUP) stops it as Ctrl-C does
+                interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (or SIGTERM) cut the
+                for sig in previous:  # stop short, and HAProxy with it: the stop (bounded) goes on
+                    signal.signal(sig, signal.SIG_IGN)
+                self._stop()
+                for sig, handler in [*previous.items(), (signal.SIGINT, interrupt)]:
                     signal.signal(sig, handler)
-                self._stop(balancer)
+
+    def _balance(self, config: Path) -> subprocess.Popen:
+        # a session of its own, as the replicas': a terminal's Ctrl-C reaches the cluster only, which stops
+        # HAProxy softly (it stopped at once, cutting every stream); killed, the cluster stops it softly too
+        self._balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(config)], start_new_session=True,
+                                          preexec_fn=_child(death=signal.SIGUSR1))
+        self._balanced = time.monotonic()
+        return self._balancer
 
     def _start(self, member: Replica) -> None:
         tasks = cache_dir() / f"tasks-{member.name}.sqlite3"
@@ -188,24 +238,32 @@ class Cluster:
         where = f", cores {_ranges(cores)}" if cores else ""
         _say(f"replica {member.name} (pid {process.pid}) on 127.0.0.1:{member.port}{where}")
 
-    def _watch(self, balancer: subprocess.Popen) -> int:
+    def _watch(self, config: Path, balancer: subprocess.Popen) -> int:
         while True:
-            if balancer.poll() is not None:
-                _say(f"HAProxy stopped (exit status {balancer.returncode}); stopping the replicas")
-                return 1
+            if (code := balancer.poll()) is not None:
+                if time.monotonic() - self._balanced < RESTART_S:  # it could not start (its port is taken)
+                    _say(f"HAProxy stopped ({_status(code)}); stopping the replicas")
+                    return 1
+                _say(f"HAProxy stopped ({_status(code)}); starting it again")
+                balancer = self._balance(config)
             for member in self.members:
                 code = self._replicas[member.name].poll()
-                if code in REFUSED and self._starts[member.name] == 1:
+                if code is None:
+                    if member.name not in self._served and _ready(member.port):
+                        self._served.add(member.name)
+                    continue
+                if code in REFUSED and self._starts[member.name] == 1 and member.name not in self._served:
                     _say(f"replica {member.name} exited with status {code}; stopping the cluster")
                     return 1
-                if code is not None and time.monotonic() - self._started[member.name] >= RESTART_S:
+                if time.monotonic() - self._started[member.name] >= RESTART_S:
                     _say(f"replica {member.name} stopped ({_status(code)}); starting it again")
                     self._start(member)
             time.sleep(0.5)
 
-    def _stop(self, balancer: subprocess.Popen | None) -> None:
+    def _stop(self) -> None:
         """The replicas end their answers (SIGTERM: in flight ones end within seconds, with their
         error event at worst) while HAProxy stops listening and passes them on (SIGUSR1: soft stop)."""
+        balancer = self._balancer
         for process in self._replicas.values():
             if process.poll() is None:
                 process.terminate()
@@ -220,8 +278,8 @@ class Cluster:
                 process.kill()
 
 
-def _child(cores: Sequence[int] = ()) -> Callable[[], None]:
-    """What a replica or HAProxy does before it runs: its cores, and (Linux) a SIGTERM when the cluster
+def _child(cores: Sequence[int] = (), death: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """What a replica or HAProxy does before it runs: its cores, and (Linux) ``death`` when the cluster
     dies unable to stop it (killed): neither is left serving, nor holding its port."""
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
@@ -229,19 +287,33 @@ def _child(cores: Sequence[int] = ()) -> Callable[[], None]:
         if cores:
             os.sched_setaffinity(0, cores)
         if libc is not None:
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            libc.prctl(PR_SET_PDEATHSIG, death)
 
     return setup
 
 
+def _ready(port: int) -> bool:
+    """Whether the replica on ``port`` answers /health with 200 (its model loaded)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=0.5)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
 def share(index: int, count: int) -> list[int]:
-    """The cores replica ``index`` of ``count`` runs on: an equal part of this process's, so that the
-    replicas' threads do not contend; [] (no pinning) where there are fewer cores than replicas."""
+    """The cores replica ``index`` of ``count`` runs on: an equal part of this process's (the first
+    replicas one more where they do not divide evenly), so that the replicas' threads do not contend;
+    [] (no pinning) where there are fewer cores than replicas."""
     if not hasattr(os, "sched_getaffinity"):
         return []
     cores = sorted(os.sched_getaffinity(0))
-    each = len(cores) // count
-    return cores[index * each:(index + 1) * each] if each else []
+    each, more = divmod(len(cores), count)
+    start = index * each + min(index, more)
+    return cores[start:start + each + (index < more)] if each else []
 
 
 def _ranges(cores: list[int]) -> str:
@@ -251,10 +323,10 @@ def _ranges(cores: list[int]) -> str:
 
 def check(host: str, port: int, first: int, count: int, run_args: Sequence[str]) -> None:
     """ValueError naming the setting of a cluster that cannot run."""
-    if not is_loopback(host):
-        raise ValueError(f"host: {host} is not a loopback address; the replicas check the Host of each request "
-                         "against their own address, so a cluster listens on loopback only "
-                         "(docs/scale-out.md: serving other machines)")
+    if host.strip("[]") not in LOOPBACK_NAMES:
+        raise ValueError(f"host: {host} is not one of {', '.join(sorted(LOOPBACK_NAMES))}; the replicas check the "
+                         "Host of each request against the names they answer to, so a cluster listens on those "
+                         "only (docs/scale-out.md: serving other machines)")
     if not 1 <= count <= 64:
         raise ValueError(f"replicas: must be between 1 and 64 (got {count})")
     if not (0 < port < 65536 and 0 < first and first + count <= 65536):

@@ -8,6 +8,7 @@ only once its /health is 200. HAProxy comes from Debian (`make test` installs it
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -160,9 +161,54 @@ def test_with_no_replica_up_the_balancer_answers_as_a_loading_server_would(tmp_p
             assert answer.status_code == status and answer.headers["content-type"] == "application/json", answer.text
             assert answer.headers["retry-after"] == "1" and shape in answer.json()
         assert httpx.post(url + "/v1/messages", json={}).headers["x-should-retry"] == "true"
+        assert httpx.get(url + "/health").json()["status"] == "loading"  # as a replica's, for a monitor
     finally:
         balancer.terminate()
         balancer.wait(timeout=10)
+
+
+def _closer(port: int, stop: threading.Event) -> None:
+    """A replica that is up (/health 200) and closes every other connection with no answer: a process
+    that died mid-request."""
+    import socket
+
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen(16)
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                connection, _ = server.accept()
+                with connection:
+                    if connection.recv(65536).startswith(b"GET /health"):
+                        connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+
+
+def test_a_replica_that_answers_nothing_gets_the_routes_error_shape_not_haproxys_page(tmp_path):
+    """HAProxy's own 502 (every replica tried closed the connection with no answer) was its HTML page,
+    and its 503 on /v1/messages OpenAI's shape: each in the route's shape, as a mashbox server's."""
+    port, first = free_port(), free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(haproxy_config("127.0.0.1", port, replicas(1, first)))
+    stop = threading.Event()
+    closer = threading.Thread(target=_closer, args=(first, stop), daemon=True)
+    closer.start()
+    balancer = subprocess.Popen([haproxy(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(url, 200), timeout=10, every=0.2)  # its check saw the replica up
+        for path, headers, shape in [("/v1/chat/completions", {}, "error"), ("/v1/messages", {}, "type"),
+                                     ("/v1/messages", {"x-session-id": "s"}, "type"), ("/v1/tasks", {}, "jsonrpc")]:
+            answer = httpx.post(url + path, json={}, headers=headers, timeout=10)
+            assert answer.status_code == 502 and answer.headers["content-type"] == "application/json", answer.text
+            assert shape in answer.json() and "closed the connection" in answer.text
+    finally:
+        stop.set()
+        balancer.terminate()
+        balancer.wait(timeout=10)
+        closer.join(timeout=5)
 
 
 def test_a_second_balancer_on_a_taken_port_fails_to_bind_rather_than_share_it(tmp_path):
@@ -185,11 +231,23 @@ def test_a_second_balancer_on_a_taken_port_fails_to_bind_rather_than_share_it(tm
             balancer.wait(timeout=10)
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, status: int | None = None) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=2).status_code > 0
+        return httpx.get(url + "/health", timeout=2).status_code == (status or 200) or status is None
     except httpx.TransportError:
         return False
+
+
+@pytest.mark.parametrize(("cores", "count"), [(8, 3), (8, 5), (16, 3), (4, 4), (2, 3)])
+def test_the_replicas_share_every_core(monkeypatch, cores, count):
+    """The cores left over by an uneven split sat idle (5 replicas on 8 cores: 3 unused)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    parts = [share(i, count) for i in range(count)]
+    if cores < count:
+        assert parts == [[]] * count  # fewer cores than replicas: no pinning, they share them all
+        return
+    assert sorted(sum(parts, [])) == list(range(cores))  # each core once
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
 def test_each_replica_runs_on_cores_of_its_own(cluster):
@@ -243,12 +301,14 @@ def _anthropic(url: str):
     return call
 
 
-CARRIERS = {  # how each client names its session: mashbox's header, Claude Code's, Codex's, Pi's, OpenAI's body
+CARRIERS = {  # how each client names its session: mashbox's header, Claude Code's, Codex's, Pi's, OpenAI's body,
+    # Claude Code's body (its user_id, a JSON object with the session's id, where a proxy dropped the header)
     "x-session-id": (_openai_chat, lambda s: {"extra_headers": {"X-Session-Id": s}}),
     "claude-code": (_anthropic, lambda s: {"extra_headers": {"X-Claude-Code-Session-Id": s}}),
     "codex": (_openai_responses, lambda s: {"extra_headers": {"session-id": s}}),
     "pi": (_openai_responses, lambda s: {"extra_headers": {"session_id": s}}),
     "prompt_cache_key": (_openai_responses, lambda s: {"prompt_cache_key": s}),
+    "metadata.user_id": (_anthropic, lambda s: {"metadata": {"user_id": json.dumps({"session_id": s})}}),
 }
 
 
@@ -329,8 +389,9 @@ def test_a_cluster_hung_up_or_killed_leaves_nothing_serving(tmp_path, sig):
 
 def test_a_replica_that_fails_to_load_again_after_a_crash_is_started_again(tmp_path, monkeypatch):
     """Exit status 1 (its model did not load) stopped the whole cluster at any time: also where the OOM
-    killer stopped the reload of a replica that had crashed, the healthy replicas with it. A refusal is
-    told by a replica's first start; after a crash it is started again."""
+    killer stopped the reload of a replica that had crashed, the healthy replicas with it (on its first
+    start too: a replica whose worker crashed and failed its reloads exits 1). A refusal is told by a
+    replica's first start, before it was ever ready; after that it is started again."""
     from mashbox.cluster import Cluster
 
     cluster = Cluster(replicas(1, free_port()), "127.0.0.1", free_port(), [])
@@ -343,19 +404,50 @@ def test_a_replica_that_fails_to_load_again_after_a_crash_is_started_again(tmp_p
 
     monkeypatch.setattr(cluster, "_start", start)
     try:
-        for starts, stopped in ((1, True), (2, False)):
+        for starts, served, stopped in ((1, False, True), (2, False, False), (1, True, False)):
+            restarted.clear()
             cluster._replicas["r1"] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
             cluster._replicas["r1"].wait()
             cluster._starts["r1"], cluster._started["r1"] = starts, 0.0
+            cluster._served = {"r1"} if served else set()
             if stopped:
-                assert cluster._watch(balancer) == 1 and not restarted
+                assert cluster._watch(tmp_path / "haproxy.cfg", balancer) == 1 and not restarted
             else:
                 with pytest.raises(KeyboardInterrupt):
-                    cluster._watch(balancer)
+                    cluster._watch(tmp_path / "haproxy.cfg", balancer)
                 assert restarted == ["r1"]
     finally:
         balancer.kill()
         balancer.wait()
+
+
+def test_haproxy_that_dies_is_started_again_and_one_that_cannot_start_stops_the_cluster(tmp_path, monkeypatch):
+    """HAProxy killed (the OOM killer, an operator) stopped the whole cluster, healthy replicas and all;
+    one that stops right after its start (its port taken) still does."""
+    from mashbox.cluster import Cluster
+
+    cluster = Cluster(replicas(1, free_port()), "127.0.0.1", free_port(), [])
+    cluster._replicas["r1"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cluster._starts["r1"], cluster._started["r1"] = 1, time.monotonic()
+    started = []
+
+    def balance(config):
+        started.append(config)
+        raise KeyboardInterrupt  # out of the watch
+
+    monkeypatch.setattr(cluster, "_balance", balance)
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        cluster._balanced = time.monotonic()  # just started: it could not
+        assert cluster._watch(tmp_path / "haproxy.cfg", dead) == 1 and not started
+        cluster._balanced = time.monotonic() - 60  # it ran a minute, then died
+        with pytest.raises(KeyboardInterrupt):
+            cluster._watch(tmp_path / "haproxy.cfg", dead)
+        assert started == [tmp_path / "haproxy.cfg"]
+    finally:
+        cluster._replicas["r1"].kill()
+        cluster._replicas["r1"].wait()
 
 
 @pytest.mark.parametrize("path", ["/v1/tasks", "/tasks"])
@@ -428,7 +520,8 @@ def test_a_killed_replica_ends_its_streams_and_is_back_only_once_healthy(cluster
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--host", "0.0.0.0"], "host: 0.0.0.0 is not a loopback address"),
+    (["--host", "0.0.0.0"], "host: 0.0.0.0 is not one of 127.0.0.1, ::1, localhost"),
+    (["--host", "127.0.0.2"], "host: 127.0.0.2 is not one of"),  # loopback, but no name the replicas answer to
     (["--replicas", "0"], "replicas: must be between 1 and 64"),
     (["--", "--port", "9000"], "run_args: --port is set by the cluster"),
     (["--haproxy", "/no/such/haproxy"], "haproxy: /no/such/haproxy is not an executable"),
@@ -445,12 +538,15 @@ def test_stopping_the_cluster_ends_its_streams_with_the_error_event(cluster):
     """Last: Ctrl-C in the cluster's terminal (SIGINT to its whole process group; SIGTERM takes the same
     way out). The replicas end what runs with the protocol's error event and HAProxy passes it on
     before it goes (a soft stop: HAProxy, in a session of its own, once got the SIGINT itself and
-    cut every stream), then all exit 0."""
+    cut every stream), then all exit 0. A second Ctrl-C does not cut it short (it killed the cluster, and
+    HAProxy cut the streams)."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_stream, cluster, "stopping", started)
         wait_until(started.is_set, timeout=60, every=0.05)
         os.killpg(cluster.process.pid, signal.SIGINT)
+        time.sleep(0.3)
+        os.killpg(cluster.process.pid, signal.SIGINT)  # impatient: a second Ctrl-C cut the stop short, and the stream
         ended = stream.result(timeout=30)
     assert ended.startswith("error event:") and "shutting down" in ended, ended
     assert cluster.process.wait(timeout=60) == 0

@@ -267,6 +267,7 @@ def test_a_conversation_that_outgrew_the_context_goes_on_without_its_oldest_turn
     second = answered(page, 2)
     expect(second.locator(".note")).to_contain_text("its 1 oldest turn was left out")
     assert [len(body["messages"]) for body in sent] == [1, 3, 1]  # the second request refused, sent again
+    assert len({body["prompt_cache_key"] for body in sent}) == 1  # one session: kept warm, on one replica
     expect(page.locator(".msg")).to_have_count(4)  # the conversation itself keeps every turn
 
 

@@ -27,9 +27,10 @@ from mashbox.server.admission import QueueFull
 log = logging.getLogger("mashbox.server")
 
 OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
+                500: "server_error", 502: "server_error", 503: "server_error", 504: "server_error"}
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 502: "api_error",
+                   504: "api_error", 529: "overloaded_error"}
 OVERLOADED = 529
 MAX_BODY = 10_000_000  # bytes of a request body the server reads (Litestar's default, said in its 413)
 SLASHES = re.compile("/{2,}")

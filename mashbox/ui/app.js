@@ -636,6 +636,7 @@ class ChatPage {
       max_tokens: number(s.max_tokens),
     };
     if (this.model) body.model = this.model.id;
+    if (chat.id) body.prompt_cache_key = chat.id; // its session: kept warm, and on one replica behind a balancer
     if (s.thinking) body.chat_template_kwargs = { enable_thinking: s.thinking === "on" };
     return body;
   }
