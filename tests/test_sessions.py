@@ -77,6 +77,21 @@ def test_a_session_that_went_back_a_turn_keeps_it(tiny_model_dir):
         assert _cached(engine, _line("alpha", 2) + " Then something else.", "s") >= second_turn
 
 
+def test_a_sessions_side_requests_that_share_its_tools_leave_its_conversation_warm(tiny_model_dir):
+    """An agent's side requests carry its tools (and its session id): sharing half of the line, each was
+    taken for a turn sent again and became the line, and the conversation went cold (worse than with no
+    session id). The line it replaced is kept warm beside it."""
+    tools = " ".join(f"Tool {i} reads a file by its path and returns its lines." for i in range(24))
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, cache_ram_mib=1, quiet=True) as engine:
+        for turns in (1, 2):
+            _cached(engine, f"{tools} {_line('alpha', turns)}", "s")
+        for n in range(12):  # each evicts: the session's own sub-agent calls, with the same tools
+            _cached(engine, f"{tools} You are a sub-agent {n}: " + "word " * 120, "s")
+        second_turn = len(engine.encode(EngineRequest(prompt=f"{tools} {_line('alpha', 2)}"))) // 32 * 32
+        assert 2 * len(engine.encode(EngineRequest(prompt=tools))) >= second_turn  # the tools: half the line
+        assert _cached(engine, f"{tools} {_line('alpha', 3)}", "s") == second_turn
+
+
 def _captured(name: str) -> tuple[dict, dict]:
     capture = json.loads((CLIENTS / name).read_text())
     return {k.lower(): v for k, v in capture["headers"].items()}, capture["body"]

@@ -118,8 +118,12 @@ class Session:
     def follow(self, prompt: tuple[int, ...], block: int) -> None:
         """A prompt that goes on with the line (shares at least half of it: the next turn, or a turn
         again) is the line now; one that goes on past an aside too (a history rewritten, then its next
-        turn); any other is an aside."""
+        turn); any other is an aside. A line that the new one does not hold whole (a turn again, or a
+        side request that shares the line's long start: the agent's tools) is kept warm as ``before``
+        where it is the longer: which of the two the session goes on with, its next turn says."""
         if not self.line or _goes_on(self.line, prompt, block):
+            if prompt[: len(self.line)] != self.line and len(self.line) >= len(self.before):
+                self.before = self.line
             self.line = prompt
         elif moved := next((a for a in self.asides if len(prompt) > len(a) and _goes_on(a, prompt, block)), ()):
             self.asides.remove(moved)
