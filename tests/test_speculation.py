@@ -222,6 +222,24 @@ def test_a_predicted_output_is_proposed_and_changes_nothing_but_speed(plain_engi
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 30
 
 
+@pytest.mark.parametrize("stop", ["sea", "\n", " the"])
+def test_proposals_a_stop_took_back_are_not_counted_as_kept(plain_engine, spec_engine, stop):
+    """A stop string met among a step's accepted proposals took the rest back from the answer, but they
+    stayed counted: 11 kept proposals in an answer of 8 tokens, in usage and /metrics."""
+    messages = ask("Write a short poem about the sea, with a title.")
+    expected = plain_engine.chat(messages=messages, max_tokens=60).choices[0].message.content
+    before = spec_engine.stats()
+    out = spec_engine.chat(messages=messages, max_tokens=60, stop=[stop],
+                           prediction={"type": "content", "content": expected})
+    after = spec_engine.stats()
+    details = out.usage.completion_tokens_details
+    assert out.choices[0].finish_reason == "stop" and len(out.choices[0].message.content) < len(expected)
+    assert details.accepted_prediction_tokens <= out.usage.completion_tokens - 1  # the first is the prompt's
+    assert after.accepted_tokens - before.accepted_tokens == details.accepted_prediction_tokens
+    assert after.draft_tokens - before.draft_tokens == (details.accepted_prediction_tokens
+                                                       + details.rejected_prediction_tokens)
+
+
 def test_a_prediction_is_read_only_as_far_as_the_answer_can_go(spec_engine):
     """A 9 MB prediction was tokenized and indexed whole on the path every request waits behind (other
     clients stalled 17 s); an answer of 8 tokens can use the first hundred-odd characters of it."""

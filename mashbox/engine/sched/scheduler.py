@@ -197,16 +197,19 @@ class Scheduler:
                                                    min(w.seq.num_computed, len(prompt)))
             rows = [next(tokens) for _ in range(1 + w.draft)] if w.sample else []
             if rows and not w.seq.status.is_finished:
-                kept = self._accept(w, rows)
+                kept, proposals = self._accept(w, rows)
                 if emit is not None:
-                    emit(w.seq, kept)
+                    length = len(w.seq.output_ids)
+                    emit(w.seq, kept)  # the tokens it takes back end the step's: its own choice (if kept) first
+                    self._withdraw(w.seq, length - len(w.seq.output_ids) - (len(kept) - proposals))
                 self._check_limits(w.seq)
                 new.append((w.seq, kept))
         return new
 
-    def _accept(self, w: Work, rows: list[int]) -> list[int]:
+    def _accept(self, w: Work, rows: list[int]) -> tuple[list[int], int]:
         """The tokens a decode item gives: its proposals up to the first that differs from the token
-        its row before chose, then that row's token; each checked against the limits."""
+        its row before chose, then that row's token (cut after an end of text); and how many of them
+        are proposals."""
         seq, proposed = w.seq, w.token_ids[len(w.token_ids) - w.draft :]
         accepted = next((i for i, (p, t) in enumerate(zip(proposed, rows)) if p != t), len(proposed))
         if w.draft:
@@ -220,7 +223,14 @@ class Scheduler:
             kept.append(token)
             if token in seq.eos_ids:
                 break
-        return kept
+        return kept, min(len(kept), accepted)
+
+    def _withdraw(self, seq: Sequence, proposals: int) -> None:
+        """Forget ``proposals`` accepted proposals that were taken back (after a stop string, a grammar
+        begun, forced tokens): no part of the answer, they count as neither accepted nor rejected."""
+        if proposals > 0:
+            seq.drafted, seq.accepted = seq.drafted - proposals, seq.accepted - proposals
+            self.drafted, self.accepted = self.drafted - proposals, self.accepted - proposals
 
     def _short(self, seq: Sequence | None) -> bool:
         """Whether ``seq``'s prompt is short (at most SHORT chunks not found in the prefix cache): short
