@@ -327,6 +327,16 @@ def test_a_restarted_engine_starts_a_known_prompt_from_disk_with_the_same_answer
     assert "skipped the cached prompt page" in caplog.text
 
 
+def test_a_restart_with_another_context_reads_the_same_pages(tiny_model_dir, tmp_path):
+    """``--ctx`` was part of the pages' namespace: a server started again with a smaller context (to save
+    memory) prefilled every prompt cold, its pages on disk for nothing; the keys do not depend on it."""
+    options = {"slots": 1, "quiet": True, "cache_disk_gib": 1, "cache_dir": str(tmp_path)}
+    with Engine(str(tiny_model_dir), ctx=1024, **options) as engine:
+        cold, text = _run(engine)
+    with Engine(str(tiny_model_dir), ctx=512, **options) as engine:
+        assert cold == 0 and _run(engine) == (256, text)
+
+
 def test_a_step_that_fails_leaves_nothing_it_wrote_to_be_reused(tiny_model_dir, tmp_path, monkeypatch):
     """Loading a page from disk into a slot failed: the slot was still taken to hold the prompt, so
     the request sent again was served from it (garbage, 200) and its later pages kept on disk."""

@@ -75,3 +75,22 @@ def test_a_longrope_model_stays_within_its_original_context_by_default(tmp_path,
         ids = smol_tokenizer.encode(WORDS[:60])
         expected = smol_tokenizer.decode(generate(model, ids, 10), skip_special_tokens=True)
         assert engine.complete(prompt=WORDS[:60], max_tokens=10, temperature=0).choices[0].text == expected
+
+
+def test_pages_of_longropes_short_table_are_not_read_past_its_original_context(tmp_path, smol_tokenizer):
+    """Past its original context LongRoPE turns every position by its long factors: the keys differ, so
+    the disk pages of a server within that context are no one's past it (a context of its own only
+    for such a model: the pages' namespace holds the rotary tables, not the context)."""
+    model = tiny_phi(**{**LONGROPE, "original_max_position_embeddings": 256})
+    model.save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    options = {"dtype": "float32", "slots": 1, "quiet": True, "chunk_tokens": 16, "cache_disk_gib": 1,
+               "cache_dir": str(tmp_path / "pages")}  # pages of 8 chunks: 128 tokens
+    prompt = WORDS  # 134 tokens
+    assert 128 < len(smol_tokenizer.encode(prompt)) < 190
+
+    def cached(ctx: int) -> int:
+        with Engine(str(tmp_path / "model"), ctx=ctx, **options) as engine:
+            return engine.complete(prompt=prompt, max_tokens=1).usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(256), cached(256), cached(200), cached(512)] == [0, 128, 128, 0]

@@ -327,11 +327,20 @@ def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfi
     return replace(config or EngineConfig(), **options, **({"model": str(model)} if model is not None else {}))
 
 
+def _rotary(runner: ModelRunner) -> list[list[float]]:
+    """The rotary tables' row for position 1, one for each kind the layers use: what of ``ctx`` a page
+    depends on (LongRoPE's long table past the model's original context; any other ``ctx`` computes
+    the same keys, so a server started with another ``--ctx`` reads the same pages)."""
+    rows = {tuple(layer.cos[1].float().tolist()) + tuple(layer.sin[1].float().tolist())
+            for layer in runner.weights.layers}
+    return [list(row) for row in sorted(rows)]
+
+
 def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
     """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
     if config.cache_disk_gib <= 0:
         return None
-    parts = [info.id, str(weights), stamp(weights) if weights.exists() else None, info.ctx, info.dtype,
+    parts = [info.id, str(weights), stamp(weights) if weights.exists() else None, _rotary(runner), info.dtype,
              info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens, torch.__version__,
              native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
