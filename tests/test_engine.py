@@ -848,6 +848,37 @@ def test_an_engine_in_a_forked_child_refuses_at_once(tiny_engine):
     assert tiny_engine.complete(prompt="Hi", max_tokens=1).choices[0].text is not None  # the parent's still works
 
 
+def test_an_engine_says_what_it_runs_in_a_notebooks_output(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir), ctx=256, slots=2, quiet=True)
+    said = repr(engine)
+    assert engine.model_id in said and "on cpu: 2 slots x 256 tokens, open" in said
+    engine.close()
+    assert repr(engine).endswith("closed>")
+
+
+def test_an_engine_made_in_a_child_forked_from_a_working_one_answers(smol_engine):
+    """As the error above advises: a new Engine in the child. The parent's OpenMP pool did not survive
+    the fork, and the child's first parallel region (reading the weights) waited for it for good."""
+    import multiprocessing
+
+    expected = smol_engine.complete(prompt="The capital of France is", max_tokens=4).choices[0].text
+    context = multiprocessing.get_context("fork")
+    said = context.SimpleQueue()
+
+    def child() -> None:
+        with Engine("smollm2-135m", ctx=256, slots=1, quiet=True) as engine:
+            said.put(engine.complete(prompt="The capital of France is", max_tokens=4).choices[0].text)
+
+    process = context.Process(target=child)
+    process.start()
+    process.join(timeout=90)
+    alive = process.is_alive()
+    if alive:
+        process.kill()
+    assert not alive and process.exitcode == 0, "the child hung"
+    assert said.get() == expected
+
+
 def test_a_special_tokens_text_in_a_message_is_text_to_the_model(tiny_engine):
     """A file an agent read (a tokenizer's config, a chat template) holding ``<|im_end|>`` ended the
     user's turn in the prompt, and ``<|im_start|>system`` opened a system turn of the file's words: the

@@ -13,6 +13,7 @@ import os
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import fields, replace
+from functools import cache
 from pathlib import Path, PurePath
 from typing import Any, NamedTuple, Self
 
@@ -102,7 +103,13 @@ class Runtime:
         self._speculate = config.speculation and runner.cut_anywhere  # a row's bits never depend on its batch
         self._core = EngineCore(scheduler, runner, self.tokenizer)
         self._pid = os.getpid()  # its thread runs in this process only: a forked child waited forever
+        _one_thread_after_fork()
         self._release = weakref.finalize(self, _release, self._core)  # also where the Engine is dropped unclosed
+
+    def __repr__(self) -> str:
+        i, state = self.info, "closed" if self._core.closed else "open"
+        return (f"<{type(self).__name__} {i.id} ({i.weights}, {i.weights_mode}) on {i.device}: {i.slots} slots "
+                f"x {i.ctx} tokens, {state}>")
 
     def _has_token(self, text: str) -> bool:
         return self.tokenizer.token_id(text) is not None
@@ -325,6 +332,15 @@ def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfi
             hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}"
             raise ConfigError(f"{name}: is not an Engine option; {hint}")
     return replace(config or EngineConfig(), **options, **({"model": str(model)} if model is not None else {}))
+
+
+@cache
+def _one_thread_after_fork() -> None:
+    """Once per process that ran a model: a child forked from it computes on one thread, as PyTorch's
+    DataLoader workers do. The OpenMP pool of the parent's threads does not survive a fork (GNU
+    OpenMP), and the child's first parallel region waited for them for good: an ``Engine`` made in a
+    multiprocessing child (the fork start method) hung while it loaded."""
+    os.register_at_fork(after_in_child=lambda: torch.set_num_threads(1))
 
 
 def _rotary(runner: ModelRunner) -> list[list[float]]:
