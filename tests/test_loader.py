@@ -250,6 +250,14 @@ def _tensor_type(name: str, kind: int):
     return change
 
 
+def _renamed_tensor(name: str):
+    """Rename the tensor ``name`` (its last letter changed): the file no longer has it."""
+    def change(data: bytearray) -> None:
+        at = data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name) - 1
+        data[at] = ord("x")
+    return change
+
+
 def _renamed_field(key: str):
     """Rename the metadata ``key`` (one letter changed): the file no longer has it."""
     def change(data: bytearray) -> None:
@@ -266,6 +274,8 @@ def _renamed_field(key: str):
     (_u32_field("llama.block_count", 29), "it has tensor blk.29."),
     (_u32_field("llama.block_count", 31), "it has no attention for layer 30 of the 31 its block_count says"),
     (_tensor_type("blk.5.attn_q.weight", 8), "tensor blk.5.attn_q.weight runs into"),  # Q4_1 -> Q8_0
+    (_renamed_tensor("blk.1.ffn_down.weight"), "it has no tensor blk.1.ffn_down.weight (layer 1 of 30)"),  # KeyErrors
+    (_renamed_tensor("output_norm.weight"), "it has no tensor output_norm.weight"),
 ])
 def test_a_gguf_whose_metadata_does_not_follow_its_tensors_is_refused(smol: LoadedModel, tmp_path: Path, change,
                                                                       said: str) -> None:

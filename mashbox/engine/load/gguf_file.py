@@ -296,6 +296,10 @@ def _needed(gguf: GGUFFile, key: str) -> int:
     return value
 
 
+LAYER_TENSORS = ("attn_norm", "attn_output", "ffn_up", "ffn_down")  # each layer's, in every family mashbox runs
+MODEL_TENSORS = ("token_embd.weight", "output_norm.weight")
+
+
 def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int) -> None:
     """The layers' tensors as the metadata describes them: each layer's attention there, none past the
     layer count, and the attention matrices of the heads it says (the kernels trust the head counts: a
@@ -309,6 +313,10 @@ def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int)
     for layer in range(spec.num_layers):
         if not any(f"blk.{layer}.{n}.weight" in gguf.tensors for n in ("attn_q", "attn_qkv")):
             raise refuse(f"it has no attention for layer {layer} of the {spec.num_layers} its block_count says")
+        if missing := next((n for n in LAYER_TENSORS if f"blk.{layer}.{n}.weight" not in gguf.tensors), None):
+            raise refuse(f"it has no tensor blk.{layer}.{missing}.weight (layer {layer} of {spec.num_layers})")
+    if missing := next((n for n in MODEL_TENSORS if n not in gguf.tensors), None):
+        raise refuse(f"it has no tensor {missing}")
     for name, info in gguf.tensors.items():
         parts = name.split(".")
         if parts[0] != "blk" or len(parts) != 4 or parts[3] != "weight":
