@@ -3,6 +3,7 @@ invariance they promise, and whole models read straight from a GGUF file."""
 
 
 import ctypes
+import logging
 
 import pytest
 import torch
@@ -130,6 +131,22 @@ def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, name, formats):
     assert runner._fused is not None and runner.cut_anywhere
     assert not [n for n in ckpt.tensors._loaded if n in ckpt.blocks], "a float copy of the blocks was made"
     blocks_agree(runner, prompts, expected)
+
+
+def test_a_gguf_matrix_stored_as_floats_is_said_to_be_quantized_at_load(tmp_path, lib, monkeypatch, caplog):
+    """An F16/BF16/F32 file's matrices were quantized to int8 blocks without a word (a fallback the log
+    names for every other format)."""
+    import quants
+
+    def floated(path, arch, config, matrices, floats, numbers=None):
+        floats = {**floats, "blk.0.ffn_down.weight": quant.dequantize(matrices.pop("blk.0.ffn_down.weight"), None)}
+        return write_gguf(path, arch, config, matrices, floats, numbers)
+
+    monkeypatch.setattr(quants, "write_gguf", floated)
+    path = tiny_gguf(tmp_path / "floats.gguf", _tiny(LlamaConfig, LlamaForCausalLM), "llama", ["Q4_K"])
+    with caplog.at_level(logging.INFO, logger="mashbox.engine"):
+        ModelRunner(checkpoint(open_model(path), torch.device("cpu"), torch.float32, lib), 1, 256, "gguf")
+    assert "1 matrices stored as floats have no kernel here: quantized to int8 blocks at load" in caplog.text
 
 
 def test_the_engine_runs_a_gguf_it_was_given(tmp_path, monkeypatch):

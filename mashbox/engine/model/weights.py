@@ -244,7 +244,7 @@ class Weights:
             layers=[_layer(ckpt, f"model.layers.{i}.", act, mode, packer, windows[i],
                            tables[bool(windows[i])] if rotated[i] else still) for i in range(ckpt.spec.num_layers)],
             norm=_norm(ckpt, "model.norm.weight"),
-            lm_head=_linear(ckpt, ["lm_head.weight"], mode, packer),
+            lm_head=_linear(ckpt, [LM_HEAD], mode, packer),
             cos=tables[0][0],
             sin=tables[0][1],
             embed_scale=ckpt.embed_scale,
@@ -259,10 +259,15 @@ class Weights:
         widened = sorted({ckpt.blocks[n].name for n in ckpt.blocks if not ckpt.blocks[n].readable})
         if widened and mode == "gguf":
             log.info("weights in %s have no kernel here: widened to int8 blocks at load", ", ".join(widened))
+        floated = [n for n in ckpt.tensors if n not in ckpt.blocks and (n.endswith("_proj.weight") or n == LM_HEAD)]
+        if floated and mode == "gguf":  # an F16, BF16 or F32 file's matrices (dtype="float32" keeps them exact)
+            log.info("%d matrices stored as floats have no kernel here: quantized to int8 blocks at load",
+                     len(floated))
         return weights
 
 
 EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 UNAPPLIED = ("self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
              "mlp.gate_up_proj.bias")  # biases no layer of mashbox's adds
 
