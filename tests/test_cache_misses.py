@@ -64,6 +64,17 @@ def test_a_character_is_placed_in_the_part_of_the_conversation_it_lies_in():
         "the template's opening", "system text", "tools", "tools", "message 1 (user)", "message 2 (assistant)"]
 
 
+def test_a_system_text_that_quotes_a_tools_name_is_still_the_system_text():
+    """The tools' block was found at the first quoted tool name: where the system text before it says
+    'Prefer the "lookup" tool', a change to the system text after that was told as one in the tools."""
+    messages = (Message("system", 'Prefer the "lookup" tool. Work in /home/ann.'), Message("user", "Hi"))
+    tools = (Tool("lookup", "Looks things up", {"type": "object"}),)
+    rendered = ('<s>system\nPrefer the "lookup" tool. Work in /home/ann.\n# Tools\n'
+                '{"type": "function", "function": {"name": "lookup"}}\n<s>user\nHi\n')
+    assert part_at(rendered, rendered.index("/home"), messages, tools) == "system text"
+    assert part_at(rendered, rendered.index('"name"'), messages, tools) == "tools"
+
+
 def test_a_turn_is_found_after_the_turn_before_it_not_inside_it():
     """A short answer ("Yes") whose text the question before it holds: a change in the question was told as
     one in the answer."""

@@ -233,9 +233,16 @@ def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: tuple[
             n = i if m.item is None else m.item
             starts.append((found, "system text" if m.role == "system" else f"message {n} ({m.role})"))
             pos = found + (len(m.content) if rendered.startswith(m.content, found) else len(probe))
-    if tools and (found := rendered.find(f'"{tools[0].name}"')) >= 0:
+    if tools and (found := _tools_at(rendered, tools[0].name)) >= 0:
         starts.append((found, "tools"))
     return max(((o, name) for o, name in starts if o <= at), default=(0, "the template's opening"))[1]
+
+
+def _tools_at(rendered: str, first: str) -> int:
+    """Where the tools' block shows its first tool: as the templates' JSON names it, else its name in quotes
+    (a system text before the tools may quote a tool's name: "Prefer the "read" tool")."""
+    found = rendered.find(f'"name": "{first}"')
+    return found if found >= 0 else rendered.find(f'"{first}"')
 
 
 def _arguments(call: ToolCall) -> Any:
