@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from mashbox.api import anthropic_messages, local_tasks
 from mashbox.api.anthropic_messages import AnthropicMessage, TokenCount
 from mashbox.api.anthropic_messages import StreamEvent as MessageEvent
-from mashbox.api.base import parse, plain
+from mashbox.api.base import MAX_DEPTH, parse, plain
 from mashbox.api.chat_output import ChatCompletion, ChatCompletionChunk
 from mashbox.api.openai_completions import Completion
 from mashbox.api.openai_responses import Response
@@ -265,14 +265,29 @@ def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method:
     caller's code and an error."""
     if request is None:
         _check_names(fields, model, method)
-        return plain(fields)
+        return plain(_as_json(fields))
     if fields:
         raise InvalidRequestError("request", "pass a request object or keyword fields, not both")
     if isinstance(request, BaseModel):
         return plain(request.model_dump(exclude_unset=True, by_alias=True))
     if not isinstance(request, Mapping):
         raise InvalidRequestError("request", f"must be a dict or a request model, not {type(request).__name__}")
-    return plain(request)
+    return plain(_as_json(request))
+
+
+def _as_json(value: Any, depth: int = 0) -> Any:
+    """A Python caller's values as a JSON body has them: tuples as lists, numpy's numbers (a notebook's
+    ``np.int64(64)``) as Python's (the request types are strict, as over HTTP). Past the depth a body
+    may nest, left for ``plain`` to refuse."""
+    if depth > MAX_DEPTH:
+        return value
+    if isinstance(value, Mapping):
+        return {key: _as_json(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_json(item, depth + 1) for item in value]
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
 
 
 def _warn_ignored(ignored: list[str], stacklevel: int) -> None:

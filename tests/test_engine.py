@@ -393,6 +393,20 @@ def test_prefix_restored_from_host_memory_gives_the_cold_answer(tiny_model_dir):
     assert stats.host_cache_cap_bytes == 64 * 2**20 and stats.host_cache_evictions == 0
 
 
+def test_numpy_numbers_and_tuples_are_taken_as_json_has_them(tiny_engine):
+    """A notebook's ``np.int64`` max_tokens and a tuple of stops were refused ("Input should be a valid
+    integer", "... a valid string"): the request types are strict, as a JSON body is."""
+    import numpy as np
+
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = tiny_engine.chat(messages=messages, max_tokens=5, temperature=0.0, stop=["x"])
+    for fields in ({"max_tokens": np.int64(5), "temperature": np.float32(0.0), "stop": ("x",)},
+                   {"max_tokens": np.int32(5), "stop": np.array(["x"]).tolist()}):
+        said = tiny_engine.chat(messages=tuple(messages), **fields)
+        assert said.choices[0].message.content == plain.choices[0].message.content
+    assert tiny_engine.chat({"messages": messages, "max_tokens": np.int64(5)}).usage.completion_tokens <= 5
+
+
 def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.stream(EngineRequest(prompt=""))
