@@ -2,8 +2,8 @@
 
 mashbox balances nothing itself. ``haproxy_config`` writes the configuration (``deploy/haproxy.cfg``
 is its output for three replicas), and ``Cluster`` starts the replicas and Debian's ``haproxy`` with
-it, starts a replica again when it dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP (and, on
-Linux, when it is killed: each child gets SIGTERM as it dies).
+it, starts a replica (or HAProxy) again when it dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP
+(and, on Linux, when it is killed: each replica gets SIGTERM as it dies, HAProxy a soft stop).
 
 Each replica runs on an equal share of the machine's cores (its CPU affinity and
 ``OMP_NUM_THREADS``), so that their threads do not contend; where there are fewer cores than
@@ -14,7 +14,8 @@ What the configuration does:
 - A request that names its session goes to the replica that holds its prompt prefix: consistent
   hashing on the first of ``SESSION_HEADERS`` it carries (mashbox's, Claude Code's, Codex's, Pi's),
   else on the body's ``prompt_cache_key`` (OpenAI's), else its ``metadata.user_id`` (Claude Code's
-  holds its session; both read where the body fits in HAProxy's 256 KiB buffer). Consistent, so that a replica leaving or coming back moves only its own sessions.
+  holds its session; both read where the body fits in HAProxy's 256 KiB buffer). Consistent, so that
+  a replica leaving or coming back moves only its own sessions.
 - A request without one goes to the replica with the fewest open connections. Requests to
   ``/v1/messages`` take backends of their own (the same servers and ring): HAProxy's own errors there
   are in Anthropic's shape.
