@@ -157,7 +157,7 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
             "`mashbox cluster --replicas 2 -- qwen2.5-coder-0.5b --slots 8`. See docs/scale-out.md.", 78))
     cluster.add_argument("--replicas", type=int, default=2, help="replicas to start (default: %(default)s)")
     cluster.add_argument("--host", default="127.0.0.1",
-                         help="address HAProxy listens on; a loopback address (default: %(default)s)")
+                         help="address HAProxy listens on: 127.0.0.1, ::1 or localhost (default: %(default)s)")
     cluster.add_argument("--port", type=int, default=8000, help="port HAProxy listens on (default: %(default)s)")
     cluster.add_argument("--first-port", type=int, default=None,
                          help="port of the first replica, the next ones after it (default: PORT + 1)")
@@ -323,7 +323,7 @@ def cluster(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 2
-    return Cluster(replicas(args.replicas, first), args.host, args.port, run_args, haproxy).run()
+    return Cluster(replicas(args.replicas, first), args.host.strip("[]"), args.port, run_args, haproxy).run()
 
 
 def _settings(args: argparse.Namespace):

@@ -242,7 +242,7 @@ class Cluster:
     def _watch(self, config: Path, balancer: subprocess.Popen) -> int:
         while True:
             if (code := balancer.poll()) is not None:
-                if time.monotonic() - self._balanced < RESTART_S:  # it could not start (its port is taken)
+                if code > 0 and time.monotonic() - self._balanced < RESTART_S:  # it could not start (its port taken)
                     _say(f"HAProxy stopped ({_status(code)}); stopping the replicas")
                     return 1
                 _say(f"HAProxy stopped ({_status(code)}); starting it again")

@@ -423,7 +423,7 @@ def test_a_replica_that_fails_to_load_again_after_a_crash_is_started_again(tmp_p
 
 def test_haproxy_that_dies_is_started_again_and_one_that_cannot_start_stops_the_cluster(tmp_path, monkeypatch):
     """HAProxy killed (the OOM killer, an operator) stopped the whole cluster, healthy replicas and all;
-    one that stops right after its start (its port taken) still does."""
+    one that exits with an error right after its start (its port taken) still does, not one killed then."""
     from mashbox.cluster import Cluster
 
     cluster = Cluster(replicas(1, free_port()), "127.0.0.1", free_port(), [])
@@ -437,7 +437,7 @@ def test_haproxy_that_dies_is_started_again_and_one_that_cannot_start_stops_the_
 
     monkeypatch.setattr(cluster, "_balance", balance)
     try:
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])  # as HAProxy on a taken port
         dead.wait()
         cluster._balanced = time.monotonic()  # just started: it could not
         assert cluster._watch(tmp_path / "haproxy.cfg", dead) == 1 and not started
@@ -445,6 +445,13 @@ def test_haproxy_that_dies_is_started_again_and_one_that_cannot_start_stops_the_
         with pytest.raises(KeyboardInterrupt):
             cluster._watch(tmp_path / "haproxy.cfg", dead)
         assert started == [tmp_path / "haproxy.cfg"]
+        killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        killed.kill()
+        killed.wait()
+        cluster._balanced = time.monotonic()  # killed again right after its restart: no failure to start
+        with pytest.raises(KeyboardInterrupt):
+            cluster._watch(tmp_path / "haproxy.cfg", killed)
+        assert len(started) == 2
     finally:
         cluster._replicas["r1"].kill()
         cluster._replicas["r1"].wait()

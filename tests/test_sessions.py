@@ -11,6 +11,7 @@ import pytest
 from mashbox import Engine, EngineRequest, SamplingParams, Started
 from mashbox.api.anthropic_messages import MessagesRequest
 from mashbox.api.openai_responses import ResponsesRequest
+from mashbox.engine.sched.prefix_cache import Session
 from mashbox.server.generation import session_of
 
 CLIENTS = Path(__file__).parent / "fixtures" / "clients"  # copies of shared/clients
@@ -90,6 +91,22 @@ def test_a_sessions_side_requests_that_share_its_tools_leave_its_conversation_wa
         second_turn = len(engine.encode(EngineRequest(prompt=f"{tools} {_line('alpha', 2)}"))) // 32 * 32
         assert 2 * len(engine.encode(EngineRequest(prompt=tools))) >= second_turn  # the tools: half the line
         assert _cached(engine, f"{tools} {_line('alpha', 3)}", "s") == second_turn
+
+
+def test_a_sessions_line_outlives_side_requests_in_a_row_longer_than_it():
+    """Each side request sharing the tools became the line, and the second pushed the conversation
+    out of ``before`` where both were longer than it."""
+    tools = tuple(range(768))
+    line = tools + tuple(range(1000, 1576))
+    session = Session()
+    session.follow(tools + tuple(range(1000, 1300)), 32)
+    session.follow(line, 32)  # the next turn
+    for n in range(3):
+        session.follow(tools + tuple(range(5000 + 1000 * n, 5700 + 1000 * n)), 32)
+        assert session.holds(line)
+    session.follow(line + (7, 8, 9), 32)  # the conversation's next turn, then another side request
+    session.follow(tools + tuple(range(9000, 9700)), 32)
+    assert session.holds(line + (7, 8, 9))
 
 
 def _captured(name: str) -> tuple[dict, dict]:

@@ -114,20 +114,23 @@ class Session:
     line: tuple[int, ...] = ()
     before: tuple[int, ...] = ()  # kept warm too: a side request may have been taken for a new line
     asides: list[tuple[int, ...]] = field(default_factory=list)
+    grown: bool = False  # whether the line holds a line before it whole (a conversation's next turn)
 
     def follow(self, prompt: tuple[int, ...], block: int) -> None:
         """A prompt that goes on with the line (shares at least half of it: the next turn, or a turn
         again) is the line now; one that goes on past an aside too (a history rewritten, then its next
-        turn); any other is an aside. A line that the new one does not hold whole (a turn again, or a
-        side request that shares the line's long start: the agent's tools) is kept warm as ``before``
-        where it is the longer: which of the two the session goes on with, its next turn says."""
+        turn); any other is an aside. A grown line that the new one does not hold whole (a turn again,
+        or a side request that shares the line's long start: the agent's tools) is kept warm as
+        ``before``: which of the two the session goes on with, its next turn says (side requests in a
+        row leave it there)."""
         if not self.line or _goes_on(self.line, prompt, block):
-            if prompt[: len(self.line)] != self.line and len(self.line) >= len(self.before):
+            grows = not self.line or any(line and prompt[: len(line)] == line for line in (self.line, self.before))
+            if not grows and self.grown:
                 self.before = self.line
-            self.line = prompt
+            self.line, self.grown = prompt, grows
         elif moved := next((a for a in self.asides if len(prompt) > len(a) and _goes_on(a, prompt, block)), ()):
             self.asides.remove(moved)
-            self.before, self.line = self.line, prompt
+            self.before, self.line, self.grown = self.line, prompt, True
         else:
             self.asides = [*self.asides, prompt][-ASIDES:]
 
