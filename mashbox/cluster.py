@@ -118,6 +118,7 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
           "if !{ var(txn.session) -m len gt 0 } { method POST }"
           for path in ("$.prompt_cache_key", "$.metadata.user_id")),  # Claude Code's session is in its user_id
         "    http-response set-header x-mashbox-replica %[srv_name]",
+        f"    http-request return {_metrics(members)} if {{ path /metrics }}",  # each replica's counters are its own
         f"    http-request return {_reply(HEALTH[0], more={'status': 'loading'})} if {{ nbsrv(replicas) eq 0 }} "
         f"{{ path {' '.join(HEALTH)} }}",  # a monitor reads the status, as a loading replica's
         *(f"    http-request return {_reply(paths[0])} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {' '.join(paths)} }}"
@@ -165,6 +166,15 @@ def _errors(path: str) -> list[str]:
     if answer(path, ApiError(503, NOT_UP))[0] != 503:
         lines.append(f"    http-after-response set-status {OVERLOADED} if {{ status 503 }}")
     return lines
+
+
+def _metrics(members: Sequence[Replica]) -> str:
+    """HAProxy's answer to ``/metrics`` on its port: where to scrape. Passed to the replicas in turn, each
+    scrape read another one's counters (a reset to Prometheus every other scrape)."""
+    where = ", ".join(f"127.0.0.1:{r.port}/metrics" for r in members)
+    message = f"the metrics of a cluster are those of each replica: scrape {where} (docs/scale-out.md)"  # no quote
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "not_found"}}
+    return f"status 404 content-type application/json string '{json.dumps(body)}'"
 
 
 def _reply(path: str, error: int = 503, more: dict | None = None, status: int | None = None) -> str:

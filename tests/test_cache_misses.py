@@ -37,6 +37,16 @@ def test_the_cache_says_where_a_prompt_left_a_longer_cached_prefix():
     assert cache.admit(cached[:21] + [5] + cached[22:], [1], salt="other")[0].differs is None  # another tenant's
 
 
+def test_a_prompt_too_short_for_the_cache_missed_nothing():
+    """A prompt of no whole block before its last token, sent again and again, read as a miss of
+    another conversation it shares its opening with (differs-at, diverged counted): no cache could
+    serve it."""
+    cache = PrefixCache(num_slots=2, block=4)
+    cache.insert(0, list(range(100, 140)))
+    assert cache.admit([100, 101, 102, 7], [1])[0].differs is None
+    assert cache.admit([100, 101, 102, 7, 8], [1])[0].differs == 3  # one block it could have had
+
+
 def test_a_prompt_the_disk_served_is_no_miss_of_what_a_slot_held(tmp_path):
     """Its pages read from disk (after a restart), while a slot held another prompt: no differs-at
     (it said differs-at=0 in the template's opening, a change that never happened)."""

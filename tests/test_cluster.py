@@ -162,6 +162,8 @@ def test_with_no_replica_up_the_balancer_answers_as_a_loading_server_would(tmp_p
             assert answer.headers["retry-after"] == "1" and shape in answer.json()
         assert httpx.post(url + "/v1/messages", json={}).headers["x-should-retry"] == "true"
         assert httpx.get(url + "/health").json()["status"] == "loading"  # as a replica's, for a monitor
+        scraped = httpx.get(url + "/metrics")  # one replica's counters, then another's: scrape each
+        assert scraped.status_code == 404 and f"127.0.0.1:{first + 1}/metrics" in scraped.json()["error"]["message"]
     finally:
         balancer.terminate()
         balancer.wait(timeout=10)

@@ -88,6 +88,7 @@ def test_token_counters_come_from_the_engine_and_hold_while_a_worker_starts_agai
     assert value(text, "mashbox:prefix_cache_queries_total") == 90
     assert value(text, "mashbox:prefix_cache_hits_total") == 60
     assert value(text, "mashbox:worker_restarts_total") == 1
+    assert value(text, "mashbox:cache_config_info", block_size="512", num_gpu_blocks="4") == 1  # it went away
     backend.snapshot = engine_stats(prompt_tokens=180, generated_tokens=55, prefix_lookup_tokens=100,
                                     prefix_hit_tokens=60)  # the backend's totals go on over its workers
     text = metrics.render(backend, 0)

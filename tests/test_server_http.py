@@ -254,6 +254,21 @@ def test_session_is_logged(http, caplog):
     assert any("pck-7" in r.getMessage() for r in caplog.records)
 
 
+def test_every_refused_request_is_logged_with_its_id_and_status(http, caplog):
+    """400s, 404s and 415s (and the 503s of a restarting worker) wrote no line: an operator saw no
+    error while clients were turned away."""
+    with caplog.at_level(logging.INFO, logger="mashbox.server"):
+        answers = [http.post("/v1/chat/completions", json={**CHAT, "temperature": "hot"}),
+                   http.post("/v1/chat/completions", json={**CHAT, "model": "no-such-model"}),
+                   http.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}),
+                   http.post("/v1/completions", json={"prompt": "", "max_tokens": 2})]  # refused by the engine
+    lines = [r.getMessage() for r in caplog.records]
+    for answer in answers:
+        said = [line for line in lines if answer.headers["x-request-id"] in line and "answered" in line]
+        assert answer.status_code >= 400 and len(said) == 1, (answer.status_code, lines)
+        assert f"answered {answer.status_code}: " in said[0]
+
+
 def test_count_tokens(http):
     assert http.post("/v1/messages/count_tokens", json=MESSAGE).json()["input_tokens"] > 3
 
@@ -432,7 +447,7 @@ def test_a_session_that_looks_like_log_fields_is_quoted_and_a_refusal_ends_its_l
     assert any('session="abc tenant=admin" tenant=default' in line for line in lines), lines
     assert refused.status_code == 400, refused.text
     request_id = refused.headers["x-request-id"]
-    assert any(line.startswith(f"{request_id} refused: ") for line in lines), lines
+    assert any(line.startswith(f"{request_id} POST '/v1/chat/completions' answered 400: ") for line in lines), lines
 
 
 def test_a_connection_that_sends_no_whole_request_in_time_is_closed(tiny_server, monkeypatch):

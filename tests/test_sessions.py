@@ -3,6 +3,7 @@ the one-off side requests agents make (titles, summaries, quota checks), and the
 from what the real agents send."""
 
 import json
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,14 +13,16 @@ from mashbox import Engine, EngineRequest, SamplingParams, Started
 from mashbox.api.anthropic_messages import MessagesRequest
 from mashbox.api.openai_responses import ResponsesRequest
 from mashbox.engine.sched.prefix_cache import Session
-from mashbox.server.generation import session_of
+from mashbox.server.generation import _field, session_of
 
 CLIENTS = Path(__file__).parent / "fixtures" / "clients"  # copies of shared/clients
 
 
 def _cached(engine: Engine, prompt: str, session: str | None) -> int:
+    """The prompt tokens that came from the cache; read to its end (a request left at its Started event
+    is aborted, its prompt cached as far as it got: how far, the machine's speed said)."""
     request = EngineRequest(prompt=prompt, sampling=SamplingParams(max_tokens=1), session=session)
-    return next(e.cached for e in engine.stream(request) if isinstance(e, Started))
+    return next(e.cached for e in list(engine.stream(request)) if isinstance(e, Started))
 
 
 def _line(name: str, turns: int) -> str:
@@ -145,3 +148,10 @@ def test_a_session_id_is_one_printable_line_in_the_log():
     header = "セッション".encode().decode("latin-1")  # what the ASGI server hands on
     assert session_of({"x-session-id": header}, SimpleNamespace()) == "セッション"
     assert len(session_of({}, SimpleNamespace(prompt_cache_key="\x00" * 500))) == 200
+
+
+@pytest.mark.parametrize("session", ['x\\" tenant=admin note=\\', "abc tenant=admin", 'a"b', "-", "a\\"])
+def test_a_session_id_is_one_field_of_the_log_line(session):
+    """A backslash before the quote ended the quoted id early, and ``tenant=admin`` read as a field of its own."""
+    line = f"chat session={_field(session)} tenant=default"
+    assert shlex.split(line) == ["chat", f"session={session}", "tenant=default"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -85,9 +86,10 @@ def events_of(stream_response) -> list[dict]:
     return out
 
 
-def test_create(tasks):
-    answer = tasks.create(stream=False, user_message_content="Name three planets.", request_id="req-7",
-                          inference_args={"max_tokens": 200})
+def test_create(tasks, caplog):
+    with caplog.at_level(logging.INFO, logger="mashbox.server"):
+        answer = tasks.create(stream=False, user_message_content="Name three planets.", request_id="req-7",
+                              inference_args={"max_tokens": 200})
     assert answer.jsonrpc == "2.0" and answer.id == "req-7" and answer.error is None
     task = answer.result
     assert task.status == "completed" and task.object == "task" and task.id.startswith("task_")
@@ -96,6 +98,7 @@ def test_create(tasks):
     used = task.usage["output_tokens"]
     assert 0 < used < 200 and task.usage["total_tokens"] == task.usage["input_tokens"] + used
     assert message.status == "completed" and "incomplete_details" not in task.model_dump()  # ended by itself
+    assert any(f"task {task.id} ended completed after" in r.getMessage() for r in caplog.records)  # as it began
 
 
 def test_max_tokens_cuts_the_answer_short(tasks):

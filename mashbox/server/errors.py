@@ -174,6 +174,8 @@ def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Reque
         if isinstance(exc, QueueFull):  # overload shows in the log and /metrics too
             log.warning("%s refused (%d): %s", request_id, status, exc.message)
             refused(exc.scope)
+        elif error.status != 500:  # a 500 is logged where it is made, with its traceback
+            log.info("%s %s %r answered %d: %s", request_id, request.method, request.url.path, status, error.message)
         if isinstance(exc, HTTPException) and exc.headers:  # Litestar's own: a 405's Allow
             headers = {**exc.headers, **headers}
         return Response(body, status_code=status, headers=headers)

@@ -8,6 +8,7 @@ path (Claude Code's first call is ``HEAD /``): 200 when the model is ready, 503 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -17,6 +18,8 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from mashbox.server import security
 from mashbox.server.context import Context
 from mashbox.server.errors import ApiError, answer
+
+log = logging.getLogger("mashbox.server")
 
 
 class Gate:
@@ -42,6 +45,7 @@ class Gate:
             status, body, headers = answer(path, ApiError(refusal.status, refusal.message), request_id)
             if status == 401:  # RFC 9110: a 401 names the scheme it asks for
                 headers = {**headers, "www-authenticate": 'Bearer realm="mashbox"'}
+            log.info("%s %s %r answered %d: %s", request_id, method, path, status, refusal.message)
             await _reply(send, status, None if method == "HEAD" else body, headers)
         elif method == "HEAD":
             ready = self.ctx.backend.state == "ready"

@@ -94,12 +94,12 @@ def _printable(text: str) -> str:
 
 
 def _field(value: str | None) -> str:
-    """A session id as one field of a log line: quoted where it holds a space, a quote or ``=`` (``abc
-    tenant=admin`` forged a field) or reads as none (``-``)."""
+    """A session id as one field of a log line: quoted where it holds a space, a quote, a backslash or
+    ``=`` (``abc tenant=admin`` forged a field; so did ``x\\" tenant=admin``) or reads as none (``-``)."""
     if value is None:
         return "-"
-    quoted = any(c in value for c in ' "=') or value in ("-", "")
-    return '"' + value.replace('"', '\\"') + '"' if quoted else value
+    quoted = any(c in value for c in ' "=\\') or value in ("-", "")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"' if quoted else value
 
 
 def request_id(request: Request) -> str:
@@ -149,7 +149,7 @@ class Run:
         self._pending: asyncio.Future[Event] | None = None  # a stream's next event, asked for before it began
         self._events: AsyncIterator[Event] | None = None
         self._closed = False
-        self._refused: str | None = None  # why a bad request was answered 400: not counted among those answered
+        self._refused = False  # a bad request answered 400: not counted among those answered
         self._ended: str | None = None  # why the backend ended it, taking no more requests
         log.info("%s %s session=%s tenant=%s", tag.request_id, protocol.name, _field(tag.session), tag.tenant)
 
@@ -288,7 +288,7 @@ class Run:
         try:
             return await self._next()
         except InvalidRequestError as err:
-            self._refused = err.message
+            self._refused = True
             raise self._protocol.named(err) from None
 
     async def _next(self) -> Event:
@@ -347,8 +347,7 @@ class Run:
 
     def _record(self) -> None:
         finish, e2e = self._finish, time.monotonic() - self._t0
-        if self._refused is not None:
-            log.info("%s refused: %s", self._tag.request_id, self._refused)
+        if self._refused:  # its 400 is logged with the answer (errors.handler)
             return
         if finish is None and self._ended is not None:
             log.info("%s failed after %.2f s: %s", self._tag.request_id, e2e, self._ended)

@@ -89,6 +89,7 @@ class _EngineCollector(Collector):
     def __init__(self, totals: _Totals) -> None:
         self.totals = totals
         self.scrape = _Scrape("", None, 0, 0)
+        self.layout: tuple[int, int] | None = None  # the last (ctx, slots) seen: kept while a worker restarts
 
     def collect(self) -> Iterator[Metric]:
         scrape = self.scrape
@@ -101,7 +102,9 @@ class _EngineCollector(Collector):
         yield _gauge("mashbox:host_cache_bytes", "Bytes of prompt prefixes kept in host memory.", model,
                      stats.host_cache_bytes if stats else 0)
         if stats is not None:
-            yield _layout(scrape.model_name, stats)
+            self.layout = (stats.ctx, stats.slots)
+        if self.layout is not None:  # an endpoint picker reads it: it never leaves while the model restarts
+            yield _layout(scrape.model_name, *self.layout)
         for field, (name, doc) in ENGINE_COUNTERS.items():
             yield _counter(name, doc, model, self.totals.sums[field])
         yield _counter("mashbox:worker_restarts", _RESTARTS_HELP, model, scrape.worker_restarts)
@@ -120,12 +123,12 @@ def _counter(name: str, doc: str, model: list[str], value: float) -> CounterMetr
     return family
 
 
-def _layout(model_name: str, stats: EngineStats) -> GaugeMetricFamily:
+def _layout(model_name: str, ctx: int, slots: int) -> GaugeMetricFamily:
     doc = ("KV cache layout: one block per slot, holding one whole context (block_size = ctx, num_gpu_blocks = "
            "slots: vLLM's label, which endpoint pickers read, whatever the device).")
     labels = ["model_name", "block_size", "num_gpu_blocks"]
     family = GaugeMetricFamily("mashbox:cache_config_info", doc, labels=labels)
-    family.add_metric([model_name, str(stats.ctx), str(stats.slots)], 1.0)
+    family.add_metric([model_name, str(ctx), str(slots)], 1.0)
     return family
 
 

@@ -51,7 +51,7 @@ class Live:
     def __init__(self, tenant: str, loop: TaskLoop, ticket: Ticket, background: bool) -> None:
         self.tenant, self.loop, self.ticket, self.background = tenant, loop, ticket, background
         self.events: list[dict[str, Any]] = []
-        self.touched = time.monotonic()  # its last event
+        self.started = self.touched = time.monotonic()  # its start, and its last event
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.saved: Future[None] | None = None  # its first save (queued): the create answers once it is kept
         self.in_file = False  # whether a save of it succeeded
@@ -225,6 +225,9 @@ class TaskRuns:
             live.finished = True
             self._live.pop((live.tenant, live.task.id), None)
             live.wake()
+            task, error = live.task, live.task.error
+            log.info("task %s ended %s after %.2f s%s", task.id, task.status, time.monotonic() - live.started,
+                     f": {error.message}" if error is not None else "")
 
     def _on(self, live: Live, event: Any) -> None:
         if isinstance(event, TaskLifecycleEvent):

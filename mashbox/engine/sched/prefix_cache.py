@@ -214,7 +214,10 @@ class PrefixCache:
     def _differs(self, prompt: list[int], salt: str, live: list[Live], served: int) -> int | None:
         """Where ``prompt`` leaves the cached prefix (slots, host memory, busy slots) that agrees
         with it longest, if that prefix goes on and the prompt got no more than it from the cache (its
-        ``served`` tokens: disk pages, known by hash alone and not asked, may have given more)."""
+        ``served`` tokens: disk pages, known by hash alone and not asked, may have given more). None for a
+        prompt no cache could serve (no whole block before its last token): it missed nothing."""
+        if len(prompt) <= self.block:
+            return None
         held = [t for t, s in zip(self._tokens, self._salts) if s == salt]
         held += [t for _, s, t in self.host.entries() if s == salt]
         held += [tuple(b.prompt[: b.computed]) for b in live if b.salt == salt]
