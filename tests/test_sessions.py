@@ -112,6 +112,23 @@ def test_a_sessions_line_outlives_side_requests_in_a_row_longer_than_it():
     assert session.holds(line + (7, 8, 9))
 
 
+@pytest.mark.parametrize("order", ["T1 S1 S2 T2 S3 T3", "T1 T2 S0 T2 S1 S2 T3", "T1 S1 S2 S3 S4 T2 S5 S6 T3"])
+def test_a_sessions_turns_between_long_side_requests_stay_warm(order):
+    """Side requests longer than the conversation, sharing its tools: a next turn after them was taken
+    for an aside, and a later side request for a rewritten history (the conversation dropped)."""
+    tools = tuple(range(768))
+    turns = {f"T{n}": tools + tuple(range(1000, 1000 + 300 * n)) for n in (1, 2, 3)}
+    session = Session()
+    for step, name in enumerate(order.split()):
+        if name.startswith("T"):
+            if seen := [t for t in order.split()[:step] if t.startswith("T")]:
+                assert session.holds(turns[max(seen)]), (order, step)  # the latest turn is warm
+            session.follow(turns[name], 32)
+        else:
+            session.follow(tools + tuple(range(5000 + 2000 * step, 6500 + 2000 * step)), 32)
+    assert session.holds(turns["T3"])
+
+
 def _captured(name: str) -> tuple[dict, dict]:
     capture = json.loads((CLIENTS / name).read_text())
     return {k.lower(): v for k, v in capture["headers"].items()}, capture["body"]

@@ -118,17 +118,19 @@ class Session:
 
     def follow(self, prompt: tuple[int, ...], block: int) -> None:
         """A prompt that goes on with the line (shares at least half of it: the next turn, or a turn
-        again) is the line now; one that goes on past an aside too (a history rewritten, then its next
-        turn); any other is an aside. A grown line that the new one does not hold whole (a turn again,
+        again) is the line now; so is one that holds the line before, or an aside, whole (the next turn
+        after side requests; a history rewritten, then its next turn); any other is an aside. A grown line that the new one does not hold whole (a turn again,
         or a side request that shares the line's long start: the agent's tools) is kept warm as
         ``before``: which of the two the session goes on with, its next turn says (side requests in a
         row leave it there)."""
         if not self.line or _goes_on(self.line, prompt, block):
-            grows = not self.line or any(line and prompt[: len(line)] == line for line in (self.line, self.before))
+            grows = not self.line or _holds(prompt, self.line) or _holds(prompt, self.before)
             if not grows and self.grown:
                 self.before = self.line
             self.line, self.grown = prompt, grows
-        elif moved := next((a for a in self.asides if len(prompt) > len(a) and _goes_on(a, prompt, block)), ()):
+        elif _holds(prompt, self.before):  # the conversation's next turn after side requests
+            self.line, self.grown = prompt, True
+        elif moved := next((a for a in self.asides if len(prompt) > len(a) and _holds(prompt, a)), ()):
             self.asides.remove(moved)
             self.before, self.line, self.grown = self.line, prompt, True
         else:
@@ -138,6 +140,11 @@ class Session:
         """Whether ``tokens`` are a start of a line, or go on from one (they hold all its KV)."""
         return any(line and (line[: len(tokens)] == tokens or tokens[: len(line)] == line)
                    for line in (self.line, self.before))
+
+
+def _holds(prompt: tuple[int, ...], line: tuple[int, ...]) -> bool:
+    """Whether ``prompt`` goes on from all of ``line`` (none from an empty one)."""
+    return bool(line) and prompt[: len(line)] == line
 
 
 def _goes_on(line: tuple[int, ...], prompt: tuple[int, ...], block: int) -> bool:
