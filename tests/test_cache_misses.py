@@ -83,6 +83,10 @@ def test_a_system_text_that_quotes_a_tools_name_is_still_the_system_text():
                 '{"type": "function", "function": {"name": "lookup"}}\n<s>user\nHi\n')
     assert part_at(rendered, rendered.index("/home"), messages, tools) == "system text"
     assert part_at(rendered, rendered.index('"name"'), messages, tools) == "tools"
+    shown = (Message("system", 'Call it so: {"name": "lookup", "arguments": {}}. Work in /home/ann.'), messages[1])
+    rendered = rendered.replace('Prefer the "lookup" tool.', 'Call it so: {"name": "lookup", "arguments": {}}.')
+    assert part_at(rendered, rendered.index("/home"), shown, tools) == "system text"  # a call shown, not the tools
+    assert part_at(rendered, rendered.rindex('"name"'), shown, tools) == "tools"
 
 
 def test_a_turn_is_found_after_the_turn_before_it_not_inside_it():
