@@ -276,6 +276,9 @@ def _renamed_field(key: str):
     (_tensor_type("blk.5.attn_q.weight", 8), "tensor blk.5.attn_q.weight runs into"),  # Q4_1 -> Q8_0
     (_renamed_tensor("blk.1.ffn_down.weight"), "it has no tensor blk.1.ffn_down.weight (layer 1 of 30)"),  # KeyErrors
     (_renamed_tensor("output_norm.weight"), "it has no tensor output_norm.weight"),
+    (_renamed_tensor("blk.0.ffn_norm.weight"), "it has no tensor blk.0.ffn_norm.weight"),  # a SIGSEGV at a step
+    (_renamed_tensor("blk.2.attn_k.weight"), "it has no tensor blk.2.attn_k.weight"),
+    (_renamed_tensor("blk.3.ffn_gate.weight"), "it has no tensor blk.3.ffn_gate.weight"),
 ])
 def test_a_gguf_whose_metadata_does_not_follow_its_tensors_is_refused(smol: LoadedModel, tmp_path: Path, change,
                                                                       said: str) -> None:

@@ -296,8 +296,15 @@ def _needed(gguf: GGUFFile, key: str) -> int:
     return value
 
 
-LAYER_TENSORS = ("attn_norm", "attn_output", "ffn_up", "ffn_down")  # each layer's, in every family mashbox runs
 MODEL_TENSORS = ("token_embd.weight", "output_norm.weight")
+
+
+def _layer_tensors(arch: str, fused: bool) -> list[str]:
+    """The tensors each layer of ``arch`` must have (``fused``: q, k and v in one, ``attn_qkv``)."""
+    return ["attn_norm", "ffn_norm", "attn_output", "ffn_up", "ffn_down",
+            *([] if fused else ["attn_k", "attn_v"]),
+            *([] if arch == "phi3" else ["ffn_gate"]),  # Phi-3's ffn_up holds gate and up
+            *(["post_attention_norm", "post_ffw_norm"] if arch in GEMMA_27B else [])]
 
 
 def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int) -> None:
@@ -313,7 +320,8 @@ def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int)
     for layer in range(spec.num_layers):
         if not any(f"blk.{layer}.{n}.weight" in gguf.tensors for n in ("attn_q", "attn_qkv")):
             raise refuse(f"it has no attention for layer {layer} of the {spec.num_layers} its block_count says")
-        if missing := next((n for n in LAYER_TENSORS if f"blk.{layer}.{n}.weight" not in gguf.tensors), None):
+        if missing := next((n for n in _layer_tensors(arch, f"blk.{layer}.attn_qkv.weight" in gguf.tensors)
+                            if f"blk.{layer}.{n}.weight" not in gguf.tensors), None):  # one missing crashed a step
             raise refuse(f"it has no tensor blk.{layer}.{missing}.weight (layer {layer} of {spec.num_layers})")
     if missing := next((n for n in MODEL_TENSORS if n not in gguf.tensors), None):
         raise refuse(f"it has no tensor {missing}")
