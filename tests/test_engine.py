@@ -850,13 +850,7 @@ def test_an_engine_in_a_forked_child_refuses_at_once(tiny_engine):
         except Exception as err:
             said.put(f"{type(err).__name__}: {err}")
 
-    process = context.Process(target=child)
-    process.start()
-    process.join(timeout=60)
-    alive = process.is_alive()
-    if alive:
-        process.kill()
-    assert not alive and not said.empty(), "the child waited for an answer"
+    assert _forked(context, child, 60) is not None and not said.empty(), "the child waited for an answer"
     text = said.get()
     assert text.startswith("EngineClosedError: this Engine was made in process") and "spawn" in text, text
     assert tiny_engine.complete(prompt="Hi", max_tokens=1).choices[0].text is not None  # the parent's still works
@@ -883,14 +877,20 @@ def test_an_engine_made_in_a_child_forked_from_a_working_one_answers(smol_engine
         with Engine("smollm2-135m", ctx=256, slots=1, quiet=True) as engine:
             said.put(engine.complete(prompt="The capital of France is", max_tokens=4).choices[0].text)
 
+    assert _forked(context, child, 90) == 0, "the child hung"
+    assert said.get() == expected
+
+
+def _forked(context, child, timeout: float) -> int | None:
+    """Run ``child`` in a forked process: its exit code, None (and killed) where it ran past ``timeout``."""
     process = context.Process(target=child)
     process.start()
-    process.join(timeout=90)
-    alive = process.is_alive()
-    if alive:
+    process.join(timeout=timeout)
+    if process.is_alive():
         process.kill()
-    assert not alive and process.exitcode == 0, "the child hung"
-    assert said.get() == expected
+        process.join()
+        return None
+    return process.exitcode
 
 
 def test_a_special_tokens_text_in_a_message_is_text_to_the_model(tiny_engine):
