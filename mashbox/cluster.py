@@ -184,7 +184,8 @@ def _reply(path: str, error: int = 503, more: dict | None = None, status: int | 
     answer's), for the moments no replica answers: the balancer's own page would be HTML."""
     code, body, headers = answer(path, ApiError(error, NO_ANSWER[error], retry_after=1))
     hdrs = "".join(f' hdr {name} "{value}"' for name, value in headers.items())
-    return f"status {status or code} content-type application/json string '{json.dumps({**(more or {}), **body})}'{hdrs}"
+    text = json.dumps({**(more or {}), **body})
+    return f"status {status or code} content-type application/json string '{text}'{hdrs}"
 
 
 @dataclass

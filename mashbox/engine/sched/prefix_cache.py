@@ -119,10 +119,10 @@ class Session:
     def follow(self, prompt: tuple[int, ...], block: int) -> None:
         """A prompt that goes on with the line (shares at least half of it: the next turn, or a turn
         again) is the line now; so is one that holds the line before, or an aside, whole (the next turn
-        after side requests; a history rewritten, then its next turn); any other is an aside. A grown line that the new one does not hold whole (a turn again,
-        or a side request that shares the line's long start: the agent's tools) is kept warm as
-        ``before``: which of the two the session goes on with, its next turn says (side requests in a
-        row leave it there)."""
+        after side requests; a history rewritten, then its next turn); any other is an aside. A grown
+        line that the new one does not hold whole (a turn again, or a side request that shares the
+        line's long start: the agent's tools) is kept warm as ``before``: which of the two the session
+        goes on with, its next turn says (side requests in a row leave it there)."""
         if not self.line or _goes_on(self.line, prompt, block):
             grows = not self.line or _holds(prompt, self.line) or _holds(prompt, self.before)
             if not grows and self.grown:
