@@ -37,6 +37,7 @@ from mashbox.engine.stats import EngineStats
 from mashbox.server.admission import combined_waiting
 
 if TYPE_CHECKING:
+    from mashbox.engine.info import ModelInfo
     from mashbox.server.backend import Backend
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # every name is valid in the classic text format
@@ -79,6 +80,7 @@ class _Totals:
 class _Scrape:
     model_name: str
     stats: EngineStats | None
+    info: ModelInfo | None  # the model loaded last: a worker starting again keeps it
     waiting: int
     worker_restarts: int
 
@@ -88,8 +90,7 @@ class _EngineCollector(Collector):
 
     def __init__(self, totals: _Totals) -> None:
         self.totals = totals
-        self.scrape = _Scrape("", None, 0, 0)
-        self.layout: tuple[int, int] | None = None  # the last (ctx, slots) seen: kept while a worker restarts
+        self.scrape = _Scrape("", None, None, 0, 0)
 
     def collect(self) -> Iterator[Metric]:
         scrape = self.scrape
@@ -101,10 +102,8 @@ class _EngineCollector(Collector):
                      model, stats.prefix_cached_tokens if stats else 0)
         yield _gauge("mashbox:host_cache_bytes", "Bytes of prompt prefixes kept in host memory.", model,
                      stats.host_cache_bytes if stats else 0)
-        if stats is not None:
-            self.layout = (stats.ctx, stats.slots)
-        if self.layout is not None:  # an endpoint picker reads it: it never leaves while the model restarts
-            yield _layout(scrape.model_name, *self.layout)
+        if scrape.info is not None:  # an endpoint picker reads it: kept while a worker restarts (info is)
+            yield _layout(scrape.model_name, scrape.info.ctx, scrape.info.slots)
         for field, (name, doc) in ENGINE_COUNTERS.items():
             yield _counter(name, doc, model, self.totals.sums[field])
         yield _counter("mashbox:worker_restarts", _RESTARTS_HELP, model, scrape.worker_restarts)
@@ -187,7 +186,7 @@ class Metrics:
         """The Prometheus text, the engine's part read from ``backend`` now."""
         stats = backend.stats()
         waiting = combined_waiting(waiting, stats.waiting if stats else 0)
-        scrape = _Scrape(self.model_name or backend.model_id, stats, waiting, backend.worker_restarts)
+        scrape = _Scrape(self.model_name or backend.model_id, stats, backend.info, waiting, backend.worker_restarts)
         with self._lock:
             if stats is not None:
                 self._totals.update(stats)
