@@ -173,8 +173,7 @@ def _metrics(members: Sequence[Replica]) -> str:
     scrape read another one's counters (a reset to Prometheus every other scrape)."""
     where = ", ".join(f"127.0.0.1:{r.port}/metrics" for r in members)
     message = f"the metrics of a cluster are those of each replica: scrape {where} (docs/scale-out.md)"  # no quote
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "not_found"}}
-    return f"status 404 content-type application/json string '{json.dumps(body)}'"
+    return _returned(*answer("/metrics", ApiError(404, message, code="not_found")))
 
 
 def _reply(path: str, error: int = 503, more: dict | None = None, status: int | None = None) -> str:
@@ -183,9 +182,13 @@ def _reply(path: str, error: int = 503, more: dict | None = None, status: int | 
     Retry-After; ``more`` fields beside the error, e.g. /health's status; ``status`` in place of the
     answer's), for the moments no replica answers: the balancer's own page would be HTML."""
     code, body, headers = answer(path, ApiError(error, NO_ANSWER[error], retry_after=1))
+    return _returned(status or code, {**(more or {}), **body}, headers)
+
+
+def _returned(status: int, body: dict, headers: dict[str, str]) -> str:
+    """An answer as the arguments of HAProxy's ``http-request return`` and ``http-error``."""
     hdrs = "".join(f' hdr {name} "{value}"' for name, value in headers.items())
-    text = json.dumps({**(more or {}), **body})
-    return f"status {status or code} content-type application/json string '{text}'{hdrs}"
+    return f"status {status} content-type application/json string '{json.dumps(body)}'{hdrs}"
 
 
 @dataclass
