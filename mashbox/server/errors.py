@@ -162,6 +162,11 @@ def _detail(exc: HTTPException) -> str:
     return f"{exc.detail}: {extra[0].get('message', '')}" if extra and isinstance(extra[0], dict) else exc.detail
 
 
+def log_answer(request_id: str | None, method: str, path: str, status: int, message: str) -> None:
+    """The log's line for an error answer (a full queue's and a 500's apart)."""
+    log.info("%s %s %r answered %d: %s", request_id, method, path, status, message)
+
+
 def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Request, Exception], Response]:
     """The one exception handler: every error answered in its route's shape (``refused``: told the scope
     of each refusal for a full queue)."""
@@ -175,7 +180,7 @@ def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Reque
             log.warning("%s refused (%d): %s", request_id, status, exc.message)
             refused(exc.scope)
         elif error.status != 500:  # a 500 is logged where it is made, with its traceback
-            log.info("%s %s %r answered %d: %s", request_id, request.method, request.url.path, status, error.message)
+            log_answer(request_id, request.method, request.url.path, status, error.message)
         if isinstance(exc, HTTPException) and exc.headers:  # Litestar's own: a 405's Allow
             headers = {**exc.headers, **headers}
         return Response(body, status_code=status, headers=headers)

@@ -8,7 +8,6 @@ path (Claude Code's first call is ``HEAD /``): 200 when the model is ready, 503 
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import Any
 
@@ -17,9 +16,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from mashbox.server import security
 from mashbox.server.context import Context
-from mashbox.server.errors import ApiError, answer
-
-log = logging.getLogger("mashbox.server")
+from mashbox.server.errors import ApiError, answer, log_answer
 
 
 class Gate:
@@ -45,7 +42,7 @@ class Gate:
             status, body, headers = answer(path, ApiError(refusal.status, refusal.message), request_id)
             if status == 401:  # RFC 9110: a 401 names the scheme it asks for
                 headers = {**headers, "www-authenticate": 'Bearer realm="mashbox"'}
-            log.info("%s %s %r answered %d: %s", request_id, method, path, status, refusal.message)
+            log_answer(request_id, method, path, status, refusal.message)
             await _reply(send, status, None if method == "HEAD" else body, headers)
         elif method == "HEAD":
             ready = self.ctx.backend.state == "ready"
