@@ -16,9 +16,9 @@ re-sends, is sent again once.
 from __future__ import annotations
 
 import itertools
-import os
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading

@@ -304,7 +304,7 @@ def _layer_tensors(arch: str, fused: bool) -> list[str]:
     return ["attn_norm", "ffn_norm", "attn_output", "ffn_up", "ffn_down",
             *([] if fused else ["attn_k", "attn_v"]),
             *([] if arch == "phi3" else ["ffn_gate"]),  # Phi-3's ffn_up holds gate and up
-            *(["post_attention_norm", "post_ffw_norm"] if arch in GEMMA_27B else [])]
+            *(["post_attention_norm", "post_ffw_norm"] if arch in GEMMA_PATTERNS else [])]
 
 
 def _check_shapes(gguf: GGUFFile, arch: str, spec: Spec, width: int, v_dim: int) -> None:
