@@ -442,3 +442,33 @@ def test_sampling_flags_given_again_add_up():
     args = build_parser().parse_args(["run", "--sampling", "temperature=0.7", "--sampling", "top_p=0.5,top_k=20"])
     assert args.sampling == {"temperature": 0.7, "top_p": 0.5, "top_k": 20}
     assert build_parser().parse_args(["run"]).sampling == {}
+
+
+def test_sigterm_ends_a_running_task_saved_with_its_output_and_says_the_server_stopped(tmp_path):
+    """A background task still writing when the server is told to stop: it was cut as the event loop closed,
+    saved as it was when it began (no output), and only the next start failed it; now it ends with the
+    backend, its answer so far kept (``incomplete``), saved before the server exits, with no traceback."""
+    port, db = free_port(), tmp_path / "tasks.sqlite3"
+    url = f"http://127.0.0.1:{port}"
+    process = mashbox("--port", str(port), "--ctx", "8192", "--cache-disk", "0", "--tasks-db", str(db))
+    try:
+        poll_health(url, process)
+        created = httpx.post(f"{url}/v1/tasks", timeout=60, json={
+            "stream": False, "background": True, "task_id": "essay", "inference_args": {"max_tokens": 6000},
+            "user_message_content": "Write a very long essay about Rome."}).json()["result"]
+        assert created["status"] in ("queued", "working"), created
+        deadline = time.monotonic() + 30
+        while not httpx.get(f"{url}/v1/tasks/essay", timeout=10).json()["result"]["output"]:
+            assert time.monotonic() < deadline, "the task wrote nothing"
+            time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == 0 and "Traceback" not in err, err
+    store = task_store.TaskStore(db, ttl_s=3600)
+    task = store.get("default", "essay")
+    store.close()
+    assert task["status"] == "failed" and task["error"] == {"code": -32001, "message": (
+        "the server stopped while this task was running (the server is shutting down); create it again")}
+    assert [item["status"] for item in task["output"]] == ["incomplete"]
+    assert task["output"][0]["message_content"][0]["text"].strip()

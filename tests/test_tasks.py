@@ -36,8 +36,9 @@ from mashbox.engine.events import (
 )
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
-from mashbox.errors import StorageError
+from mashbox.errors import EngineClosedError, StorageError
 from mashbox.server.errors import api_error
+from mashbox.server import task_store
 from mashbox.server.task_store import TaskStore
 
 SHORT = {"max_tokens": 8, "stop": [" "], "temperature": 0}  # an answer that ends by itself, at its first space
@@ -917,3 +918,55 @@ def test_each_generation_of_a_task_is_counted_on_metrics_as_a_request_is(url, ta
     for question in ("Name a planet.", "Name a river."):
         assert tasks.create(stream=False, user_message_content=question, inference_args=SHORT).result.status == "completed"
     assert counts() == (before[0] + 2, before[1] + 2)
+
+
+def test_an_engine_that_closes_mid_step_fails_the_task_as_stopped_and_keeps_what_it_wrote():
+    """The server stopping under a running task: its answer so far stays in the output, ``incomplete``,
+    and the task fails saying the server stopped (it was an internal error naming EngineClosedError, its
+    item left ``in_progress``)."""
+    async def generate(request):
+        yield Queued(10)
+        yield Started(0)
+        yield TextDelta("Rome was")
+        raise EngineClosedError("the server is shutting down")
+
+    task = asyncio.run(run_async(prepare({"user_message_content": "Rome?"}, generate)))
+    assert task.status == "failed" and task.error.code == -32001, task.error
+    assert task.error.message == ("the server stopped while this task was running (the server is shutting down); "
+                                  "create it again")
+    assert [(o.status, o.message_content[0].text) for o in task.output] == [("incomplete", "Rome was")]
+
+
+def test_an_engine_closed_before_it_took_the_task_refuses_it():
+    async def generate(request):
+        raise EngineClosedError("the server is shutting down")
+        yield
+
+    with pytest.raises(EngineClosedError):
+        asyncio.run(run_async(prepare({"user_message_content": "Rome?"}, generate)))
+
+
+def test_the_tasks_file_is_readable_by_its_owner_only(tmp_path):
+    """It holds every tenant's answers: it was made 0644 (and its lock), where the cache's other files are 0600."""
+    was = os.umask(0o022)
+    try:
+        checked = tmp_path / "checked.sqlite3"
+        task_store.check(checked)
+        store = TaskStore(tmp_path / "t.sqlite3", ttl_s=60)
+        store.save("t", {"object": "task", "id": "job", "status": "completed", "created_at": 1, "output": []})
+        store.close()
+    finally:
+        os.umask(was)
+    for path in (checked, tmp_path / "t.sqlite3", tmp_path / "t.sqlite3.lock"):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_a_task_paused_when_its_server_stopped_says_so(tmp_path):
+    store = TaskStore(tmp_path / "t.sqlite3", ttl_s=60)
+    store.save("t", {"object": "task", "id": "job", "status": "paused", "created_at": 1, "output": []})
+    store.close()
+    again = TaskStore(tmp_path / "t.sqlite3", ttl_s=60)
+    found = again.get("t", "job")
+    again.close()
+    assert found["status"] == "failed" and found["error"] == {
+        "code": -32001, "message": "the server stopped while this task was paused; create it again"}

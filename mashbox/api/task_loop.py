@@ -9,7 +9,8 @@ runs); a call of
 a server tool runs it and adds its ``tool_result``; then calls of client tools stop it
 ``input-required`` (the client continues with a new task), or the next step starts (a forced
 ``tool_choice`` holds for the first step only). More
-than ``max_steps`` steps fail the task. ``Control`` cancels, pauses and resumes it at the next token;
+than ``max_steps`` steps fail the task, and so does an engine that closes under it (the server
+stopping: its open item ``incomplete``). ``Control`` cancels, pauses and resumes it at the next token;
 a generation so stopped is aborted (``abort``, by its request id) and its usage counted from its
 ``Finish``.
 
@@ -47,7 +48,7 @@ from mashbox.api.task_items import (
 )
 from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall, ToolChoice
-from mashbox.errors import InvalidRequestError
+from mashbox.errors import EngineClosedError, InvalidRequestError
 
 Generate = Callable[[EngineRequest], AsyncIterator[Event]]
 Abort = Callable[[str], None]  # stop a request by its id: its events go on to a Finish with its usage
@@ -57,6 +58,7 @@ STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
 OUTPUT_LIMIT = -32011
 GENERATION_FAILED = -32603
 EXPIRED = -32002  # of an expired one
+SERVER_STOPPED = -32001  # of one that the server stopped (shutting down) while it ran
 STOP_WAIT = 5.0  # seconds an interrupted generation has to deliver its Finish (its usage)
 _PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
            "tool_choice": "inference_args.tool_choice"}
@@ -191,6 +193,15 @@ class TaskLoop:
                     self.task.error = RpcError(code=EXPIRED, message=f"the task expired: it {how} for the "
                                                                      "tasks' time to live")
                 yield self.status("expired" if action == "expire" else "canceled")
+                return
+            except EngineClosedError as exc:
+                if self.task.status == "created":
+                    raise  # the engine never took the task: its create is refused, as a route's request is
+                for event in translator.interrupt():
+                    yield event
+                self.task.error = RpcError(code=SERVER_STOPPED, message=f"the server stopped while this task was "
+                                                                        f"running ({exc}); create it again")
+                yield self.status("failed")
                 return
             async for event in self._after(translator):
                 yield event

@@ -37,6 +37,7 @@ log = logging.getLogger("mashbox.server")
 T = TypeVar("T")
 ACT_TIMEOUT_S = 30.0
 MAX_SWEEP_EVERY_S = 60.0  # old tasks expire this long after their time to live at most
+STOP_WAIT_S = 8.0  # a stopping server waits this long at most for its tasks to end (its answers get 4 s, then end)
 # what each action needs of a running task, and the statuses that show it took effect
 NEEDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "cancel": (frozenset({"created", "queued", "working", "paused"}), frozenset({"canceled"}) | FINAL),
@@ -162,8 +163,18 @@ class TaskRuns:
             timer.cancel()
             with suppress(asyncio.CancelledError):
                 await timer
+            await self._ended()
             await asyncio.to_thread(self._file.shutdown)  # the saves queued reach the file
             self.store.close()  # and its lock goes: the next server on the file is alone
+
+    async def _ended(self) -> None:
+        """The server is stopping: wait for the running tasks to end as their generations do (the
+        backend ends those still running once the answers' time to end is up), so that each is saved
+        as it ended, its output kept. A paused one waits for nothing: the next start fails it."""
+        runners = [live.runner for live in self._live.values()
+                   if live.runner is not None and live.task.status != "paused"]
+        if runners:
+            await asyncio.wait(runners, timeout=STOP_WAIT_S)
 
     async def start(self, req: CreateTask, tenant: str) -> Live:
         """Start a task; returns once the engine has taken its first generation (a request it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 from mashbox.api.task_items import FINAL
 from mashbox.api.task_loop import EXPIRED as EXPIRED_CODE
+from mashbox.api.task_loop import SERVER_STOPPED
 from mashbox.errors import InvalidRequestError, StorageError
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
@@ -29,7 +31,7 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
     UNIQUE (tenant, id));
 CREATE INDEX IF NOT EXISTS tasks_updated ON tasks (updated_at)"""
 RUNNING = ("created", "queued", "working", "paused")
-STOPPED = {"code": -32001, "message": "the server stopped while this task was running; create it again"}
+STOPPED = "the server stopped while this task was {}; create it again"
 EXPIRED = {"code": EXPIRED_CODE, "message": "the task expired: nothing happened to it for the tasks' time to live"}
 
 
@@ -39,10 +41,17 @@ def check(path: Path) -> None:
     the folder and, where there was none, the (empty) database file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(_private(path))
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=rwc", uri=True)) as db:
             db.execute("PRAGMA schema_version")
     except (OSError, sqlite3.Error) as err:
         raise ValueError(f"tasks_db: {path} cannot hold the tasks ({err})") from None
+
+
+def _private(path: Path) -> int:
+    """Open ``path`` for reading and appending, made readable by its owner only where it is new (the tasks
+    hold every tenant's answers; SQLite gives its journal the file's mode): a descriptor."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
 
 
 class TaskStore:
@@ -64,6 +73,7 @@ class TaskStore:
         if self._db is None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                os.close(_private(self.path))
                 db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
                 db.executescript(SCHEMA)
                 alone = self._share()
@@ -78,7 +88,7 @@ class TaskStore:
     def _share(self) -> bool:
         """Hold the file's lock, shared with the other servers using it, for as long as this one runs;
         whether no other held it (then the tasks left running are those of servers that stopped)."""
-        self._holder = open(self.path.with_name(self.path.name + ".lock"), "a+b")  # noqa: SIM115 (held open)
+        self._holder = os.fdopen(_private(self.path.with_name(self.path.name + ".lock")), "a+b")  # held open
         try:
             fcntl.flock(self._holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
@@ -92,7 +102,10 @@ class TaskStore:
         with self._using("failing the tasks left running") as db:
             rows = db.execute(f"SELECT tenant, body FROM tasks WHERE status IN ({marks})", RUNNING).fetchall()
         for tenant, body in rows:
-            self.save(tenant, {**json.loads(body), "status": "failed", "error": STOPPED})
+            task = json.loads(body)
+            how = "paused" if task["status"] == "paused" else "running"
+            error = {"code": SERVER_STOPPED, "message": STOPPED.format(how)}
+            self.save(tenant, {**task, "status": "failed", "error": error})
 
     @contextlib.contextmanager
     def _using(self, what: str) -> Iterator[sqlite3.Connection]:
