@@ -317,6 +317,9 @@ def test_bad_input(url, tasks):
             ({"structured_output": PERSON, "client_tools": [WEATHER], "inference_args": {"tool_choice": "required"}},
              "inference_args.tool_choice"),
             ({"history_messages": [{"type": "bogus"}]}, "history_messages.0.type"),
+            # kept with the task for a day and sent back by every list: 9 MB each filled the disk, a list took GBs
+            ({"metadata": {"k": "x" * 20_000}}, "metadata"), ({"session_id": "s" * 2_000}, "session_id"),
+            ({"user_id": "u" * 2_000}, "user_id"),
             ({"stream": "yes"}, "stream"), ({"stream": None}, "stream")]):
         response = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": False,
                                                        "task_id": f"bad-{n}", **body})

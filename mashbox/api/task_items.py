@@ -109,6 +109,10 @@ class AgentConfig(Part):
     max_response_length: Annotated[int, Field(ge=1)] | None = None
 
 
+KEPT_METADATA = 16_384  # characters of metadata (as JSON) that a task keeps for the tasks' time to live
+KEPT_ID = 1_024  # characters of its session_id and user_id
+
+
 class CreateTask(RequestModel):
     accepted_ignored = ("allowed_subagents", "client_id", "env", "workspace_dir", "log_dir", "rollout_save_dir",
                         "return_rollout", "include_compress_model_rollout", "include_subagent_rollout")
@@ -118,9 +122,9 @@ class CreateTask(RequestModel):
     structured_output: dict[str, Any] | None = None
     client_id: str | None = None
     request_id: str | int | None = None
-    session_id: str | None = None
+    session_id: Annotated[str, Field(max_length=KEPT_ID)] | None = None
     task_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
-    user_id: str | None = None
+    user_id: Annotated[str, Field(max_length=KEPT_ID)] | None = None
     agent_config: AgentConfig | None = None
     allowed_tools: list[str] | None = None
     disallowed_tools: list[str] | None = None
@@ -142,6 +146,13 @@ class CreateTask(RequestModel):
     previous_task_id: str | None = None
     max_steps: Annotated[int, Field(ge=1, le=100)] | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, ensure_ascii=False)) > KEPT_METADATA:
+            raise ValueError(f"is kept with the task: at most {KEPT_METADATA} characters as JSON")
+        return value
 
     @field_validator("structured_output")
     @classmethod
