@@ -2,8 +2,9 @@
 
 In a terminal: line editing and history (readline; kept in the mashbox cache), Ctrl-C stops the
 answer being written (not the program), Ctrl-D or ``/exit`` quits, ``/reset`` starts over,
-``/system TEXT`` sets the system prompt. When the conversation outgrows the context, its oldest
-turns are dropped, with a notice; an answer cut by ``--max-tokens`` says so, and a question the
+``/system TEXT`` sets the system prompt. When the conversation outgrows the context, leaving the answer
+less than its room (``--max-tokens``, else a quarter of the context; at most half), its oldest turns are
+dropped, with a notice; an answer cut by ``--max-tokens`` says so, and a question the
 engine refuses is said and the chat goes on. A model's thinking is shown dimmed before its answer.
 Piped in, each line is one question; its answer (without the thinking) is followed by a separator line.
 """
@@ -159,7 +160,11 @@ def _cut(written: int, most: int | None) -> str:
 
 
 def _fitting(engine: Any, conversation: Conversation, options: dict[str, Any]) -> Iterator[Any] | None:
-    """The answer's stream, once the conversation fits the context (oldest turns dropped first)."""
+    """The answer's stream, once the conversation fits the context with room for the answer (oldest turns
+    dropped first)."""
+    room = min(options.get("max_tokens") or engine.ctx // 4, engine.ctx // 2)
+    while _tokens(engine, conversation) + room > engine.ctx and conversation.drop_oldest():
+        _say("the conversation outgrew the context: dropped its oldest turn")
     while True:
         try:
             return engine.chat(messages=conversation.messages, stream=True, stream_options={"include_usage": True},
@@ -174,6 +179,14 @@ def _fitting(engine: Any, conversation: Conversation, options: dict[str, Any]) -
             conversation.turns.pop()
             _say(f"this question was refused: {err}")
             return None
+
+
+def _tokens(engine: Any, conversation: Conversation) -> int:
+    """The conversation's prompt tokens (0 where the engine refuses to count them: the answer's request says why)."""
+    try:
+        return engine.count_tokens(messages=conversation.turns, system=conversation.system).input_tokens
+    except MashboxError:
+        return 0
 
 
 def _line_editing() -> None:

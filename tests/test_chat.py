@@ -131,6 +131,9 @@ class InterruptedOnce:
     def __init__(self, engine) -> None:
         self.engine, self.calls = engine, 0
 
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
     def chat(self, **fields):
         self.calls += 1
         if self.calls == 1:
@@ -184,3 +187,14 @@ def test_an_output_that_cannot_be_written_is_said_in_one_line(tiny_model_dir, ow
     done = subprocess.run(["bash", "-c", 'exec "$@" >&-', "-", *base], input=b"hi\n", stderr=subprocess.PIPE,
                           timeout=300)
     assert done.returncode == 2 and "writes its answers to stdout, and there is none" in done.stderr.decode()
+
+
+def test_old_turns_make_room_for_the_answer_not_only_for_the_question(tiny_engine, monkeypatch, capsys):
+    """ctx 512: turns were dropped only until the question fitted, with a token or two to spare, so an answer
+    near the context's end was cut to a few tokens ("the context is full"); each gets its --max-tokens now."""
+    questions = [" ".join(["word"] * 190) + f" question {i}" for i in range(3)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(questions) + "\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 60, "temperature": 0}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "dropped its oldest turn" in err
+    assert out.count("[cut: --max-tokens 60]") == 3 and "the context is full" not in out, out
