@@ -1,7 +1,9 @@
 """``mashbox run`` as a real process: serves while loading, answers, restarts a killed worker,
 stops cleanly."""
 
+import contextlib
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -472,3 +474,57 @@ def test_sigterm_ends_a_running_task_saved_with_its_output_and_says_the_server_s
         "the server stopped while this task was running (the server is shutting down); create it again")}
     assert [item["status"] for item in task["output"]] == ["incomplete"]
     assert task["output"][0]["message_content"][0]["text"].strip()
+
+
+def _limited(soft: int, hard: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _files_limit(pid: int) -> int:
+    line = next(line for line in open(f"/proc/{pid}/limits") if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_idle_connections_past_the_file_limit_are_closed_as_they_come_and_the_server_answers_after():
+    """At the file descriptor limit every accept failed (a traceback each, megabytes of log a second) and
+    no client was answered until the idle connections left; the server raises its soft limit to the hard
+    one, and past it closes new connections at once."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "mashbox", "run", "--port", str(port), "--cache-disk", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_limited(256, 256))
+    idle = []
+    try:
+        poll_health(url, process)
+        for _ in range(200):  # past 256 less the 128 kept for the server's own files
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            idle[-1].sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+        with pytest.raises(httpx.TransportError):  # closed at once, not left waiting
+            httpx.get(f"{url}/health", timeout=10)
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "no answer once the idle connections left"
+            time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert "closing new connections: 128 are open, the most this process's file descriptors allow" in err, err
+
+
+def test_the_server_raises_its_file_limit_to_the_hard_limit():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "mashbox", "run", "--port", str(port), "--cache-disk", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_limited(256, 4096))
+    try:
+        poll_health(f"http://127.0.0.1:{port}", process)
+        assert _files_limit(process.pid) == 4096
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)

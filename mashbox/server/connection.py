@@ -1,28 +1,48 @@
-"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request.
+"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request, and a most.
 
 uvicorn times out only the wait between requests (keep-alive): a client that sent part of a request's
 headers or body, or nothing at all, held its connection (a file descriptor) for as long as it liked,
 before any key was checked. Here a request must be read whole within ``read_s`` of the connection's
-start or of the answer before it; a connection still reading then is closed.
+start or of the answer before it; a connection still reading then is closed. And connections past what
+the process's file descriptors allow (less ``RESERVE`` for its own files) are closed as they come: at the
+limit, every accept failed (a traceback each, ~5 MB/s of log) and no client was answered until some left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
+import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("mashbox.server")
 
 
+RESERVE = 128  # file descriptors kept for the server's own files: the model, the worker's pipes, caches, the log
+SAY_EVERY_S = 10.0
+
+
 class Connection(H11Protocol):
     read_s = 60.0  # a 10 MB body (the largest taken) needs 170 kB/s
+    said = 0.0  # when connections past the most were last said in the log
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
+        most = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - RESERVE
+        if len(self.connections) > most:
+            self._refuse(most)
+            return
         self._arm()
+
+    def _refuse(self, most: int) -> None:
+        if time.monotonic() - Connection.said > SAY_EVERY_S:
+            Connection.said = time.monotonic()
+            log.warning("closing new connections: %d are open, the most this process's file descriptors allow "
+                        "(ulimit -n, less %d)", most, RESERVE)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import os
 import queue
+import resource
 import signal
 import socket
 import sys
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import uvicorn
 
 GRACE_S = 5  # on Ctrl-C or SIGTERM, answers have this long to end; the ones still running end in an error
+MOST_FILES = 1 << 20  # the file descriptor limit asked for, where the hard limit allows it
 SEND_BUFFER = 64 * 1024  # bytes asked for; Linux doubles it (a 128 KiB window is ~128 MB/s at 1 ms)
 
 
@@ -48,6 +50,7 @@ def serve(launch: Launch) -> int:
         _say(f"cannot listen on {_url(launch.settings).removeprefix('http://')}: {_reason(err)}")
         return 2
     logs.to_stderr()  # each request with its id, session and tenant
+    _more_files()
     backend = _backend(launch)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))  # (its default ends the process)
@@ -59,6 +62,16 @@ def serve(launch: Launch) -> int:
         signal.signal(signal.SIGTERM, previous)
         _say("stopping")
         backend.close()
+
+
+def _more_files() -> None:
+    """Raise the process's file descriptor limit to its hard limit (as a busy server's clients each hold one;
+    past the limit, new connections are closed as they come: ``Connection``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MOST_FILES if hard == resource.RLIM_INFINITY else min(hard, MOST_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # a container may refuse: the limit stays
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def listen(host: str, port: int) -> socket.socket:
