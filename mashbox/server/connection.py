@@ -1,4 +1,4 @@
-"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request, and a most.
+"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request, and a cap on how many.
 
 uvicorn times out only the wait between requests (keep-alive): a client that sent part of a request's
 headers or body, or nothing at all, held its connection (a file descriptor) for as long as it liked,

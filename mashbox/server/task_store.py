@@ -49,9 +49,9 @@ def check(path: Path) -> None:
 
 
 def _private(path: Path) -> int:
-    """Open ``path`` for reading and appending, made readable by its owner only where it is new (the tasks
-    hold every tenant's answers; SQLite gives its journal the file's mode): a descriptor."""
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    """``path`` opened (a descriptor), made readable by its owner only where it is new: the tasks hold every
+    tenant's answers (SQLite gives its journal the file's mode)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
 
 class TaskStore:
