@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -440,3 +441,22 @@ def test_a_page_another_process_wrote_is_found_and_one_it_removed_is_a_quiet_mis
         assert ours.read(keys, prompt) is None
     assert caplog.text == "" and ours.stored(keys) == 0
     ours.close()
+
+
+def test_a_weights_file_rewritten_in_place_makes_the_pages_cold(tiny_model_dir, tmp_path):
+    """A folder's pages were named by the folder's own stamp, which a file rewritten inside it (``cp new.safetensors
+    dir/model.safetensors``) leaves as it was: the next start answered from pages of the old weights."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    options = {"ctx": 512, "slots": 1, "quiet": True, "cache_disk_gib": 1, "cache_dir": str(tmp_path / "pages")}
+    with Engine(str(model), **options) as engine:
+        assert _run(engine)[0] == 0
+    with Engine(str(model), **options) as engine:
+        assert _run(engine)[0] == 256  # the pages, read again
+    folder = os.stat(model)
+    for file in model.glob("*.safetensors"):
+        with file.open("r+b") as f:  # the same bytes written again: only the file's stamp changes
+            f.write(file.read_bytes())
+    assert os.stat(model).st_mtime_ns == folder.st_mtime_ns
+    with Engine(str(model), **options) as engine:
+        assert _run(engine)[0] == 0

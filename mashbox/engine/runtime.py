@@ -23,7 +23,7 @@ from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore, ThinkBudget
 from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.info import ModelInfo
-from mashbox.engine.load.catalog import cache_dir, readable, stamp
+from mashbox.engine.load.catalog import cache_dir, readable, stamps
 from mashbox.engine.load.loader import LoadedModel, load, pick_device
 from mashbox.engine.load.progress import loading
 from mashbox.engine.model import native
@@ -356,7 +356,7 @@ def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: Mo
     """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
     if config.cache_disk_gib <= 0:
         return None
-    parts = [info.id, str(weights), stamp(weights) if weights.exists() else None, _rotary(runner), info.dtype,
+    parts = [info.id, str(weights), stamps(weights), _rotary(runner), info.dtype,
              info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens, torch.__version__,
              native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()

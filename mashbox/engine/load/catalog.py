@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mashbox.errors import ConfigError, ModelLoadError
 
@@ -108,6 +108,16 @@ def stamp(path: Path) -> list[int]:
     change; the mtime a copy may keep (``cp -p``, ``rsync -a``, ``touch -r``), the ctime none can set."""
     stat = path.stat()
     return [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def stamps(weights: Path) -> list[list[Any]] | None:
+    """The ``stamp`` of each file of ``weights`` (a file, or a folder's files: a file rewritten in place changes
+    no folder's stamp), by name; None where they cannot be listed."""
+    try:
+        files = sorted(weights.iterdir()) if weights.is_dir() else [weights]
+        return [[f.name, *stamp(f)] for f in files if f.is_file()]
+    except OSError:
+        return None
 
 
 def package_file(ref: PackageFile) -> Path | None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mashbox.engine.load.catalog import stamp
+from mashbox.engine.load.catalog import stamps
 from mashbox.engine.model import quant
 
 MAGIC = b"MBPACK01"
@@ -60,7 +60,7 @@ class Packer:
         path, then its files' ``stamp``, the weights' form and the kernels' build (the layout is theirs).
         Files left half-written by a start that stopped while writing are removed."""
         weights = weights.resolve()
-        made = _made(weights)
+        made = stamps(weights)
         if made is None:  # weights that cannot be listed are packed in memory
             return cls(lib)
         _remove_half_written(folder)
@@ -111,16 +111,6 @@ class Packer:
             return
         _prune(self.path, self.origin)
         log.info("packed weights saved to %s: the next start maps them", self.path)
-
-
-def _made(weights: Path) -> list[list[Any]] | None:
-    """The ``stamp`` of each file of ``weights`` (a file, or a folder's files), by name; None where they cannot
-    be listed."""
-    try:
-        files = sorted(weights.iterdir()) if weights.is_dir() else [weights]
-        return [[f.name, *stamp(f)] for f in files if f.is_file()]
-    except OSError:
-        return None
 
 
 def _prefix(weights: Path) -> str:
@@ -192,7 +182,7 @@ def _prune(kept: Path, origin: dict[str, Any]) -> None:
             continue
         other = _origin(path)
         source = other.get("source")
-        gone = not source or other.get("made") != _made(Path(source))
+        gone = not source or other.get("made") != stamps(Path(source))
         if gone or (source, other.get("mode")) == (origin["source"], origin["mode"]):
             path.unlink(missing_ok=True)
 
