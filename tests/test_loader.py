@@ -540,3 +540,40 @@ def test_a_gguf_reached_by_a_link_is_served_under_the_links_name(tmp_path: Path)
     source = catalog.resolve(str(link))
     assert source.id == catalog.served_id(str(link)) == "SmolLM2-135M-Instruct-Q4_1" and source.path == blob
     assert catalog.served_id(str(tmp_path / "snapshots" / "abc" / "..")) == "snapshots"
+
+
+def _edited(tiny_model_dir: Path, tmp_path: Path, name: str, **changes) -> Path:
+    folder = tmp_path / name
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq"])
+def test_a_folder_of_quantized_weights_is_refused_by_its_method(tiny_model_dir: Path, tmp_path: Path,
+                                                                 method: str) -> None:
+    """fp8 weights were read as floats without their scales (garbage answers, no word); GPTQ and AWQ folders
+    were transformers' ImportError advising a package that would not have made them run."""
+    folder = _edited(tiny_model_dir, tmp_path, method, quantization_config={"quant_method": method})
+    with pytest.raises(ModelLoadError, match=f"holds weights quantized by '{method}' \\(config.json's "
+                                             "quantization_config\\); mashbox reads float weights"):
+        load(str(folder))
+
+
+def test_a_tensor_the_config_needs_and_the_weights_lack_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A config of one layer more than the weights have was a bare KeyError."""
+    from mashbox import Engine
+
+    folder = _edited(tiny_model_dir, tmp_path, "more-layers", num_hidden_layers=3)
+    with pytest.raises(ModelLoadError, match="the weights have no tensor 'model.layers.2.self_attn.q_proj.weight'"):
+        Engine(str(folder), ctx=256, slots=1, quiet=True)
+
+
+def test_a_folders_end_of_text_comes_from_its_config_where_it_has_no_generation_config(tiny_model_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    """transformers falls back to config.json's eos_token_id; a safetensors folder without generation_config.json
+    had none here, and answered on past it (a .bin folder, read through transformers, stopped)."""
+    folder = _edited(tiny_model_dir, tmp_path, "eos", eos_token_id=[2, 77])
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    assert load(str(folder)).checkpoint.eos_ids == (2, 77)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mashbox.engine.model import quant
+from mashbox.errors import ModelLoadError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite")
 TYPES = {"gemma3_text": "gemma3"}  # transformers' model type -> the GGUF architecture it is
@@ -130,6 +131,7 @@ def read(path: Path, device: torch.device, dtype: torch.dtype) -> Checkpoint | N
     local = _rope(path, config, device, "sliding_attention")[0] if layered else _local_rope(config, device)
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    eos = config.get("eos_token_id") if eos is None else eos  # as transformers falls back
     return _build(config, tensors, inv_freq, scale, _ids(eos), local, long)
 
 
@@ -271,6 +273,14 @@ class Stored(NamedTuple):
     key: object
 
 
+class MissingTensor(ModelLoadError, KeyError):
+    """A tensor the model's config needs that its weights lack (a KeyError still, as a Mapping's ``get`` expects)."""
+
+    def __str__(self) -> str:
+        return (f"the weights have no tensor {self.args[0]!r}: their files are incomplete, or not of the model their "
+                "config.json describes (its layers, its family's layout)")
+
+
 class Tensors(Mapping[str, torch.Tensor]):
     """A checkpoint's tensors by name, tied embeddings under both their names. Stored ones (in
     safetensors files, or a GGUF's blocks) are read on first use, floating ones cast to the
@@ -310,7 +320,9 @@ class Tensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._loaded:
             return self._loaded[name]
-        stored = self._stored[name]
+        stored = self._stored.get(name)
+        if stored is None:
+            raise MissingTensor(name)
         tensor = self._read.get(stored.key)
         if tensor is None:
             tensor = stored.read()
@@ -337,6 +349,8 @@ class Tensors(Mapping[str, torch.Tensor]):
         """The tensor's shape, without reading it."""
         if name in self._stored:
             return self._stored[name].shape
+        if name not in self._loaded:
+            raise MissingTensor(name)
         return tuple(self._loaded[name].shape)
 
     @property

@@ -234,6 +234,11 @@ def _refuse_unknown(path: Path) -> None:
         named = ", ".join(config.get("architectures") or [str(kind)])
         raise ModelLoadError(f"'{path}' holds a model of text and images ({named}); mashbox runs text models: "
                              "load its text-only weights (a GGUF of it, for example)")
+    quantized = config.get("quantization_config")
+    if quantized:  # fp8 with its scales, GPTQ, AWQ, bitsandbytes: read as floats, they were garbage or an ImportError
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(f"'{path}' holds weights quantized by {method!r} (config.json's quantization_config); "
+                             "mashbox reads float weights (safetensors) or a GGUF: load the float model, or a GGUF of it")
     if kind is not None and checkpoint.TYPES.get(kind, kind) not in checkpoint.SUPPORTED:
         raise ModelLoadError(f"'{path}' holds a {kind!r} model (config.json's model_type); mashbox runs "
                              f"{', '.join(checkpoint.SUPPORTED)} models")
