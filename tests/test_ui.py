@@ -544,6 +544,140 @@ def test_another_tabs_save_leaves_an_edit_and_a_deleted_answer_is_left(smol, tab
     expect(first.locator("#chats li")).to_have_count(2)
 
 
+def test_an_answer_written_in_another_tab_holds_the_composer_and_no_turn_is_lost(smol, tab, trickle):
+    """Another tab's answer, still being written, showed here as a finished empty one (Regenerate, Copy), and a
+    question sent here meanwhile, with its answer, vanished when that answer ended: its tab saved over them."""
+    first = tab.open(smol)
+    trickled(first, trickle)
+    ask(first, "200 words every 0.05")
+    expect(first.locator(".msg.assistant .content")).to_contain_text("word3", timeout=WAIT_MS)
+    second = tab.context.new_page()
+    second.goto(smol + "/")
+    fixed(second, answer_with("Paris."))
+    written = second.locator(".msg.assistant")
+    expect(written.locator(".note")).to_have_text("Being written in another tab…")
+    expect(written.get_by_role("button")).to_have_count(0)
+    expect(second.locator("#held")).to_be_visible()
+    ask(second, "What is the capital of France?")
+    expect(second.locator("#prompt")).to_have_value("What is the capital of France?")  # held, not sent
+    expect(second.locator(".msg")).to_have_count(2)
+    expect(first.locator("#send")).to_be_visible(timeout=WAIT_MS)  # the answer ended there
+    expect(written.get_by_role("button", name="Regenerate")).to_be_visible()  # and here
+    expect(second.locator("#held")).to_be_hidden()
+    second.locator("#prompt").press("Enter")
+    answered(second, 2)
+    expect(first.locator(".msg.user .content")).to_have_text(["200 words every 0.05", "What is the capital of France?"])
+    stored = first.evaluate("JSON.parse(localStorage.getItem('mashbox.chats'))")
+    assert [m["content"] for m in stored[0]["messages"]][2:] == ["What is the capital of France?", "Paris."]
+
+
+def test_a_conversation_another_tab_saves_while_answered_here_is_kept_with_the_answer_apart(smol, tab, trickle):
+    """A tab that saved a conversation after another tab began an answer in it (one that took that answer for one
+    left by a closed tab, or sent at the same moment) lost its turns when the answer ended."""
+    page = tab.open(smol)
+    trickled(page, trickle)
+    ask(page, "100 words every 0.05")
+    expect(page.locator(".msg.assistant .content")).to_contain_text("word3", timeout=WAIT_MS)
+    other = tab.context.new_page()
+    other.goto(smol + "/health")  # the same origin, and its storage
+    other.evaluate("""() => {
+        const chats = JSON.parse(localStorage.getItem("mashbox.chats"));
+        Object.assign(chats[0].messages.at(-1), { pending: false, stopped: true });
+        chats[0].messages.push({ role: "user", content: "Sent in the other tab" },
+                               { role: "assistant", content: "Kept." });
+        chats[0].updated = Date.now();
+        localStorage.setItem("mashbox.chats", JSON.stringify(chats));
+    }""")
+    expect(page.locator("#chats li")).to_have_count(2)
+    answer = page.locator(".msg.assistant")
+    expect(answer.locator(".note")).to_contain_text("Another tab wrote in this conversation", timeout=WAIT_MS)
+    expect(answer.get_by_role("button", name="Regenerate")).to_be_visible(timeout=WAIT_MS)
+    expect(answer.locator(".content")).to_contain_text("word99")
+    stored = {chat["title"]: [m["content"] for m in chat["messages"]]
+              for chat in page.evaluate("JSON.parse(localStorage.getItem('mashbox.chats'))")}
+    assert stored["100 words every 0.05"][2:] == ["Sent in the other tab", "Kept."]
+    assert "word99" in stored["100 words every 0.05 (copy)"][1]
+
+
+def test_an_answer_left_by_a_killed_tab_ends_as_stopped(smol, tab):
+    """A killed tab leaves its answer marked as being written: it must not hold the conversation for good."""
+    page = tab.open(smol)
+    other = tab.context.new_page()
+    other.goto(smol + "/health")
+    other.evaluate("""() => localStorage.setItem("mashbox.chats", JSON.stringify([{
+        id: "left", title: "Left mid-answer", created: new Date().toISOString(), updated: Date.now(),
+        messages: [{ role: "user", content: "Left mid-answer" },
+                   { role: "assistant", content: "Half an", reasoning: "", tools: [], pending: true, tab: "killed" }],
+    }]))""")
+    page.get_by_role("button", name="Left mid-answer", exact=True).click()
+    answer = page.locator(".msg.assistant")
+    expect(answer.locator(".note")).to_have_text("Being written in another tab…")
+    expect(page.locator("#held")).to_be_visible()
+    expect(answer.locator(".note")).to_have_text("Stopped.", timeout=30_000)  # not saved again for 10 s
+    expect(answer.get_by_role("button", name="Regenerate")).to_be_visible()
+    expect(page.locator("#held")).to_be_hidden()
+
+
+def test_a_conversation_left_while_its_answer_is_written_keeps_its_buttons(smol, tab, trickle):
+    """The conversation shown next, or left after a delete, was drawn while the answer left behind was still ending:
+    without its Edit, Regenerate and Copy buttons."""
+    page = tab.open(smol)
+    fixed(page, answer_with("Hi."))
+    ask(page, "Say hi.")
+    answered(page)
+    trickled(page, trickle)
+    page.get_by_role("button", name="New chat").click()
+    ask(page, "300 words every 0.05")
+    expect(page.locator(".msg.assistant .content")).to_contain_text("word3", timeout=WAIT_MS)
+    page.get_by_role("button", name="Say hi.", exact=True).click()
+    expect(page.get_by_role("button", name="Regenerate")).to_be_visible()
+    expect(page.get_by_role("button", name="Edit")).to_be_visible()
+    page.get_by_role("button", name="300 words every 0.05", exact=True).click()
+    expect(page.locator(".msg.assistant .note")).to_have_text("Stopped.")  # leaving it stopped it
+    page.get_by_role("button", name="Regenerate").click()
+    expect(page.locator(".msg.assistant .content")).to_contain_text("word3", timeout=WAIT_MS)
+    page.get_by_role("button", name="Delete “300 words every 0.05”").click()
+    expect(page.locator(".msg.user .content")).to_have_text(["Say hi."])
+    expect(page.get_by_role("button", name="Regenerate")).to_be_visible()
+    expect(page.get_by_role("button", name="Edit")).to_be_visible()
+
+
+def test_the_view_keeps_the_readers_place_when_an_answer_ends(smol, tab, trickle):
+    page = tab.open(smol)
+    trickled(page, trickle)
+    ask(page, "200 words every 0.05")
+    expect(page.locator(".msg.assistant .content")).to_contain_text("word60", timeout=WAIT_MS)
+    log = page.locator("#log")
+    log.evaluate("log => log.scrollTo({ top: 0, behavior: 'instant' })")
+    assert page.locator("#stop").is_visible()  # the reader went up while it was written
+    answered(page)
+    assert log.evaluate("log => [log.scrollTop, log.scrollHeight - log.clientHeight > 1000]") == [0, True]
+
+
+def test_an_answer_cut_by_the_context_says_so_when_max_tokens_is_set(smol, tab):
+    """Any answer cut for its length was said to be cut by max tokens once they were set, though it had 42 of 2,000."""
+    page = tab.open(smol)
+    fixed(page, answer_with("Once upon a time", finish="length"))
+    page.locator("#settings-toggle").click()
+    page.locator("#max_tokens").fill("2000")
+    page.keyboard.press("Escape")
+    ask(page, "A long story, please.")
+    expect(answered(page).locator(".note")).to_have_text("Cut: the answer reached the end of the context.")
+
+
+def test_a_long_line_of_marks_that_never_close_renders_at_once(smol, tab):
+    """One pattern for all inline spans looked for a closing mark from each opening one: a line of 60,000 "**a "
+    took half a minute, the page frozen."""
+    page = tab.open(smol)
+    fixed(page, events(chunk({"content": "**a " * 80_000 + "\n\n**bold** and `code`"}), chunk({}, "stop")))
+    ask(page, "Marks.")
+    answer = page.locator(".msg.assistant")
+    expect(answer.get_by_role("button", name="Regenerate")).to_be_visible(timeout=10_000)
+    expect(answer.locator("strong")).to_have_text("bold")
+    expect(answer.locator("code")).to_have_text("code")
+    expect(answer.locator("p").first).to_contain_text("**a **a")
+
+
 def test_a_full_queue_is_said_and_the_request_sent_again(smol, tab):
     page = tab.open(smol)
     tries = []

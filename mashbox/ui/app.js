@@ -10,6 +10,10 @@ const REMOVED_KEPT = 1000;
 const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "thinking"];
 const SENDABLE = /^[\x21-\x7e]*$/; // what a header value may hold here: fetch throws on others, httpx too
 const POLL_MS = { ready: 10000, waiting: 1000 };
+const TAB = crypto.randomUUID(); // this tab, as the writer of the answers it asks for
+// An answer being written is saved this often (other tabs show it, and hold their composer); one that its tab has
+// not saved for this long was left by a tab that was closed or killed mid-answer, and is stopped.
+const ANSWER_MS = { saved: 2000, stale: 10000 };
 const PANELS = { settings: ["settings", "settings-toggle", "system"], sidebar: ["sidebar", "menu", "new-chat"] };
 
 // -- small helpers ------------------------------------------------------------------------------
@@ -223,35 +227,104 @@ function table(lines, i, parent) {
 
 // -- Markdown: inline ---------------------------------------------------------------------------
 
-const INLINE = new RegExp([
-  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/, // 1, 2: code
-  /\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__(?!\w)/, // 3, 4: strong
-  /~~(?=\S)([\s\S]*?\S)~~/, // 5: strikethrough
-  /\*(?=[^\s*])([\s\S]*?[^\s*])\*|(?<!\w)_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/, // 6, 7: emphasis
-  /\[([^\]\n]+)\]\(\s*<?((?:[^\s()<>]|\([^\s()<>]*\))+)>?(?:\s+"[^"]*")?\s*\)/, // 8, 9: link
-  /(https?:\/\/(?:[^\s<>"'`()]|\([^\s<>"'`()]*\))*(?:[^\s<>"'`.,;:!?()\]]|\([^\s<>"'`()]*\)))/, // 10: bare address
-  /\\([!-/:-@[-`{-~])/, // 11: a backslash escape
-].map((part) => part.source).join("|"));
+// Each kind of span as it reads where it opens (sticky patterns: at that place only). The places where one may open are
+// tried left to right, each with the kinds it may open; a kind is tried only where it can close later in the text
+// (Spans), so that a line of marks that never close costs one pass over it, not one pass for each mark.
+const MARK = /[`*_~[\\]|https?:\/\//g;
+// An emphasis: its mark, its pattern, where it may close (the place of its last character), its tag, and what may
+// not come just before it, looked at after the span before only (an escaped underscore is no word: \__a_ is _ and a
+// in italics).
+const EMPHASIS = [
+  ["**", /\*\*(?=\S)([\s\S]*?\S)\*\*/y, /\S(?=\*\*)/g, "strong"],
+  ["__", /__(?=\S)([\s\S]*?\S)__(?!\w)/y, /\S(?=__(?!\w))/g, "strong"],
+  ["~~", /~~(?=\S)([\s\S]*?\S)~~/y, /\S(?=~~)/g, "del"],
+  ["*", /\*(?=[^\s*])([\s\S]*?[^\s*])\*/y, /[^\s*](?=\*)/g, "em"],
+  ["_", /_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/y, /[^\s_](?=_(?!\w))/g, "em", /\w/],
+];
+const CODE = /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/y;
+const TICKS = /`+/y;
+const RUNS = /(?<!`)`+/g; // each run of backticks whole: a code span closes with one as long as it opened with
+const LINK = /\[([^\]\n]+)\]\(\s*<?((?:[^\s()<>]|\([^\s()<>]*\))+)>?(?:\s+"[^"]*")?\s*\)/y;
+const LABEL = /\[[^\]\n]*/y; // how far a link's label reaches
+const ADDRESS = /https?:\/\/(?:[^\s<>"'`()]|\([^\s<>"'`()]*\))*(?:[^\s<>"'`.,;:!?()\]]|\([^\s<>"'`()]*\))/y;
+const ESCAPE = /\\([!-/:-@[-`{-~])/y;
 
 function inline(text, parent) {
-  let rest = text;
-  let match;
-  while (rest && (match = INLINE.exec(rest))) {
-    parent.append(rest.slice(0, match.index), span(match));
-    rest = rest.slice(match.index + match[0].length);
+  const spans = new Spans(text);
+  let done = 0;
+  for (const { index } of text.matchAll(MARK)) {
+    const span = index >= done && spans.at(index, done);
+    if (!span) continue;
+    parent.append(text.slice(done, index), span.node);
+    done = index + span.length;
   }
-  parent.append(rest);
+  parent.append(text.slice(done));
   return parent;
 }
 
-function span(m) {
-  if (m[2] !== undefined) return el("code", { textContent: m[2] });
-  if (m[3] ?? m[4]) return inline(m[3] ?? m[4], el("strong"));
-  if (m[5]) return inline(m[5], el("del"));
-  if (m[6] ?? m[7]) return inline(m[6] ?? m[7], el("em"));
-  if (m[8]) return link(m[9], inline(m[8], el("a")), m[0]);
-  if (m[11]) return m[11];
-  return link(m[10], el("a", { textContent: m[10] }), m[0]);
+class Spans { // the spans of one text, asked for left to right; where they may close, found once when first asked
+  constructor(text) {
+    this.text = text;
+    this.closes = new Map(); // an emphasis's closing pattern → the last place where one may close
+    this.runs = null; // the length of a run of backticks → where the last one of that length starts
+    this.ticks = 0; // where the run of backticks last met ends
+    this.label = 0; // where the label of the last link tried ends: no link opens before it
+  }
+
+  at(i, start) { // the span that opens at i (the span before ends at start), as its node and length, or null
+    const text = this.text;
+    if (text[i] === "`") return this.code(i);
+    if (text[i] === "[") return this.link(i);
+    if (text[i] === "\\") return spanAt(ESCAPE, text, i, (m) => m[1]);
+    if (text[i] === "h") return spanAt(ADDRESS, text, i, (m) => link(m[0], el("a", { textContent: m[0] }), m[0]));
+    for (const [mark, pattern, close, tag, before] of EMPHASIS) {
+      const span = text.startsWith(mark, i) && this.last(close) >= i + mark.length
+        && !(i > start && before?.test(text[i - 1]))
+        && spanAt(pattern, text, i, (m) => inline(m[1], el(tag)));
+      if (span) return span;
+    }
+    return null;
+  }
+
+  last(close) {
+    if (!this.closes.has(close)) this.closes.set(close, lastAt(this.text, close));
+    return this.closes.get(close);
+  }
+
+  code(i) {
+    if (i >= this.ticks) {
+      TICKS.lastIndex = i;
+      this.ticks = i + TICKS.exec(this.text)[0].length;
+    }
+    this.runs ??= runs(this.text);
+    if (!(this.runs.get(this.ticks - i) > this.ticks)) return null;
+    return spanAt(CODE, this.text, i, (m) => el("code", { textContent: m[2] }));
+  }
+
+  link(i) {
+    if (i < this.label) return null; // within the label of one that was not a link: nor is this
+    LABEL.lastIndex = i;
+    this.label = i + LABEL.exec(this.text)[0].length;
+    return spanAt(LINK, this.text, i, (m) => link(m[2], inline(m[1], el("a")), m[0]));
+  }
+}
+
+function lastAt(text, pattern) {
+  let at = -1;
+  for (const m of text.matchAll(pattern)) at = m.index;
+  return at;
+}
+
+function runs(text) {
+  const starts = new Map();
+  for (const m of text.matchAll(RUNS)) starts.set(m[0].length, m.index);
+  return starts;
+}
+
+function spanAt(pattern, text, i, node) {
+  pattern.lastIndex = i;
+  const m = pattern.exec(text);
+  return m && { node: node(m), length: m[0].length };
 }
 
 function link(address, anchor, source) {
@@ -312,13 +385,20 @@ function facts(m) {
 
 function note(m) {
   if (m.error) return m.error;
+  if (m.pending && m.tab !== TAB) return "Being written in another tab…";
+  const forked = m.forked ? "Another tab wrote in this conversation while this answer was written: this answer " +
+    "went on in this copy of the conversation. " : "";
   const dropped = m.dropped ? `The conversation outgrew the context: its ${m.dropped} oldest turn${
     m.dropped > 1 ? "s were" : " was"} left out of this answer's request. ` : "";
-  if (m.stopped) return `${dropped}Stopped.`;
-  if (m.finish === "length") {
-    return dropped + (m.limit ? `Cut by max tokens (${m.limit}).` : "Cut: the answer reached the end of the context.");
-  }
-  return dropped.trim();
+  if (m.stopped) return `${forked}${dropped}Stopped.`;
+  if (m.finish === "length") return forked + dropped + cut(m);
+  return (forked + dropped).trim();
+}
+
+function cut(m) { // what cut an answer that finished for its length: max tokens where it reached them, else the context
+  const written = m.usage?.completion_tokens ?? m.timings?.predicted_n;
+  if (m.limit && written >= m.limit) return `Cut by max tokens (${m.limit}).`;
+  return "Cut: the answer reached the end of the context.";
 }
 
 class MessageView {
@@ -341,11 +421,11 @@ class MessageView {
   schedule() {
     this.frame ||= requestAnimationFrame(() => {
       const log = this.node.parentElement;
-      const following = log && log.scrollHeight - log.scrollTop - log.clientHeight < 80;
+      const follow = log && following(log);
       this.frame = 0;
       this.update();
       // at once: a smooth scroll still under way at the next frame would read as the reader's scrolling up
-      if (following) log.scrollTo({ top: log.scrollHeight, behavior: "instant" });
+      if (follow) log.scrollTo({ top: log.scrollHeight, behavior: "instant" });
     });
   }
 
@@ -392,12 +472,12 @@ class ChatPage {
     this.state = "connecting";
     this.model = null;
     this.running = null; // the AbortController of the answer being written
+    this.answering = null; // and its conversation, until it is saved whole
+    this.recheck = 0; // the timer that looks again at an answer another tab writes in the conversation shown
     this.notice = ["", false]; // the server's state, as the banner says it (text, retry button)
     this.unsaved = ""; // why the last save failed, said until a save works
     this.wake = () => {};
-    for (const m of this.chats.flatMap((chat) => chat.messages).filter((m) => m.pending)) {
-      Object.assign(m, { pending: false, stopped: true }); // the page closed while it was written
-    }
+    this.chats.forEach(settle);
   }
 
   start() {
@@ -431,7 +511,7 @@ class ChatPage {
       else if (this.chat !== shown) this.render(); // this conversation went on in the other tab
       else this.renderList(); // an edit under way and where the reader is stay as they are
     });
-    const partial = () => { if (this.running) this.save(); }; // what has come of an answer, should the page close
+    const partial = () => { if (this.answering) this.save(this.answering); }; // what has come, should the page close
     window.addEventListener("pagehide", () => { this.running?.abort(); partial(); }); // stopped, not lost
     document.addEventListener("visibilitychange", () => { if (document.hidden) partial(); });
     document.addEventListener("keydown", (event) => {
@@ -558,7 +638,7 @@ class ChatPage {
 
   send() {
     const text = this.ui.prompt.value;
-    if (this.running || !text.trim()) return;
+    if (this.running || elsewhere(this.chat) || !text.trim()) return;
     this.ui.prompt.value = "";
     fit(this.ui.prompt);
     this.chat.messages.push({ role: "user", content: text });
@@ -570,24 +650,30 @@ class ChatPage {
   async answer() {
     const chat = this.chat;
     const body = this.request(chat);
-    const reply = { role: "assistant", content: "", reasoning: "", tools: [], pending: true, limit: body.max_tokens };
+    const reply = { role: "assistant", content: "", reasoning: "", tools: [], pending: true, tab: TAB,
+      limit: body.max_tokens };
     chat.messages.push(reply);
     this.running = new AbortController();
+    this.answering = chat;
     const { signal } = this.running;
+    // stopped at once, as a page that closes saves it (and as the conversation shown next draws it)
+    signal.addEventListener("abort", () => Object.assign(reply, { pending: false, stopped: true }), { once: true });
+    const saving = setInterval(() => this.save(chat), ANSWER_MS.saved);
     this.busy(true);
-    this.save();
-    this.render();
+    this.save(chat);
+    this.render(true);
     try {
       await this.stream(body, reply, this.views.at(-1), signal);
     } catch (err) {
       if (!signal.aborted) reply.error = err instanceof SyntaxError ? `A bad answer from the server: ${err.message}`
         : "The connection to the server was lost.";
     } finally {
-      reply.stopped = signal.aborted;
+      clearInterval(saving);
       reply.pending = false;
       this.running = null;
       this.busy(false);
       this.save(chat);
+      this.answering = null;
       const deleted = !this.chats.includes(chat); // by another tab, while the answer was written
       if (chat === this.chat && deleted) this.open(this.chats[0] ?? this.fresh());
       else if (chat === this.chat) this.render();
@@ -648,6 +734,7 @@ class ChatPage {
   }
 
   regenerate() {
+    if (this.running) return; // the answer of a conversation left a moment ago, still ending
     this.chat.messages.pop();
     this.answer();
   }
@@ -656,7 +743,7 @@ class ChatPage {
     const m = view.message;
     const box = el("textarea", { className: "edit", value: m.content, ariaLabel: "Edit your message" });
     const resend = () => {
-      if (!box.value.trim()) return;
+      if (this.running || !box.value.trim()) return;
       const messages = this.chat.messages;
       messages.splice(messages.indexOf(m));
       if (!messages.length) this.chat.title = titled(box.value);
@@ -685,7 +772,7 @@ class ChatPage {
     this.chat = chat;
     keep(STORE.current, chat.id);
     this.panel("sidebar", false);
-    this.render();
+    this.render(true);
     this.ui.prompt.focus();
   }
 
@@ -697,11 +784,11 @@ class ChatPage {
     this.renderList();
   }
 
-  save(chat = this.chat) {
-    chat.updated = Date.now();
-    if (chat.messages.length && !this.chats.includes(chat)) this.chats.unshift(chat);
-    keep(STORE.current, this.chat.id);
+  save(chat = null) { // chat: the one an answer is written in here, if it changed
+    if (chat?.messages.length && !this.chats.includes(chat)) this.chats.unshift(chat);
     this.merge(load(STORE.chats, []));
+    if (chat) chat.updated = Date.now();
+    keep(STORE.current, this.chat.id);
     const saved = keep(STORE.chats, JSON.stringify(this.chats));
     this.unsaved = saved ? "" : "Conversations cannot be saved in this browser: its storage is full (or off). " +
       "Delete old ones to make room, after Export all if you want to keep them.";
@@ -709,14 +796,19 @@ class ChatPage {
   }
 
   merge(stored) {
-    // Tabs share one list: each conversation as it was saved last, by whichever tab; none that a tab deleted.
+    // Tabs share one list: each conversation as it was saved last, by whichever tab; none that a tab deleted. The one
+    // this tab writes an answer in stays as it is here: should another tab save it meanwhile (one that took the
+    // answer for one left by a closed tab, or sent at the same moment), this tab's goes on as a copy: both are kept.
     const removed = new Set(load(STORE.removed, []));
     const chats = new Map(stored.map((chat) => [chat.id, chat]));
     for (const chat of this.chats) {
-      if ((chat.updated ?? 0) >= (chats.get(chat.id)?.updated ?? 0)) chats.set(chat.id, chat);
+      const saved = chats.get(chat.id);
+      if (chat === this.answering && saved?.updated > chat.updated) fork(chat);
+      if (chat === this.answering || (chat.updated ?? 0) >= (saved?.updated ?? 0)) chats.set(chat.id, chat);
     }
     for (const id of removed) chats.delete(id);
     this.chats = [...chats.values()].sort((a, b) => b.created.localeCompare(a.created));
+    this.chats.forEach(settle);
     this.chat = chats.get(this.chat.id) ?? this.chat;
   }
 
@@ -738,20 +830,35 @@ class ChatPage {
 
   // -- drawing ----------------------------------------------------------------------------------
 
-  render() {
+  render(bottom = false) { // bottom: show the end (else where the reader is stays, unless they follow the end)
+    const log = this.ui.log;
+    const place = bottom || following(log) ? null : log.scrollTop;
     const messages = this.chat.messages;
     this.views = messages.map((m) => new MessageView(m));
     const last = this.views.at(-1);
     const lastUser = this.views.findLast((view) => view.message.role === "user");
-    if (!this.running && last?.message.role === "assistant") {
+    const done = !messages.some((m) => m.pending); // no answer being written in it, here or in another tab
+    if (done && last?.message.role === "assistant") {
       last.actions([["Regenerate", () => this.regenerate()],
         ["Copy", (event) => copy(last.message.content, event.target)]]);
     }
-    if (!this.running && lastUser) lastUser.actions([["Edit", () => this.edit(lastUser)]]);
+    if (done && lastUser) lastUser.actions([["Edit", () => this.edit(lastUser)]]);
     this.ui.empty.hidden = messages.length > 0;
-    this.ui.log.replaceChildren(this.ui.empty, ...this.views.map((view) => view.node));
-    this.ui.log.scrollTop = this.ui.log.scrollHeight;
+    log.replaceChildren(this.ui.empty, ...this.views.map((view) => view.node));
+    log.scrollTo({ top: place ?? log.scrollHeight, behavior: "instant" });
+    this.hold();
     this.renderList();
+  }
+
+  hold() {
+    // While another tab writes an answer in the conversation shown, nothing is sent into it here; a look again later
+    // finds it ended (saved by that tab, and drawn by the storage event), or stopped (a tab closed mid-answer).
+    const held = elsewhere(this.chat);
+    this.ui.held.hidden = !held;
+    this.ui.hint.hidden = held;
+    this.ui.send.disabled = held;
+    clearTimeout(this.recheck);
+    if (held) this.recheck = setTimeout(() => { this.merge(load(STORE.chats, [])); this.render(); }, ANSWER_MS.stale);
   }
 
   renderList() {
@@ -765,6 +872,26 @@ class ChatPage {
       return el("li", {}, link, drop);
     }));
   }
+}
+
+function elsewhere(chat) { // whether another tab is writing an answer in this conversation
+  return chat.messages.some((m) => m.pending && m.tab !== TAB);
+}
+
+function settle(chat) { // an answer that its tab stopped saving (closed or killed mid-answer) is stopped
+  if (Date.now() - (chat.updated ?? 0) < ANSWER_MS.stale) return;
+  for (const m of chat.messages) {
+    if (m.pending && m.tab !== TAB) Object.assign(m, { pending: false, stopped: true });
+  }
+}
+
+function fork(chat) { // this tab's copy of a conversation that another tab saved while an answer was written here
+  Object.assign(chat, { id: crypto.randomUUID(), title: `${chat.title} (copy)` });
+  chat.messages.at(-1).forked = true;
+}
+
+function following(log) { // whether the reader is at the end of the conversation (and so follows an answer)
+  return log.scrollHeight - log.scrollTop - log.clientHeight < 80;
 }
 
 function addToolCall(calls, delta) {
