@@ -796,3 +796,13 @@ def test_a_key_that_cannot_be_sent_is_asked_for_again(keyed, tab):
     page.get_by_label("API key", exact=True).fill(KEY)
     page.get_by_role("button", name="Use this key").click()
     expect(page.locator("#model-id")).not_to_have_text("connecting…", timeout=WAIT_MS)
+
+
+def test_the_page_works_where_the_browser_gives_no_random_uuid(smol, tab):
+    """crypto.randomUUID exists only in a secure context: a server on the LAN (--host with keys), its page over
+    plain http, had the page stop at its first line (every tab and conversation id came from it)."""
+    tab.context.add_init_script("delete Crypto.prototype.randomUUID")
+    page = tab.open(smol)
+    ask(page, "Say hi.")
+    assert answered(page).locator(".content").inner_text().strip()
+    expect(page.locator("#chats li")).to_have_count(1)

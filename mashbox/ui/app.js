@@ -10,13 +10,18 @@ const REMOVED_KEPT = 1000;
 const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "thinking"];
 const SENDABLE = /^[\x21-\x7e]*$/; // what a header value may hold here: fetch throws on others, httpx too
 const POLL_MS = { ready: 10000, waiting: 1000 };
-const TAB = crypto.randomUUID(); // this tab, as the writer of the answers it asks for
+const TAB = uid(); // this tab, as the writer of the answers it asks for
 // An answer being written is saved this often (other tabs show it, and hold their composer); one that its tab has
 // not saved for this long was left by a tab that was closed or killed mid-answer, and is stopped.
 const ANSWER_MS = { saved: 2000, stale: 10000 };
 const PANELS = { settings: ["settings", "settings-toggle", "system"], sidebar: ["sidebar", "menu", "new-chat"] };
 
 // -- small helpers ------------------------------------------------------------------------------
+
+function uid() { // crypto.randomUUID is only in a secure context: not the page of a server on the LAN, over http
+  return crypto.randomUUID?.() ?? Array.from(crypto.getRandomValues(new Uint8Array(16)),
+    (byte) => byte.toString(16).padStart(2, "0")).join("");
+}
 
 function el(tag, props = {}, ...children) {
   const node = document.createElement(tag);
@@ -764,7 +769,7 @@ class ChatPage {
   // -- conversations --------------------------------------------------------------------------
 
   fresh() {
-    return { id: crypto.randomUUID(), title: "", created: new Date().toISOString(), messages: [] };
+    return { id: uid(), title: "", created: new Date().toISOString(), messages: [] };
   }
 
   open(chat) {
@@ -886,7 +891,7 @@ function settle(chat) { // an answer that its tab stopped saving (closed or kill
 }
 
 function fork(chat) { // this tab's copy of a conversation that another tab saved while an answer was written here
-  Object.assign(chat, { id: crypto.randomUUID(), title: `${chat.title} (copy)` });
+  Object.assign(chat, { id: uid(), title: `${chat.title} (copy)` });
   chat.messages.at(-1).forked = true;
 }
 
