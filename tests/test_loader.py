@@ -577,3 +577,25 @@ def test_a_folders_end_of_text_comes_from_its_config_where_it_has_no_generation_
     folder = _edited(tiny_model_dir, tmp_path, "eos", eos_token_id=[2, 77])
     (folder / "generation_config.json").unlink(missing_ok=True)
     assert load(str(folder)).checkpoint.eos_ids == (2, 77)
+
+
+def test_a_folder_without_a_tokenizer_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """transformers' own error listed every library that might have read one (sentencepiece, tiktoken)."""
+    folder = _edited(tiny_model_dir, tmp_path, "no-tokenizer")
+    for path in list(folder.glob("tokenizer*")) + list(folder.glob("vocab*")) + list(folder.glob("merges*")) + [
+            folder / "special_tokens_map.json"]:
+        path.unlink(missing_ok=True)
+    with pytest.raises(ModelLoadError, match="has no tokenizer: no tokenizer.json, tokenizer.model, vocabulary"):
+        load(str(folder))
+
+
+def test_a_sentencepiece_tokenizer_without_its_libraries_names_them(tiny_model_dir: Path, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """A tokenizer.model alone needs sentencepiece and protobuf for transformers to convert it; without them its
+    error named tiktoken."""
+    folder = _edited(tiny_model_dir, tmp_path, "spm")
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x00")
+    monkeypatch.setattr(loader, "_installed", lambda module: module != "google.protobuf")
+    with pytest.raises(ModelLoadError, match="install sentencepiece and protobuf"):
+        load(str(folder))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -45,6 +46,8 @@ from mashbox.engine.model.form import pick_dtype  # noqa: E402
 from mashbox.engine.text.template import FALLBACKS  # noqa: E402
 from mashbox.engine.text.tokenizer import Tokenizer  # noqa: E402
 from mashbox.errors import ModelLoadError  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "*.model", "*.tiktoken")  # what transformers makes one of
 
 if TYPE_CHECKING:
     import transformers
@@ -216,10 +219,30 @@ def _load_tokenizer(source: ModelSource) -> Tokenizer:
             raise ModelLoadError(
                 f"Cannot read the tokenizer of the HF model directory '{source.path}' "
                 f"({type(err).__name__}: {err}).") from err
+    _refuse_unreadable_tokenizer(source.path)
     with _hush():
         from transformers import AutoTokenizer
 
         return Tokenizer.of(_hf_call(source, AutoTokenizer.from_pretrained, str(source.path)))
+
+
+def _refuse_unreadable_tokenizer(path: Path) -> None:
+    """A folder without tokenizer.json whose tokenizer transformers cannot make here, said as such (transformers'
+    own error named tiktoken, or listed every library it might have used)."""
+    if (path / "tokenizer.model").is_file() and not all(map(_installed, ("sentencepiece", "google.protobuf"))):
+        raise ModelLoadError(f"'{path}' has its tokenizer as a sentencepiece tokenizer.model and no tokenizer.json: "
+                             "install sentencepiece and protobuf (pip install sentencepiece protobuf) to convert it, "
+                             "or save the tokenizer with a tokenizer.json (save_pretrained writes one)")
+    if not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise ModelLoadError(f"'{path}' has no tokenizer: no tokenizer.json, tokenizer.model, vocabulary or merges "
+                             "file (save_pretrained of the tokenizer writes them)")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _refuse_unknown(path: Path) -> None:
