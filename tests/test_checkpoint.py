@@ -138,3 +138,18 @@ def test_engine_on_a_saved_qwen2_answers_as_transformers_does(tmp_path: Path, sm
     assert isinstance(events[-1], Finish)
     text = "".join(e.text for e in events if hasattr(e, "text"))
     assert len(text) > 5 and text == smol_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_a_qwen2_config_of_transformers_4_keeps_its_sliding_windows(tmp_path: Path) -> None:
+    """Configs written before transformers had ``layer_types`` say Qwen2's windows with ``use_sliding_window`` and
+    ``max_window_layers``: they were read as no window at all (answers parted from transformers' after a few tokens)."""
+    import json
+
+    config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.pop("layer_types", None)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    got = checkpoint.read(tmp_path, torch.device("cpu"), torch.float32)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    assert got is not None and got.windows == (0, 8)

@@ -177,12 +177,16 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
 def _layer_types(config: dict[str, Any], model_type: str) -> list[str]:
     """Each layer's attention: the config's list, else (Gemma configs written before transformers had
     one: its ``sliding_window_pattern``) the family's pattern, every n-th layer global; Phi-3's all
-    sliding (its window unused, as in llama.cpp); Mistral's all sliding where it has a window (v0.1's 4096)."""
+    sliding (its window unused, as in llama.cpp); Mistral's all sliding where it has a window (v0.1's 4096);
+    Qwen2's (configs transformers 4 wrote: ``use_sliding_window``) from layer ``max_window_layers`` on."""
     layers = config["num_hidden_layers"]
     if config.get("layer_types"):
         return config["layer_types"]
     if model_type == "phi3" or model_type == "mistral" and config.get("sliding_window"):
         return ["sliding_attention"] * layers
+    if config.get("use_sliding_window") and config.get("sliding_window"):  # Qwen2's, from its max_window_layers on
+        first = config.get("max_window_layers", layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     every = config.get("sliding_window_pattern") or GEMMA_PATTERNS.get(model_type)
     return ["sliding_attention" if s else "full_attention" for s in sliding(layers, every)] if every else []
 
