@@ -5,6 +5,7 @@ the worker on the way out (Ctrl-C or SIGTERM).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -122,11 +123,17 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
 def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
     import uvicorn
 
+    from mashbox.server.connection import accepts_said_seldom
+
     class Server(uvicorn.Server):
         """uvicorn's, but a second Ctrl-C ends the answers still running at once, each with its protocol's
         error event (uvicorn's own cut their connections, a traceback each); a third cuts them."""
 
         hurried = False
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            asyncio.get_running_loop().set_exception_handler(accepts_said_seldom())
+            await super().startup(sockets=sockets)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if sig == signal.SIGINT and self.should_exit and not self.hurried:
