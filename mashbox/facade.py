@@ -38,8 +38,7 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS, prepare
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.core import CLOSED
-from mashbox.engine.events import Event, Finish, Queued, Usage
+from mashbox.engine.events import CLOSED, Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import (

@@ -17,6 +17,7 @@ from mashbox import Engine, EngineRequest, SamplingParams, Started, TextDelta
 from mashbox.engine.model import native
 from mashbox.engine.model.kv_cache import KVCache
 from mashbox.engine.sched.disk_cache import PageStore
+from mashbox.server.health import cache_namespace
 
 PROMPT = " ".join(f"item {i}," for i in range(90))  # ~440 tokens: one whole page of 256
 
@@ -453,6 +454,7 @@ def test_a_weights_file_rewritten_in_place_makes_the_pages_cold(tiny_model_dir, 
         assert _run(engine)[0] == 0
     with Engine(str(model), **options) as engine:
         assert _run(engine)[0] == 256  # the pages, read again
+        namespace = cache_namespace(engine.info)
     folder = os.stat(model)
     for file in model.glob("*.safetensors"):
         with file.open("r+b") as f:  # the same bytes written again: only the file's stamp changes
@@ -460,3 +462,4 @@ def test_a_weights_file_rewritten_in_place_makes_the_pages_cold(tiny_model_dir, 
     assert os.stat(model).st_mtime_ns == folder.st_mtime_ns
     with Engine(str(model), **options) as engine:
         assert _run(engine)[0] == 0
+        assert cache_namespace(engine.info) != namespace  # /health's, for an endpoint picker: these weights are new

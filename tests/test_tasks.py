@@ -973,3 +973,25 @@ def test_a_task_paused_when_its_server_stopped_says_so(tmp_path):
     again.close()
     assert found["status"] == "failed" and found["error"] == {
         "code": -32001, "message": "the server stopped while this task was paused; create it again"}
+
+
+def test_an_in_process_server_stopping_under_a_task_fails_it_as_stopped(tiny_model_dir):
+    """With --in-process the engine closing ended a running task's generation as an abort: the task failed
+    -32603 "this Engine is closed ...", its item ``completed``; the backend says the server is shutting down, as
+    the worker's does, and the task fails -32001 with its item incomplete."""
+    from mashbox import Engine
+
+    engine = Engine(str(tiny_model_dir), ctx=512, slots=1, quiet=True)
+    backend = InProcessBackend.of(engine)
+
+    async def generate(request):
+        async for event in backend.astream(request):
+            if isinstance(event, TextDelta):
+                threading.Thread(target=engine.close).start()  # as the server stops, at the first text
+            yield event
+
+    task = asyncio.run(run_async(prepare({"user_message_content": "Tell a long story.",
+                                          "inference_args": {"max_tokens": 400}}, generate)))
+    assert task.status == "failed" and task.error.code == -32001, task.error
+    assert "(the server is shutting down)" in task.error.message
+    assert [o.status for o in task.output] == ["incomplete"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mashbox.engine.channel import Channel
-from mashbox.engine.events import Event, Finish, Started, Timings, Usage
+from mashbox.engine.events import CLOSED, Event, Finish, Started, Timings, Usage
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.sched.scheduler import Plan, Scheduler
 from mashbox.engine.sched.sequence import Sequence, Status
@@ -30,7 +30,6 @@ from mashbox.errors import EngineClosedError, InvalidRequestError
 
 log = logging.getLogger("mashbox.engine")
 
-CLOSED = "this Engine is closed (engine.close() or the end of its `with` block); make a new Engine()"
 
 
 @dataclass(slots=True, frozen=True)

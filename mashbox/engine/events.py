@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+CLOSED = "this Engine is closed (engine.close() or the end of its `with` block); make a new Engine()"  # an abort's error
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,3 +17,4 @@ class ModelInfo:
     dtype: str
     weights_mode: str
     kv_dtype: str = "float16"  # the KV cache's form: q8_0, or its floats' dtype
+    source: str = ""  # a hash of the weights' path and each of their files' stamps: which bytes were loaded

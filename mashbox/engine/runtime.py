@@ -436,5 +436,6 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 
 def _info(loaded: LoadedModel, ctx: int, slots: int, form: Form, weights: Weights) -> ModelInfo:
     what, mode = form.describe(weights)
+    source = json.dumps([str(loaded.weights), stamps(Path(loaded.weights))])
     return ModelInfo(loaded.id, ctx, slots, readable(PurePath(loaded.weights).name), loaded.bpw, weights.nbytes / 1e9,
-                     str(loaded.device), what, mode, form.kv_name)
+                     str(loaded.device), what, mode, form.kv_name, hashlib.sha256(source.encode()).hexdigest()[:16])

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from mashbox.engine.events import Event
+from mashbox.engine.events import CLOSED, Event, Finish
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
-from mashbox.errors import ConfigError, NotReadyError
+from mashbox.errors import ConfigError, EngineClosedError, NotReadyError
 
 if TYPE_CHECKING:  # torch loads only where an engine is built
     from mashbox.facade import Engine
@@ -132,6 +132,8 @@ class InProcessBackend:
 
     async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
         async for event in self._ready().astream(request):
+            if isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED:
+                raise EngineClosedError("the server is shutting down")  # as the worker's backend says it
             yield event
 
     def abort(self, request_id: str) -> None:

@@ -60,6 +60,6 @@ def health(backend: Backend, waiting: int, cache_cap_bytes: int = 0) -> tuple[in
 def cache_namespace(info: ModelInfo) -> str:
     """What cached prompt states are valid for: model, weights (their tokenizer and
     chat template come with them), context, numerics (the KV cache's form too) and the cache policy."""
-    parts = [info.id, info.weights, info.ctx, info.dtype, info.weights_mode, info.kv_dtype, CACHE_POLICY]
+    parts = [info.id, info.weights, info.source, info.ctx, info.dtype, info.weights_mode, info.kv_dtype, CACHE_POLICY]
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     return f"sha256:{digest[:32]}"
