@@ -204,3 +204,12 @@ def test_what_this_server_does_not_keep_is_refused_saying_what_to_send_instead()
         assert f"keeps no {field}s, so {field} cannot refer to one" in err.value.message
     parse(ResponsesRequest, {"input": "hi", "conversation": None, "prompt": None})
     assert parse(ResponsesRequest, {"input": "hi", "prompt": "x"}).ignored_fields() == ["prompt"]  # no stored one's
+
+
+def test_structured_output_on_messages_is_refused_without_naming_a_value_it_refuses_too():
+    """Messages refused {"type": "text"} saying that only {'type': 'text'} was accepted (the OpenAI routes' words)."""
+    model_cls, body = BASE["messages"]
+    with pytest.raises(InvalidRequestError) as err:
+        parse(model_cls, {**body, "output_config": {"format": {"type": "text"}}})
+    assert err.value.param == "output_config.format" and "leave it out" in err.value.message
+    assert "'type': 'text'} is accepted" not in err.value.message

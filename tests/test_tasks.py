@@ -995,3 +995,14 @@ def test_an_in_process_server_stopping_under_a_task_fails_it_as_stopped(tiny_mod
     assert task.status == "failed" and task.error.code == -32001, task.error
     assert "(the server is shutting down)" in task.error.message
     assert [o.status for o in task.output] == ["incomplete"]
+
+
+def test_a_schema_with_a_schema_property_is_the_schema_not_its_wrapper():
+    from mashbox.api.task_items import CreateTask
+
+    schema = {"type": "object", "properties": {"schema": {"type": "string"}}, "schema": {"type": "integer"}}
+    wrapped = {"name": "answer", "strict": True, "schema": PERSON}
+    assert CreateTask.model_validate({"user_message_content": "x", "stream": False,
+                                      "structured_output": schema}).structured_output == schema
+    assert CreateTask.model_validate({"user_message_content": "x", "stream": False,
+                                      "structured_output": wrapped}).structured_output == PERSON

@@ -11,7 +11,17 @@ import torch
 from scripted import MaskedScriptRunner, ScriptedRunner, scripted_events
 from transformers import AutoTokenizer
 
-from mashbox import Engine, EngineRequest, InvalidRequestError, Message, ReasoningDelta, SamplingParams, TextDelta, Tool
+from mashbox import (
+    ContextLengthError,
+    Engine,
+    EngineRequest,
+    InvalidRequestError,
+    Message,
+    ReasoningDelta,
+    SamplingParams,
+    TextDelta,
+    Tool,
+)
 from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
 from mashbox.engine.request import ToolCall
 from mashbox.engine.text.grammar import Grammars
@@ -510,3 +520,23 @@ def test_a_calls_arguments_name_only_the_keys_its_schema_lists(tiny_engine, smol
     constraint = tiny_engine.grammars.for_tools((Tool("f", "", parameters),), "required")
     ids = smol_tokenizer.encode(f'<tool_call>\n{{"name":"f","arguments":{arguments}', add_special_tokens=False)
     assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments
+
+
+@pytest.mark.parametrize("arguments", ['{"n": ' + "1" * 5000 + "}", "[" * 100_000 + "]" * 100_000])
+def test_past_call_arguments_python_cannot_hold_are_kept_as_text_not_a_500(tiny_engine, arguments):
+    """A number of 5,000 digits (past Python's int limit) or 100,000 levels of nesting in an earlier call's
+    arguments raised ValueError or RecursionError out of the template: a 500 on every route."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(ContextLengthError):  # rendered, as text: longer than this context (a 400, not a 500)
+        tiny_engine.chat(messages=messages, tools=tools, max_tokens=2)
+
+
+@pytest.mark.parametrize("text", ['{"n": ' + "1" * 5000 + "}", "[" * 100_000 + "]" * 100_000])
+def test_an_answer_of_json_python_cannot_hold_is_no_call(text):
+    from mashbox.engine.text.markup import _loads
+
+    assert _loads(text) is None

@@ -42,7 +42,6 @@ from mashbox.api.anthropic_output import (
 )
 from mashbox.api.anthropic_tools import client_tool
 from mashbox.api.base import (
-    STRUCTURED,
     TEXT_ONLY,
     Part,
     RequestModel,
@@ -205,8 +204,9 @@ class ThinkingConfig(Part):
 
 
 def _refuse_format(value: Any) -> Any:
-    if value is not None:
-        raise ValueError(STRUCTURED)
+    if value is not None:  # (the OpenAI routes take {"type": "text"}; Messages has no such value)
+        raise ValueError("structured output is not supported; leave it out (a call forced with tool_choice "
+                         "{'type': 'tool'} follows the tool's input_schema)")
     return value
 
 

@@ -109,6 +109,7 @@ class AgentConfig(Part):
     max_response_length: Annotated[int, Field(ge=1)] | None = None
 
 
+WRAPPER = {"name", "schema", "strict", "description"}  # OpenAI's json_schema object, around the schema
 KEPT_METADATA = 16_384  # characters of metadata (as JSON) that a task keeps for the tasks' time to live
 KEPT_ID = 1_024  # characters of its session_id and user_id
 
@@ -163,8 +164,8 @@ class CreateTask(RequestModel):
             value = value.get("json_schema")
             if not isinstance(value, dict) or not isinstance(value.get("schema"), dict):
                 raise ValueError("{'type': 'json_schema'} needs json_schema.schema: the JSON schema the answer follows")
-        if "schema" in value and isinstance(value["schema"], dict):  # {"name": ..., "schema": {...}}
-            value = value["schema"]
+        if isinstance(value.get("schema"), dict) and set(value) <= WRAPPER:  # {"name": ..., "schema": {...}}
+            value = value["schema"]  # (a schema that has a "schema" property is a schema)
         return value
 
     def _more_ignored(self) -> list[str]:

@@ -549,5 +549,5 @@ def _whole(value: Any) -> Any:
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or JSON Python cannot hold (5,000 digits, 100,000 deep)
         return None

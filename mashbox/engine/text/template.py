@@ -255,7 +255,7 @@ def _tools_at(rendered: str, first: str, spans: list[range]) -> int:
 def _arguments(call: ToolCall) -> Any:
     try:
         return json_value(call.arguments or "{}")
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or JSON Python cannot hold (5,000 digits, 100,000 deep)
         return call.arguments
 
 
