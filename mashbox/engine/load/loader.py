@@ -259,9 +259,10 @@ def _refuse_unknown(path: Path) -> None:
                              "load its text-only weights (a GGUF of it, for example)")
     quantized = config.get("quantization_config")
     if quantized:  # fp8 with its scales, GPTQ, AWQ, bitsandbytes: read as floats, they were garbage or an ImportError
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ModelLoadError(f"'{path}' holds weights quantized by {method!r} (config.json's quantization_config); "
-                             "mashbox reads float weights (safetensors) or a GGUF: load the float model, or a GGUF of it")
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+        by = f" by {method!r}" if method else ""
+        raise ModelLoadError(f"'{path}' holds weights quantized{by} (config.json's quantization_config); mashbox "
+                             "reads float weights (safetensors) or a GGUF: load the float model, or a GGUF of it")
     if kind is not None and checkpoint.TYPES.get(kind, kind) not in checkpoint.SUPPORTED:
         raise ModelLoadError(f"'{path}' holds a {kind!r} model (config.json's model_type); mashbox runs "
                              f"{', '.join(checkpoint.SUPPORTED)} models")
