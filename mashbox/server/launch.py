@@ -127,7 +127,8 @@ def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
 
     class Server(uvicorn.Server):
         """uvicorn's, but a second Ctrl-C ends the answers still running at once, each with its protocol's
-        error event (uvicorn's own cut their connections, a traceback each); a third cuts them."""
+        error event (uvicorn's own cut their connections, a traceback each); a third cuts them. Accepts that
+        fail for want of file descriptors are said seldom (``accepts_said_seldom``)."""
 
         hurried = False
 
