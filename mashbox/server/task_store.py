@@ -49,9 +49,12 @@ def check(path: Path) -> None:
 
 
 def _private(path: Path) -> int:
-    """``path`` opened (a descriptor), made readable by its owner only where it is new: the tasks hold every
-    tenant's answers (SQLite gives its journal the file's mode)."""
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """``path`` opened (a descriptor), made readable by its owner only: the tasks hold every tenant's answers
+    (SQLite gives its journal the file's mode). One an earlier mashbox made 0644 is made 0600 too."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with contextlib.suppress(OSError):  # another user's file, shared through its group: left as it is
+        os.fchmod(fd, 0o600)
+    return fd
 
 
 class TaskStore:
