@@ -99,7 +99,7 @@ class Runtime:
         self.info = _info(loaded, self.ctx, config.slots, form, runner.weights)
         scheduler = Scheduler(config.slots, self.ctx, config.chunk_tokens, host_cap,
                               runner.kv.bytes_per_token, config.step_tokens, config.busy_tokens,
-                              _page_store(config, Path(loaded.weights), self.info, runner), runner.cut_anywhere)
+                              _page_store(config, self.info, runner), runner.cut_anywhere)
         self._speculate = config.speculation and runner.cut_anywhere  # a row's bits never depend on its batch
         self._core = EngineCore(scheduler, runner, self.tokenizer)
         self._pid = os.getpid()  # its thread runs in this process only: a forked child waited forever
@@ -352,11 +352,11 @@ def _rotary(runner: ModelRunner) -> list[list[float]]:
     return [list(row) for row in sorted(rows)]
 
 
-def _page_store(config: EngineConfig, weights: Path, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
+def _page_store(config: EngineConfig, info: ModelInfo, runner: ModelRunner) -> PageStore | None:
     """The disk tier of the prefix cache (pages of 8 chunks), or None when it has no bytes."""
     if config.cache_disk_gib <= 0:
         return None
-    parts = [info.id, str(weights), stamps(weights), _rotary(runner), info.dtype,
+    parts = [info.id, info.source, _rotary(runner), info.dtype,  # source: the weights' path and files' stamps
              info.weights_mode, str(runner.kv.keys.dtype), config.chunk_tokens, torch.__version__,
              native.source_hash()]  # pages computed by other kernels would differ in their last bits
     namespace = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
