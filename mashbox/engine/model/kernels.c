@@ -127,13 +127,19 @@ static void *helper(void *arg) {
     return NULL;
 }
 
-/* fn(arg, i, who) for i < n, on up to omp_get_max_threads() threads (the caller alone when `work`,
- * the job's multiply-adds, is under POOL_WORK); who < MAX_THREADS names the thread, for its
- * scratch. Returns when every task has finished. */
-static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
+/* The threads pool_run shares n tasks of `work` multiply-adds over: up to omp_get_max_threads(), the
+ * caller alone where the work is under POOL_WORK. */
+static int pool_width(int64_t n, int64_t work) {
     int width = omp_get_max_threads();
     width = width < MAX_THREADS ? width : MAX_THREADS;
-    if (n <= 1 || width <= 1 || work < POOL_WORK || n > 0xFFFFF || pthread_mutex_trylock(&pool.busy) != 0) {
+    return n <= 1 || width <= 1 || work < POOL_WORK || n > 0xFFFFF ? 1 : width;
+}
+
+/* fn(arg, i, who) for i < n, on pool_width(n, work) threads; who < MAX_THREADS names the thread, for its
+ * scratch. Returns when every task has finished. */
+static void pool_run(task_fn fn, void *arg, int64_t n, int64_t work) {
+    int width = pool_width(n, work);
+    if (width <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
         for (int64_t i = 0; i < n; i++) fn(arg, i, 0);
         return;
     }
@@ -1459,6 +1465,7 @@ struct matmul {
     float *y;
     struct acts a;
     int64_t M, N, K, rows_per_task, groups_per_task, groups;
+    int64_t lanes, lane_tasks; /* task t runs piece t / lanes of lane t % lanes, each lane_tasks pieces */
     int64_t first[4]; /* each part's first group; first[parts] = groups */
     int stream;       /* the output streamed past the caches (put_rows) */
     int amx;          /* enough rows for the tile unit, and it is allowed (AMX below) */
@@ -1538,11 +1545,34 @@ static void put_rows(float *y, int64_t ldy, const float *part, int rows, int64_t
     }
 }
 
+/* Where group g of a matmul's weight lies (*at) and its bytes, as tile_task reads them. */
+static int64_t group_span(const struct matmul *mm, int64_t g, const uint8_t **at) {
+    const struct weight *w = mm->w;
+    int p = 0;
+    while (g >= mm->first[p + 1]) p++;
+    struct format f;
+    int64_t fmt = w->fmt[p] % PACKED, row0 = (g - mm->first[p]) * GR;
+    if (!format_of(fmt, &f)) return 0;
+    if (w->fmt[p] >= PACKED) {
+        int64_t size = GR * packed_row_bytes(fmt, &f, mm->K);
+        *at = w->data[p] + row0 / GR * size;
+        return size;
+    }
+    int64_t bytes = mm->K / f.values * f.bytes, n = w->n[p] - row0 < GR ? w->n[p] - row0 : GR;
+    *at = w->data[p] + row0 * bytes;
+    return n * bytes;
+}
+
 static void tile_task(void *arg, int64_t task, int who) {
     (void)who;
     struct matmul *mm = arg;
     const struct weight *w = mm->w;
-    int64_t K = mm->K, end = (task + 1) * mm->groups_per_task;
+    /* the threads take tasks in turn, so each runs through a lane of groups in order, the next group
+     * fetched meanwhile, the next task's first one too (tasks of their own, each first group read cold:
+     * qwen2.5-coder-0.5b's layers at one row 1.05-1.1x slower; still a task at a time, so a thread that
+     * is late leaves the others more) */
+    int64_t lane = task % mm->lanes, start = (lane * mm->lane_tasks + task / mm->lanes) * mm->groups_per_task;
+    int64_t K = mm->K, end = start + mm->groups_per_task, lane_end = (lane + 1) * mm->lane_tasks * mm->groups_per_task;
     /* decoded values, then scales [K / 16][GR] and mins [K / 32][GR] (a K-quant's kscales, 22 GR floats a
      * block of 256, take both) */
     uint8_t *q = thread_buffer(0, GR * K + sizeof(float) * GR * (K / 16 + K / 32));
@@ -1550,7 +1580,7 @@ static void tile_task(void *arg, int64_t task, int who) {
 #ifdef MB_AMX
     if (mm->amx) amx_configure(1);
 #endif
-    for (int64_t g = task * mm->groups_per_task; g < end && g < mm->groups; g++) {
+    for (int64_t g = start; g < end && g < mm->groups; g++) {
         int p = 0, col = 0;
         while (g >= mm->first[p + 1]) col += w->n[p++];
         struct format f;
@@ -1558,9 +1588,9 @@ static void tile_task(void *arg, int64_t task, int who) {
         if (!format_of(fmt, &f)) continue;
         int64_t row0 = (g - mm->first[p]) * GR, n = w->n[p] - row0 < GR ? w->n[p] - row0 : GR, bytes = K / f.values * f.bytes;
         /* a last group's rows past the weight's end decode its last row again (their lanes are dropped) */
-        const uint8_t *first = w->data[p] + row0 * bytes, *next = first + n * bytes;
-        int more = g + 1 < end && row0 + n < w->n[p]; /* this task runs the part's next group */
-        int64_t ahead = more ? bytes * (w->n[p] - row0 - n < GR ? w->n[p] - row0 - n : GR) : 0;
+        const uint8_t *first = w->data[p] + row0 * bytes, *next = NULL;
+        /* the lane's next group (of this part or the next one) */
+        int64_t ahead = g + 1 < lane_end && g + 1 < mm->groups ? group_span(mm, g + 1, &next) : 0;
         float *y = mm->y + col + row0, part[16 * GR];
         int to_part = n < GR || mm->stream; /* the tiles write to part, put_rows to y */
         int as_loaded = 0; /* a packed group (at first) multiplied as loaded, with no decoded copy */
@@ -1573,8 +1603,6 @@ static void tile_task(void *arg, int64_t task, int who) {
 #ifdef MB_AVX2
             int64_t size = GR * packed_row_bytes(fmt, &f, K);
             first = w->data[p] + row0 / GR * size;
-            next = first + size;
-            ahead = more ? size : 0;
             as_loaded = amx || (!amx_decoded && mm->M <= direct_rows(fmt));
             if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
@@ -1678,9 +1706,12 @@ void mb_matmul(const float *x, const struct weight *w, float *y, int64_t M, int6
     }
     mm.rows_per_task = (M + parts - 1) / parts;
     mm.groups_per_task = (mm.groups + parts - 1) / parts;
+    int64_t tasks = (mm.groups + mm.groups_per_task - 1) / mm.groups_per_task, work = (M + 8) * mm.N * K;
+    mm.lanes = pool_width(tasks, work);
+    mm.lane_tasks = (tasks + mm.lanes - 1) / mm.lanes;
     /* quantizing an element costs about what 8 multiply-adds do */
     pool_run(quantize_task, &mm, (M + mm.rows_per_task - 1) / mm.rows_per_task, 8 * M * K);
-    pool_run(tile_task, &mm, (mm.groups + mm.groups_per_task - 1) / mm.groups_per_task, (M + 8) * mm.N * K);
+    pool_run(tile_task, &mm, mm.lanes * mm.lane_tasks, work);
     free(mm.a.q);
     free(mm.a.s);
     free(mm.a.o);
