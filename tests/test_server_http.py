@@ -64,6 +64,17 @@ def test_request_ids_differ_and_come_with_errors(http):
     assert len(ids) == 2
 
 
+def test_a_clients_request_id_is_kept_where_it_is_a_plain_token(http, caplog):
+    sent = "edge-7f3a.1:b/2=="
+    with caplog.at_level("INFO", logger="mashbox"):
+        answer = http.get("/nowhere", headers={"x-request-id": sent})
+    assert answer.headers["x-request-id"] == answer.headers["request-id"] == sent
+    assert any(sent in r.getMessage() for r in caplog.records), "the log line names the client's id"
+    for forged in ("a b", 'x" tenant=admin', "x" * 129, "é".encode()):
+        ours = http.get("/v1/health", headers={"x-request-id": forged}).headers["x-request-id"]
+        assert ours.startswith("req_") and ours != forged
+
+
 def test_loading_health_and_head(loading):
     assert loading.get("/v1/health").status_code == 503
     assert loading.get("/").json()["status"] == "loading"

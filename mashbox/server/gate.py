@@ -8,6 +8,7 @@ path (Claude Code's first call is ``HEAD /``): 200 when the model is ready, 503 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -28,9 +29,9 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = "req_" + uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id  # type: ignore[typeddict-item]
         method, path, headers = scope["method"], scope["path"], Headers.from_scope(scope)
+        request_id = adopted(headers.get("x-request-id")) or "req_" + uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id  # type: ignore[typeddict-item]
         origin = security.allowed_origin(self.ctx.settings, headers)
         send = _tagged(send, request_id, cors(origin))
         if origin is not None and method == "OPTIONS" and "access-control-request-method" in headers:
@@ -52,6 +53,16 @@ class Gate:
 
     def _retry_after(self) -> dict[str, str]:
         return {"retry-after": str(self.ctx.settings.retry_after_s)}
+
+
+SENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+def adopted(sent: str | None) -> str | None:
+    """A client's own ``X-Request-Id`` (a proxy's, to follow a request through both logs), where it is
+    a plain token: anything else (spaces, quotes, control characters: a forged log field) gets the
+    server's own."""
+    return sent if sent is not None and SENT_ID.fullmatch(sent) else None
 
 
 PREFLIGHT = {"access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
