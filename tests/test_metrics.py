@@ -36,13 +36,17 @@ def test_every_name_starts_with_mashbox_and_no_label_carries_a_key_or_session():
     metrics = Metrics("tiny")
     metrics.request_finished("chat", finish(), 0.1, 0.2, 1.0)
     metrics.request_finished(SESSION, SECRET, None, None, 0.5)  # junk values are folded, never labels
+    metrics.error_answered(404)
+    metrics.error_answered(12345)
     text = metrics.render(FakeBackend(), waiting=0)
     assert samples(text)
     for (name, labels), _ in samples(text).items():
         assert name.startswith("mashbox:"), name
-        assert {k for k, _ in labels} <= {"model_name", "protocol", "finished_reason", "block_size", "num_gpu_blocks", "le"}
+        assert {k for k, _ in labels} <= {"model_name", "protocol", "finished_reason", "status", "block_size", "num_gpu_blocks", "le"}
     assert SECRET.encode() not in text and SESSION.encode() not in text
     assert value(text, "mashbox:request_finished_total", protocol="other", finished_reason="other") == 1
+    assert value(text, "mashbox:error_answers_total", status="404") == 1
+    assert value(text, "mashbox:error_answers_total", status="other") == 1
 
 
 def test_own_registry_not_the_global_one():

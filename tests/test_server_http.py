@@ -356,6 +356,24 @@ def test_metrics_count_answers_not_bad_requests(http):
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     assert finished() == before + 1
 
+
+def test_metrics_count_error_answers_by_status(http):
+    def errors() -> dict[str, float]:
+        lines = http.get("/metrics").text.splitlines()
+        found = [re.search(r'status="(\w+)"\} (\S+)$', line) for line in lines if line.startswith("mashbox:error_answers_total{")]
+        return {m[1]: float(m[2]) for m in found if m}
+
+    before = errors()
+    assert http.post("/v1/completions", json={"prompt": "", "max_tokens": 5}).status_code == 400
+    assert http.post("/v1/chat/completions", json={**CHAT, "model": "nope"}).status_code == 404
+    assert http.get("/nowhere").status_code == 404
+    assert http.post("/v1/messages", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    after = errors()
+    assert after.get("400", 0) - before.get("400", 0) == 2
+    assert after.get("404", 0) - before.get("404", 0) == 2
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert errors() == after, "an answered request is no error"
+
 def test_openapi_is_valid_3_1_and_names_the_model(http, tiny_server):
     doc = http.get("/openapi.json").json()
     validate(doc)

@@ -119,6 +119,8 @@ def test_a_key_anywhere_but_bearer_or_x_api_key_is_refused(one_slot, headers):
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
     assert response.headers["www-authenticate"].startswith("Bearer")  # RFC 9110: a 401 names its scheme
+    scraped = httpx.get(f"{one_slot.url}/metrics", headers=auth("t0")).text
+    assert re.search(r'mashbox:error_answers_total\{model_name="[^"]*",status="401"\} [1-9]', scraped)
 
 
 @pytest.mark.parametrize("headers", [auth("t3"), {"x-api-key": "key-t3"}, {"authorization": "Bearer key-loner"}])

@@ -25,7 +25,7 @@ def create_app(backend: Backend, settings: Settings) -> Litestar:
     app = Litestar(
         route_handlers=[*HANDLERS, *TASK_HANDLERS, *(UI_HANDLERS if settings.ui else [])],
         dependencies={"ctx": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
-        exception_handlers={Exception: handler(settings.retry_after_s, ctx.metrics.request_refused)},
+        exception_handlers={Exception: handler(settings.retry_after_s, ctx.metrics)},
         request_max_body_size=MAX_BODY,
         lifespan=[lambda _app: ctx.tasks.sweeping()],
         request_class=BodyRequest,

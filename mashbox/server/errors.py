@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, SerializationException
@@ -23,6 +23,9 @@ from mashbox.errors import (
     StorageError,
 )
 from mashbox.server.admission import QueueFull
+
+if TYPE_CHECKING:
+    from mashbox.server.metrics import Metrics
 
 log = logging.getLogger("mashbox.server")
 
@@ -167,9 +170,9 @@ def log_answer(request_id: str | None, method: str, path: str, status: int, mess
     log.info("%s %s %r answered %d: %s", request_id, method, path, status, message)
 
 
-def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Request, Exception], Response]:
-    """The one exception handler: every error answered in its route's shape (``refused``: told the scope
-    of each refusal for a full queue)."""
+def handler(retry_after: int, metrics: Metrics) -> Callable[[Request, Exception], Response]:
+    """The one exception handler: every error answered in its route's shape, and counted in ``metrics``
+    (a full queue's refusals by their scope too)."""
 
     def handle(request: Request, exc: Exception) -> Response:
         request_id = request.scope.get("state", {}).get("request_id")
@@ -178,9 +181,10 @@ def handler(retry_after: int, refused: Callable[[str], None]) -> Callable[[Reque
         status, body, headers = answer(request.url.path, error, request_id)
         if isinstance(exc, QueueFull):  # overload shows in the log and /metrics too
             log.warning("%s refused (%d): %s", request_id, status, exc.message)
-            refused(exc.scope)
+            metrics.request_refused(exc.scope)
         elif error.status != 500:  # a 500 is logged where it is made, with its traceback
             log_answer(request_id, request.method, request.url.path, status, error.message)
+        metrics.error_answered(status)
         if isinstance(exc, HTTPException) and exc.headers:  # Litestar's own: a 405's Allow
             headers = {**exc.headers, **headers}
         return Response(body, status_code=status, headers=headers)

@@ -44,6 +44,7 @@ class Gate:
             if status == 401:  # RFC 9110: a 401 names the scheme it asks for
                 headers = {**headers, "www-authenticate": 'Bearer realm="mashbox"'}
             log_answer(request_id, method, path, status, refusal.message)
+            self.ctx.metrics.error_answered(status)
             await _reply(send, status, None if method == "HEAD" else body, headers)
         elif method == "HEAD":
             ready = self.ctx.backend.state == "ready"

@@ -13,10 +13,10 @@ Two sources:
 - The HTTP layer's ``request_finished``: finishes by reason and protocol (one
   per HTTP request, retries and device errors included, which the engine alone
   cannot count) and the latency histograms; ``request_refused``: requests a full
-  queue refused, by scope.
+  queue refused, by scope; ``error_answered``: every error answer, by its status.
 
 Every name starts with ``mashbox:``. Labels: ``model_name``, ``protocol``,
-``finished_reason``, ``scope``, ``block_size``, ``num_gpu_blocks`` only; label values come
+``finished_reason``, ``scope``, ``status``, ``block_size``, ``num_gpu_blocks`` only; label values come
 from fixed sets or the model, never from a user, a key or a session.
 """
 
@@ -151,6 +151,11 @@ class Metrics:
             "mashbox:request_refused", "Requests refused for a full queue (429, or 529 on Messages), by whose "
             "allowance was spent: the tenant's or the server's.", ["model_name", "scope"], registry=self.registry,
         )
+        self.errors = Counter(
+            "mashbox:error_answers", "Requests answered with an error status (4xx, 5xx) before any output, by "
+            "status: bad fields, unknown models or routes, refused keys, a full queue, a loading worker.",
+            ["model_name", "status"], registry=self.registry,
+        )
         self.ttft = _histogram("mashbox:time_to_first_token_seconds", "Time to first token.", labels, self.registry)
         self.queue = _histogram("mashbox:request_queue_time_seconds", "Time waiting for a slot.", labels, self.registry)
         self.e2e = _histogram("mashbox:e2e_request_latency_seconds", "Arrival to last byte.", labels, self.registry)
@@ -161,6 +166,9 @@ class Metrics:
 
     def request_refused(self, scope: str) -> None:
         self.refused.labels(self.model_name, scope if scope in ("tenant", "server") else "other").inc()
+
+    def error_answered(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status) if 400 <= status <= 599 else "other").inc()
 
     def request_finished(
         self, protocol: str, finish: Finish | str, queue_s: float | None, ttft_s: float | None, e2e_s: float
