@@ -36,7 +36,7 @@ from mashbox.engine.events import (
 )
 from mashbox.server.backend import InProcessBackend
 from mashbox.server.settings import Settings
-from mashbox.errors import EngineClosedError, StorageError
+from mashbox.errors import EngineClosedError, InvalidRequestError, StorageError
 from mashbox.server.errors import api_error
 from mashbox.server import task_store
 from mashbox.server.task_store import TaskStore
@@ -306,6 +306,7 @@ def test_bad_input(url, tasks):
             ({"inference_args": {"logprobs": True}}, "inference_args.logprobs"),  # refused as on the other routes
             ({"inference_args": {"top_logprobs": 5}}, "inference_args.top_logprobs"),
             ({"client_tools": [{"type": "function"}]}, "client_tools.0.function"),
+            ({"client_tools": [WEATHER, WEATHER]}, "client_tools.1.function.name"),  # a call could not say which
             ({"structured_output": PERSON, "stream": True}, "structured_output"),
             ({"structured_output": {"type": "json_schema"}}, "structured_output"),  # no schema: not "any JSON"
             ({"structured_output": {"type": "json_schema", "json_schema": {"name": "x"}}}, "structured_output"),
@@ -371,6 +372,10 @@ def test_engine_task(smol_engine):
     assert task.status == "completed" and task.usage["steps"] >= 2
     events = list(smol_engine.task(user_message_content="Hi.", stream=True, inference_args=SHORT))
     assert events[0].type == "task.created" and events[-1].type == "task.completed"
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(InvalidRequestError, match="get_weather") as refused:  # the dict's or the function's?
+        smol_engine.task(user_message_content="Hi.", client_tools=[weather, get_weather], inference_args=SHORT)
+    assert refused.value.param == "client_tools"
 
 
 def test_store_expires_unfinished_and_deletes_finished(tmp_path):

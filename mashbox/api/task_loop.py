@@ -112,6 +112,7 @@ def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt:
     choice = args.choice()
     if schema is not None:
         _structured(req, args.sampling().stop, choice)
+    _unique(req, server_tools)
     tools = offered_tools(req, client_tools(req) + tuple(t.tool for t in server_tools))
     if isinstance(choice, Named) and choice.name not in {t.name for t in tools}:
         raise InvalidRequestError("inference_args.tool_choice", f"names a tool the task does not offer: {choice.name!r}")
@@ -125,6 +126,18 @@ def plan(req: CreateTask, server_tools: tuple[ServerTool, ...] = (), cache_salt:
             enable_thinking=args.enable_thinking, cache_salt=cache_salt, response_schema=schema)
     except InvalidRequestError as err:
         raise request_param(err, req) from None
+
+
+def _unique(req: CreateTask, server_tools: tuple[ServerTool, ...]) -> None:
+    """Refuses two tools of one name (the request's, or an in-process function's): a call could not say
+    which it means."""
+    names = [t.name for t in client_tools(req)]
+    given = len(names)
+    names += [t.tool.name for t in server_tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            where = f"client_tools.{i}.function.name" if i < given else "client_tools"
+            raise InvalidRequestError(where, f"names {name!r} again: each tool needs a name of its own")
 
 
 def _structured(req: CreateTask, stop: tuple[str, ...], choice: ToolChoice) -> None:
