@@ -704,6 +704,26 @@ def test_every_client_call_of_a_step_waits_for_the_client():
     assert task.output[3].message_content[0].text == "12:00"
 
 
+def test_a_stop_tool_beside_client_calls_leaves_them_the_clients():
+    """A stop tool called in the step that calls client tools ends the loop, but not as completed with the
+    client's calls unanswered in the output: input-required, every client call held; no server tool after
+    the stop runs."""
+    ran = []
+
+    def get_time() -> str:
+        ran.append("get_time")
+        return "12:00"
+
+    generate = scripted(([("get_weather", '{"city": "Paris"}'), ("done", "{}"), ("get_time", "{}"),
+                          ("get_weather", '{"city": "Rome"}')], "tool_calls"))
+    fields = {"user_message_content": "Weather?", "client_tools": [WEATHER, get_time], "stop_tools": ["done"]}
+    task = asyncio.run(run_async(prepare(fields, generate)))
+    assert task.status == "input-required" and not ran
+    assert [c.call_id for c in task.input_required_calls] == ["call_0", "call_3"]
+    alone = asyncio.run(run_async(prepare(fields, scripted(([("done", "{}"), ("get_time", "{}")], "tool_calls")))))
+    assert alone.status == "completed" and not ran
+
+
 def test_many_tasks_in_a_row_each_end_cleanly(tiny_engine):
     """Engine.task runs its loop on a thread of its own: a loop that ends on its own is not cancelled as
     it closes (that raised "Event loop is closed" now and then, once in a CI run)."""

@@ -3,7 +3,8 @@
 ``TaskLoop.run`` yields the task's events: ``task.created``, ``task.queued`` when the engine takes
 its first generation, ``task.working`` once that has a slot, then each step's output. A step is one
 generation with the task's tools. After it: no call, or a call of a ``stop_tools`` name, completes
-the task; a generation cut short by ``max_tokens`` with no whole call fails it (``error`` says so,
+the task (a step that also called client tools stops ``input-required``: their calls are the client's
+still); a generation cut short by ``max_tokens`` with no whole call fails it (``error`` says so,
 ``incomplete_details`` too, and its items stay in the output as ``incomplete``; a call cut short never
 runs); a call of
 a server tool runs it and adds its ``tool_result``; then calls of client tools stop it
@@ -300,25 +301,24 @@ class TaskLoop:
                         + ("raise max_tokens in inference_args" if limit else "start a shorter task"))
             yield self.status("failed")
             return
-        waiting = []  # the client's calls: answered by the client, after the server's have run
+        waiting, stopped = [], False  # the client's calls: answered by the client, after the server's have run
         for call in calls:
             if call.name in self._stop:
-                break
-            if call.name not in self._server and call.name in self._client:
+                stopped = True  # no server call after it runs; the client's are still the client's
+            elif call.name not in self._server and call.name in self._client:
                 waiting.append(call)
-                continue
-            text = await self._call(call.name, call.arguments)
-            for event in tool_result_events(self.task, self.emit, call, text):
-                yield event
-            self._messages.append(Message("tool", text, tool_call_id=call.call_id, name=call.name))
+            elif not stopped:
+                text = await self._call(call.name, call.arguments)
+                for event in tool_result_events(self.task, self.emit, call, text):
+                    yield event
+                self._messages.append(Message("tool", text, tool_call_id=call.call_id, name=call.name))
+        if waiting:
+            self.task.input_required, self.task.input_required_calls = waiting[0], waiting
+            yield self.status("input-required")
+        elif calls and not stopped:
+            return  # the results go to the next step
         else:
-            if waiting:
-                self.task.input_required, self.task.input_required_calls = waiting[0], waiting
-                yield self.status("input-required")
-                return
-            if calls:
-                return  # the results go to the next step
-        yield self.status("completed")
+            yield self.status("completed")
 
     async def _call(self, name: str, arguments: str) -> str:
         tool = self._server.get(name)
