@@ -26,28 +26,40 @@ RESERVE = 128  # file descriptors kept for the server's own files: the model, th
 SAY_EVERY_S = 10.0
 
 
-def accepts_said_seldom(every_s: float = SAY_EVERY_S) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
-    """An event loop's exception handler that says an accept that failed for want of file descriptors once every
-    ``every_s`` seconds, in one line: asyncio's loop goes on trying the accept up to its backlog (2048) times at
+class Seldom:
+    """Whether a warning that may come thousands of times a second is due: once every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float = SAY_EVERY_S) -> None:
+        self.every_s = every_s
+        self.said = -every_s
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.said <= self.every_s:
+            return False
+        self.said = now
+        return True
+
+
+def accepts_said_seldom(seldom: Seldom) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
+    """An event loop's exception handler that says an accept that failed for want of file descriptors when
+    ``seldom`` lets it, in one line: asyncio's loop goes on trying the accept up to its backlog (2048) times at
     each wake-up, and said each with its traceback (36 MB of log in 7 s under bursts of connections). Any other
     error goes to the loop's default handler."""
-    said = -every_s
 
     def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        nonlocal said
         if context.get("message") != "socket.accept() out of system resource":
             loop.default_exception_handler(context)
-        elif time.monotonic() - said > every_s:
-            said = time.monotonic()
+        elif seldom.due():
             log.warning("a connection could not be accepted (%s): the process is out of file descriptors "
-                        "(ulimit -n); said at most every %.0f s", context.get("exception"), every_s)
+                        "(ulimit -n); said at most every %.0f s", context.get("exception"), seldom.every_s)
 
     return handle
 
 
 class Connection(H11Protocol):
     read_s = 60.0  # a 10 MB body (the largest taken) needs 170 kB/s
-    said = 0.0  # when connections past the most were last said in the log
+    refusals = Seldom()  # connections past the most, said in the log (one server a process)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
@@ -59,8 +71,7 @@ class Connection(H11Protocol):
         self._arm()
 
     def _refuse(self, most: int) -> None:
-        if time.monotonic() - Connection.said > SAY_EVERY_S:
-            Connection.said = time.monotonic()
+        if self.refusals.due():
             log.warning("closing new connections: %d are open, the most this process's file descriptors allow "
                         "(ulimit -n, less %d)", most, RESERVE)
         self.transport.close()

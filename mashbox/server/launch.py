@@ -123,7 +123,7 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
 def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
     import uvicorn
 
-    from mashbox.server.connection import accepts_said_seldom
+    from mashbox.server.connection import Seldom, accepts_said_seldom
 
     class Server(uvicorn.Server):
         """uvicorn's, but a second Ctrl-C ends the answers still running at once, each with its protocol's
@@ -133,7 +133,7 @@ def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
         hurried = False
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            asyncio.get_running_loop().set_exception_handler(accepts_said_seldom())
+            asyncio.get_running_loop().set_exception_handler(accepts_said_seldom(Seldom()))
             await super().startup(sockets=sockets)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
