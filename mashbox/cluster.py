@@ -2,7 +2,8 @@
 
 mashbox balances nothing itself. ``haproxy_config`` writes the configuration (``deploy/haproxy.cfg``
 is its output for three replicas), and ``Cluster`` starts the replicas and Debian's ``haproxy`` with
-it, starts a replica (or HAProxy) again when it dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP
+it, starts a replica (or HAProxy) again when it dies or, once ready, answers nothing for ``HUNG_S``
+seconds (its process alive: stopped, or deadlocked), and stops them all on Ctrl-C, SIGTERM or SIGHUP
 (and, on Linux, when it is killed: each replica gets SIGTERM as it dies, HAProxy a soft stop).
 
 Each replica runs on an equal share of the machine's cores (its CPU affinity and
@@ -30,6 +31,7 @@ What the configuration does:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import http.client
 import json
@@ -52,6 +54,9 @@ from mashbox.server.task_routes import paths as task_paths
 
 BUFFER = 256 * 1024  # HAProxy's buffer, so that prompt_cache_key is found in bodies up to its size
 RESTART_S = 2.0  # a replica that dies is started again, at most once in this many seconds
+HUNG_S = 60.0  # a replica that was ready and has answered nothing for this long is started again
+ASK_S = 5.0  # how often a ready replica is asked for /health, each answer awaited ASK_TIMEOUT_S
+ASK_TIMEOUT_S = 2.0
 TASKS = tuple(task_paths())  # /v1/tasks and its alias: both go to the replica the tasks live in
 NOT_UP = "no replica is up: their models are loading, or starting again; retry shortly"
 NO_ANSWER = {  # HAProxy's own errors, said as a mashbox server would
@@ -204,6 +209,9 @@ class Cluster:
     _started: dict[str, float] = field(default_factory=dict)
     _starts: dict[str, int] = field(default_factory=dict)
     _served: set[str] = field(default_factory=set)  # the replicas that were ready once: none is refused since
+    _heard: dict[str, float] = field(default_factory=dict)  # when each last answered /health (any status)
+    _asked: dict[str, float] = field(default_factory=dict)
+    hung_s: float = HUNG_S
     _balancer: subprocess.Popen | None = None
     _balanced: float = 0.0  # when HAProxy was started
 
@@ -249,6 +257,7 @@ class Cluster:
         process = subprocess.Popen(argv, env=env, start_new_session=True,  # Ctrl-C reaches the cluster: it stops them
                                    preexec_fn=_child(cores))
         self._replicas[member.name], self._started[member.name] = process, time.monotonic()
+        self._heard[member.name] = time.monotonic()  # a replica starting answers nothing for a second or two
         self._starts[member.name] = self._starts.get(member.name, 0) + 1
         where = f", cores {_ranges(cores)}" if cores else ""
         _say(f"replica {member.name} (pid {process.pid}) on 127.0.0.1:{member.port}{where}")
@@ -263,6 +272,11 @@ class Cluster:
                 balancer = self._balance(config)
             for member in self.members:
                 code = self._replicas[member.name].poll()
+                if code is None and member.name in self._served and self._hung(member):
+                    _say(f"replica {member.name} answered nothing for {self.hung_s:.0f} s; starting it again")
+                    _end(self._replicas[member.name])
+                    self._start(member)
+                    continue
                 if code is None:
                     if member.name not in self._served and _ready(member.port):
                         self._served.add(member.name)
@@ -274,6 +288,18 @@ class Cluster:
                     _say(f"replica {member.name} stopped ({_status(code)}); starting it again")
                     self._start(member)
             time.sleep(0.5)
+
+    def _hung(self, member: Replica) -> bool:
+        """Whether ``member`` (ready once, its process alive) has answered no /health for ``hung_s``: asked
+        every ``ASK_S``; a loading one's 503 is an answer."""
+        now = time.monotonic()
+        if now - self._asked.get(member.name, 0.0) < ASK_S:
+            return False
+        self._asked[member.name] = now
+        if _answers(member.port):
+            self._heard[member.name] = time.monotonic()
+            return False
+        return now - self._heard.get(member.name, now) >= self.hung_s
 
     def _stop(self) -> None:
         """The replicas end their answers (SIGTERM: in flight ones end within seconds, with their
@@ -305,6 +331,34 @@ def _child(cores: Sequence[int] = (), death: signal.Signals = signal.SIGTERM) ->
             libc.prctl(PR_SET_PDEATHSIG, death)
 
     return setup
+
+
+def _end(process: subprocess.Popen) -> None:
+    """A hung replica ended: SIGTERM, then (a stopped or deadlocked one takes no SIGTERM) SIGKILL to its
+    session, its worker with it."""
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(process.pid) == process.pid:  # its own session, as _start makes it
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+        process.wait()
+
+
+def _answers(port: int) -> bool:
+    """Whether the replica on ``port`` answers /health at all (any status) within ``ASK_TIMEOUT_S``."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=ASK_TIMEOUT_S)
+    try:
+        connection.request("GET", "/health")
+        connection.getresponse().read()
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
 
 
 def _ready(port: int) -> bool:

@@ -423,6 +423,66 @@ def test_a_replica_that_fails_to_load_again_after_a_crash_is_started_again(tmp_p
         balancer.wait()
 
 
+SILENT = """
+import signal, socket, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a stopped or deadlocked process: only SIGKILL ends it
+server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+held = []
+while True:
+    held.append(server.accept())  # the connection is taken, and nothing is ever answered
+"""
+LOADING = """
+import http.server, sys
+class Loading(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Loading).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("script,hung", [(SILENT, True), (LOADING, False)])
+def test_a_ready_replica_that_answers_nothing_is_ended_and_started_again(tmp_path, monkeypatch, script, hung):
+    """A replica whose process lived on but answered nothing (stopped, deadlocked) was out of HAProxy's
+    rotation for good, never started again. One that was ready and has answered no /health for
+    ``hung_s`` is killed (SIGKILL where SIGTERM does nothing) and started again; one that answers, if only
+    503 while its worker loads again, is left as it is."""
+    from mashbox import cluster as module
+    from mashbox.cluster import Cluster
+
+    port = free_port()
+    cluster = Cluster(replicas(1, port), "127.0.0.1", free_port(), [], hung_s=1.0)
+    replica = subprocess.Popen([sys.executable, "-c", script, str(port)], start_new_session=True)
+    balancer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cluster._replicas["r1"], cluster._served = replica, {"r1"}
+    cluster._starts["r1"], cluster._started["r1"], cluster._heard["r1"] = 1, time.monotonic(), time.monotonic()
+    restarted, rounds, wait = [], [], time.sleep
+
+    def start(member):
+        restarted.append(member.name)
+        raise KeyboardInterrupt  # out of the watch
+
+    def sleep(seconds):
+        rounds.extend([seconds] if seconds >= 0.5 else [])  # the watch's, not subprocess's own waits
+        if len(rounds) > 12:  # 6 s of watching
+            raise KeyboardInterrupt
+        wait(seconds)
+
+    try:
+        wait(1.0)  # listening
+        monkeypatch.setattr(cluster, "_start", start)
+        monkeypatch.setattr(module, "ASK_S", 0.5)
+        monkeypatch.setattr(module.time, "sleep", sleep)
+        with pytest.raises(KeyboardInterrupt):
+            cluster._watch(tmp_path / "haproxy.cfg", balancer)
+        assert restarted == (["r1"] if hung else [])
+        assert (replica.poll() is not None) == hung, "a hung replica is ended before its new start"
+    finally:
+        for process in (replica, balancer):
+            process.kill()
+            process.wait()
+
+
 def test_haproxy_that_dies_is_started_again_and_one_that_cannot_start_stops_the_cluster(tmp_path, monkeypatch):
     """HAProxy killed (the OOM killer, an operator) stopped the whole cluster, healthy replicas and all;
     one that exits with an error right after its start (its port taken) still does, not one killed then."""
