@@ -19,6 +19,7 @@ import httpx
 import pytest
 from server import frames, serve
 
+from mashbox.api.frames import data_frame, event_frame
 from mashbox.engine.events import Event, Finish, Queued, Started, Timings, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import EngineClosedError
@@ -358,3 +359,15 @@ def test_an_unexpected_error_is_logged_with_its_request_id(long_engine, caplog):
     server.close()
     assert answer.status_code == 500
     assert any(r.getMessage() == f"{answer.headers['x-request-id']} failed: unexpected error" for r in caplog.records)
+
+
+@pytest.mark.parametrize("frame", [data_frame, event_frame])
+def test_a_frame_holds_no_character_a_line_reader_splits_on(frame):
+    """Every protocol's data lines: U+2028, U+2029 and U+0085 escaped, so that a reader splitting as
+    str.splitlines does (httpx's iter_lines) reads each data line whole; the JSON reads back the same."""
+    payload = {"type": "content_block_delta", "delta": {"text": "x\u2028y\u2029z\x85w \u00e9\U0001f600"}}
+    lines = [line for line in frame(payload).decode().splitlines() if line]
+    data = [line for line in lines if line.startswith("data: ")]
+    assert len(lines) == (1 if frame is data_frame else 2) and json.loads(data[0][6:]) == payload
+    assert "\u00e9\U0001f600" in data[0], "other characters go as UTF-8"
+

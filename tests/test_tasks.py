@@ -225,6 +225,16 @@ def test_cancel_mid_stream(url, tasks, smol_engine):
     _until(lambda: smol_engine.stats().running == 0)  # its slot is free
 
 
+def test_line_separators_in_a_streamed_event_are_escaped_for_line_readers(url):
+    """U+2028, U+2029 and U+0085 went out raw in data lines: the docs' reader (httpx's iter_lines, which
+    splits as str.splitlines does) got each such event cut in two, neither half JSON."""
+    note = "a\u2028b\u2029c\x85d"
+    results = _streamed(url, {"user_message_content": "Hi.", "inference_args": SHORT, "metadata": {"note": note}},
+                        lambda result: None)
+    assert results[0]["type"] == "task.created" and results[0]["task"]["metadata"] == {"note": note}
+    assert results[-1]["type"] in ("task.completed", "task.failed")
+
+
 def test_a_cancel_with_no_body_and_no_headers_is_taken(url, tasks):
     """``POST /v1/tasks/{id}/cancel`` as a bare HTTP/1.1 request (no Content-Type, no
     Content-Length): the running task is canceled, with the tokens it used."""

@@ -7,7 +7,6 @@ client reads those answers as a bare task object, so ``id`` there is the task's 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from mashbox.api.base import parse
-from mashbox.api.frames import COMMENT
+from mashbox.api.frames import COMMENT, sse_json
 from mashbox.api.task_items import STATUSES, CreateTask, Envelope
 from mashbox.errors import InvalidRequestError
 from mashbox.server import security
@@ -74,8 +73,7 @@ async def _frames(ctx: Context, live: Live, rid: Any) -> AsyncIterator[bytes]:
         if event is None:
             yield COMMENT
         else:
-            data = json.dumps(envelope(rid, event), ensure_ascii=False, separators=(",", ":"))
-            yield f"event: {event['type']}\ndata: {data}\n\n".encode()
+            yield f"event: {event['type']}\ndata: {sse_json(envelope(rid, event))}\n\n".encode()
 
 
 @get(paths(), summary="List agent tasks")
