@@ -23,6 +23,7 @@ from transformers import (
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
+from tiny import tiny_config
 
 from mashbox import Engine, EngineRequest, Finish, SamplingParams
 from mashbox.engine.load import checkpoint
@@ -30,6 +31,7 @@ from mashbox.engine.load.checkpoint import Checkpoint
 from mashbox.engine.load.loader import load
 from mashbox.engine.model import native
 from mashbox.engine.model.weights import Weights
+from mashbox.errors import ConfigError
 
 SHAPE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
@@ -138,6 +140,20 @@ def test_engine_on_a_saved_qwen2_answers_as_transformers_does(tmp_path: Path, sm
     assert isinstance(events[-1], Finish)
     text = "".join(e.text for e in events if hasattr(e, "text"))
     assert len(text) > 5 and text == smol_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_dynamic_rotary_scaling_is_refused_past_the_trained_context(tmp_path: Path, smol_tokenizer) -> None:
+    """``rope_type: dynamic`` grows the rotary's base as a prompt passes max_position_embeddings; mashbox
+    ran the base one there, with --allow-long-context, answers not the model's and no word. Within the
+    trained context the two are one and it runs; past it, it is refused naming why."""
+    config = tiny_config(len(smol_tokenizer), max_position_embeddings=64,
+                         rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    with Engine(str(tmp_path), dtype="float32", ctx=64, slots=1, quiet=True) as engine:
+        assert engine.complete(prompt="one two", max_tokens=3, temperature=0).usage.completion_tokens == 3
+    with pytest.raises(ConfigError, match="dynamic"):
+        Engine(str(tmp_path), dtype="float32", ctx=128, slots=1, quiet=True, allow_long_context=True)
 
 
 def test_a_qwen2_config_of_transformers_4_keeps_its_sliding_windows(tmp_path: Path) -> None:

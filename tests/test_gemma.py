@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from quants import blocks_agree, exact_gguf, gguf_runner, random_prompts, tiny_gguf
-from tiny import generate, greedy, random_norms
+from tiny import generate, greedy, last_logits, logits, plain_runner, random_norms
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from mashbox import Engine
@@ -53,6 +53,14 @@ def test_a_saved_gemma3_answers_as_transformers_does(tmp_path, smol_tokenizer):
             assert answer.usage.prompt_tokens == len(ids)
             assert answer.choices[0].text == expected
     assert len(smol_tokenizer.encode(WORDS)) > 4 * SHAPE["sliding_window"]
+
+
+def test_gemma2s_score_cap_in_a_gemma3_config_is_left_unused_as_transformers_leaves_it(smol_tokenizer):
+    """``attn_logit_softcapping`` in a Gemma 3 config (a Gemma 2 field its attention never reads): capping
+    the scores by it changed every logit (by 0.4 at a cap of 2) with no word."""
+    model = tiny_gemma(query_pre_attn_scalar=48, attn_logit_softcapping=2.0)
+    ids = smol_tokenizer.encode(WORDS)
+    assert torch.allclose(last_logits(plain_runner(model), ids), logits(model, ids), atol=1e-4)
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 8.0}])

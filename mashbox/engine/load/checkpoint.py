@@ -68,6 +68,7 @@ class Checkpoint:
     residual_scale: float = 1.0  # each layer's attention and MLP outputs are multiplied by it (Granite)
     logit_scale: float = 1.0  # the logits are divided by it (Granite)
     logit_softcap: float = 0.0  # then capped softly to it as the scores are (Gemma 2); 0: not
+    dynamic_rope: bool = False  # its rotary scales itself past trained_ctx (rope_type dynamic): not done here
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Checkpoint:
@@ -158,7 +159,8 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
         eps=config.get("rms_norm_eps", 1e-6),
         scale_dim=config.get("query_pre_attn_scalar") or 0,
         attn_scale=config.get("attention_multiplier") or 0.0,
-        softcap=config.get("attn_logit_softcapping") or 0.0,
+        # Gemma 3's config may carry Gemma 2's score cap, which its attention (in transformers) leaves unused
+        softcap=config.get("attn_logit_softcapping") or 0.0 if model_type == "gemma2" else 0.0,
     )
     window = config.get("sliding_window") or 0
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in _layer_types(config, model_type))
@@ -171,7 +173,8 @@ def _build(config: dict[str, Any], tensors: Tensors, inv_freq: torch.Tensor, sca
                       rotated=tuple(bool(r) for r in config.get("no_rope_layers") or ()),
                       residual_scale=config.get("residual_multiplier") or 1.0,
                       logit_scale=config.get("logits_scaling") or 1.0,
-                      logit_softcap=config.get("final_logit_softcapping") or 0.0)
+                      logit_softcap=config.get("final_logit_softcapping") or 0.0,
+                      dynamic_rope=_kind(config) == "dynamic")
 
 
 def _layer_types(config: dict[str, Any], model_type: str) -> list[str]:
