@@ -187,3 +187,19 @@ def test_a_backslash_then_the_text_ud800_is_no_surrogate(http):
 def test_a_byte_order_mark_is_named(http):
     raw = "\ufeff" + json.dumps(ROUTES["chat"][1])
     assert "byte order mark" in error_message("chat", post(http, "chat", raw))
+
+
+@pytest.mark.parametrize("route", ["chat", "messages"])
+def test_a_body_in_another_encoding_is_named_with_where_it_is_not_utf8(http, route):
+    """A latin-1 body (charset=latin-1 declared) was "invalid UTF-8 encoded string" with no byte, and a
+    UTF-16 one "invalid character (byte 0)": JSON over HTTP is UTF-8 whatever the charset says."""
+    path, body, _ = ROUTES[route]
+    text = json.dumps({**body, "metadata": {"note": "caf\u00e9"}}, ensure_ascii=False)
+    latin = http.post(path, content=text.encode("latin-1"), headers={"content-type": "application/json; charset=latin-1"})
+    message = error_message(route, latin)
+    at = text.encode("latin-1").index(b"\xe9")
+    assert f"byte {at} (0xE9) is not UTF-8" in message and "charset" in message, message
+    for encoding in ("utf-16", "utf-16-le"):
+        wide = http.post(path, content=json.dumps(body).encode(encoding), headers={"content-type": "application/json"})
+        assert "UTF-16" in error_message(route, wide)
+

@@ -124,6 +124,16 @@ def _lone_surrogate(body: bytes) -> re.Match[bytes] | None:
     return next((m for m in LONE_SURROGATE.finditer(body) if _backslashes_before(body, m.start()) % 2 == 0), None)
 
 
+def _not_utf8(body: bytes) -> str | None:
+    """Where a body is not UTF-8, said: JSON over HTTP is UTF-8, whatever a content type's charset says."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (f"byte {err.start} (0x{body[err.start]:02X}) is not UTF-8, and JSON is read as UTF-8 whatever "
+                "the content type's charset says (latin-1 text is sent UTF-8 encoded)")
+    return None
+
+
 def _backslashes_before(body: bytes, at: int) -> int:
     n = 0
     while n < at and body[at - n - 1] == ord("\\"):
@@ -139,8 +149,12 @@ def _body_error(exc: HTTPException, body: bytes) -> str | None:
         if (lone := _lone_surrogate(body)) and ("truncated" in reason or "surrogate" in reason):
             where = (f"{lone[0][:6].decode()} at byte {lone.start()} is half of a UTF-16 surrogate pair without "
                      "the other half, which is not text")
+        if "utf-8" in reason.lower():
+            where = _not_utf8(body) or where
         if body.startswith(BOM):
             where = "it begins with a byte order mark (EF BB BF), which JSON sent over HTTP has not"
+        elif body[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in body[:4]:
+            where = "it is UTF-16 or UTF-32 (a byte order mark, or zero bytes between its first characters); send UTF-8"
         return f"the body is not valid JSON: {where}"
     for item in exc.extra if isinstance(exc.extra, list) else ():
         if isinstance(item, dict) and item.get("key") == "data" and item.get("source") == "body":
