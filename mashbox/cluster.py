@@ -70,6 +70,7 @@ PR_SET_PDEATHSIG = 1  # Linux: the signal a child gets when the cluster dies, ki
 HARD_STOP_S = 30  # HAProxy stopping softly waits this long at most for the answers under way
 MESSAGES = ("/v1/messages",)  # Anthropic's routes: HAProxy's own errors there in Anthropic's shape
 HEALTH = ("/health", "/v1/health")
+LOCAL_HOST = r"'^(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?$'"  # LOOPBACK_NAMES as a Host header, port or none
 BY_SESSION = ["    balance hash var(txn.session)",  # a session to the replica it hashes to, on every such backend
               "    hash-type consistent sdbm avalanche"]  # similar session ids spread (no avalanche: they bunch)
 
@@ -123,7 +124,9 @@ def haproxy_config(host: str, port: int, members: Sequence[Replica]) -> str:
           "if !{ var(txn.session) -m len gt 0 } { method POST }"
           for path in ("$.prompt_cache_key", "$.metadata.user_id")),  # Claude Code's session is in its user_id
         "    http-response set-header x-mashbox-replica %[srv_name]",
-        f"    http-request return {_metrics(members)} if {{ path /metrics }}",  # each replica's counters are its own
+        # each replica's counters are its own: where they are is said to this machine's names only (as a replica
+        # checks Host: a page another site rebinds to 127.0.0.1 is refused by the replica it reaches instead)
+        f"    http-request return {_metrics(members)} if {{ path /metrics }} {{ req.hdr(host) -m reg -i {LOCAL_HOST} }}",
         f"    http-request return {_reply(HEALTH[0], more={'status': 'loading'})} if {{ nbsrv(replicas) eq 0 }} "
         f"{{ path {' '.join(HEALTH)} }}",  # a monitor reads the status, as a loading replica's
         *(f"    http-request return {_reply(paths[0])} if {{ nbsrv(replicas) eq 0 }} {{ path_beg {' '.join(paths)} }}"
