@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
+import time
 
 import httpx
 import pytest
@@ -357,12 +359,15 @@ def test_metrics_count_answers_not_bad_requests(http):
     assert finished() == before + 1
 
 
-def test_metrics_count_error_answers_by_status(http):
-    def errors() -> dict[str, float]:
-        lines = http.get("/metrics").text.splitlines()
-        found = [re.search(r'status="(\w+)"\} (\S+)$', line) for line in lines if line.startswith("mashbox:error_answers_total{")]
-        return {m[1]: float(m[2]) for m in found if m}
+def error_answers(http: httpx.Client) -> dict[str, float]:
+    """mashbox:error_answers_total by status, as /metrics has it now."""
+    lines = http.get("/metrics").text.splitlines()
+    found = [re.search(r'status="(\w+)"\} (\S+)$', line) for line in lines if line.startswith("mashbox:error_answers_total{")]
+    return {m[1]: float(m[2]) for m in found if m}
 
+
+def test_metrics_count_error_answers_by_status(http):
+    errors = lambda: error_answers(http)  # noqa: E731
     before = errors()
     assert http.post("/v1/completions", json={"prompt": "", "max_tokens": 5}).status_code == 400
     assert http.post("/v1/chat/completions", json={**CHAT, "model": "nope"}).status_code == 404
@@ -373,6 +378,23 @@ def test_metrics_count_error_answers_by_status(http):
     assert after.get("404", 0) - before.get("404", 0) == 2
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     assert errors() == after, "an answered request is no error"
+
+def test_a_client_that_leaves_mid_body_is_neither_answered_nor_a_failure(http, tiny_server, caplog):
+    """A client that sent half its body and left was counted as a 500 answered, with no log line: a 5xx
+    alert for clients that went away. It is one info line, and no error counted."""
+    body = json.dumps(CHAT).encode()
+    host, port = tiny_server.url.removeprefix("http://").split(":")
+    before = error_answers(http)
+    with caplog.at_level("INFO", logger="mashbox"):
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:10])
+                time.sleep(0.2)
+        time.sleep(0.5)
+    assert error_answers(http) == before
+    assert sum("left before its body was read whole" in r.getMessage() for r in caplog.records) == 3
+
 
 def test_openapi_is_valid_3_1_and_names_the_model(http, tiny_server):
     doc = http.get("/openapi.json").json()
@@ -482,8 +504,6 @@ def test_a_session_that_looks_like_log_fields_is_quoted_and_a_refusal_ends_its_l
 def test_a_connection_that_sends_no_whole_request_in_time_is_closed(tiny_server, monkeypatch):
     """Part of a request's headers, part of its body, or nothing: closed after ``read_s`` (each held a
     connection for as long as its client liked); the next request on a connection has its own time."""
-    import socket
-    import time
     from urllib.parse import urlsplit
 
     from mashbox.server.connection import Connection

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, SerializationException
+from litestar.exceptions import HTTPException, InternalServerException, SerializationException
 
 from mashbox.errors import (
     ContextLengthError,
@@ -105,6 +105,8 @@ def api_error(exc: Exception, retry_after: int, body: bytes = b"", request_id: s
     if isinstance(exc, QueueFull):
         return ApiError(429, exc.message, retry_after=exc.retry_after, overloaded=exc.scope == "server")
     if isinstance(exc, HTTPException):
+        if exc.status_code >= 500:  # Litestar's own (not a client that left: the handler says that apart)
+            log.error("%s failed: %s", request_id, exc.detail, exc_info=exc)
         return ApiError(exc.status_code, _body_error(exc, body) or _detail(exc))
     if isinstance(exc, StorageError):
         log.error("%s", exc)
@@ -179,6 +181,11 @@ def _detail(exc: HTTPException) -> str:
     return f"{exc.detail}: {extra[0].get('message', '')}" if extra and isinstance(extra[0], dict) else exc.detail
 
 
+def client_left(exc: Exception) -> bool:
+    """Whether ``exc`` is Litestar's word that the client went away while its body was being read."""
+    return isinstance(exc, InternalServerException) and "disconnected" in str(exc.detail)
+
+
 def log_answer(request_id: str | None, method: str, path: str, status: int, message: str) -> None:
     """The log's line for an error answer (a full queue's and a 500's apart)."""
     log.info("%s %s %r answered %d: %s", request_id, method, path, status, message)
@@ -190,6 +197,10 @@ def handler(retry_after: int, metrics: Metrics) -> Callable[[Request, Exception]
 
     def handle(request: Request, exc: Exception) -> Response:
         request_id = request.scope.get("state", {}).get("request_id")
+        if client_left(exc):  # nobody to answer: neither an error answered nor a failure
+            log.info("%s %s %r: the client left before its body was read whole", request_id, request.method,
+                     request.url.path)
+            return Response(b"", status_code=400)
         read = request._connection_state.body  # what a body that failed to decode was (Empty: none read)
         error = api_error(exc, retry_after, read if isinstance(read, bytes) else b"", request_id)
         status, body, headers = answer(request.url.path, error, request_id)
