@@ -492,6 +492,29 @@ def test_a_task_whose_create_was_refused_never_appears(backend, tmp_path, monkey
             assert file.execute("SELECT count(*) FROM tasks WHERE id='once'").fetchone() == (0,)
 
 
+def test_a_delete_whose_task_ends_before_its_cancel_deletes_it(backend, tmp_path, monkeypatch):
+    """A DELETE found the task running and asked it to cancel, but it had ended meanwhile: the DELETE was a
+    409 ("the task is canceled: only a task that is ... can be canceled") and the task stayed."""
+    from mashbox.server.task_runs import TaskRuns
+
+    act = TaskRuns.act
+
+    async def late(self, tenant, task_id, action):  # the task ends between the DELETE's look and its cancel
+        live = self._live.get((tenant, task_id))
+        while live is not None and not live.finished:
+            await live.changed(1)
+        return await act(self, tenant, task_id, action)
+
+    monkeypatch.setattr(TaskRuns, "act", late)
+    for url in serve(backend, Settings(tasks_db=str(tmp_path / "t.sqlite3"))):
+        body = {"user_message_content": "Hi.", "stream": False, "task_id": "ending", "background": True,
+                "inference_args": {"max_tokens": 20}}
+        assert httpx.post(url + "/v1/tasks", json=body, timeout=60).status_code == 200
+        deleted = httpx.delete(url + "/v1/tasks/ending", timeout=60)
+        assert deleted.status_code == 200 and deleted.json()["result"]["id"] == "ending", deleted.text
+        assert httpx.get(url + "/v1/tasks/ending", timeout=60).status_code == 404
+
+
 class EndsUnsaved(TaskStore):
     """A tasks file that another program holds locked just as a task ends: that save fails."""
 

@@ -297,7 +297,12 @@ class TaskRuns:
         found = await self.find(tenant, task_id)
         assert found is not None
         if (tenant, task_id) in self._live:
-            found = await self.act(tenant, task_id, "cancel")
+            try:
+                found = await self.act(tenant, task_id, "cancel")
+            except ApiError as refused:  # it ended between the look and the cancel: deleted as it ended
+                if refused.status != 409:
+                    raise
+                found = await self.find(tenant, task_id, strict=False) or found
         await self._stored(self.store.delete, tenant, task_id)
         self._unsaved.pop((tenant, task_id), None)
         return found
