@@ -291,6 +291,27 @@ def held(long_engine):
     server.close()
 
 
+def test_a_stream_that_leaves_before_its_headers_is_stopped_at_once(held, monkeypatch):
+    """A stream's headers wait up to SLOT_WAIT_S for its slot; a client that left meanwhile was seen only
+    when that wait ended: its run went on, its ticket counted as waiting (live clients got 429s)."""
+    monkeypatch.setattr("mashbox.server.generation.SLOT_WAIT_S", 30.0)
+    backend, url = held
+
+    async def leave():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            streaming = asyncio.ensure_future(client.post("/v1/chat/completions", json={**SHORT, "stream": True}))
+            await asyncio.sleep(0.5)  # accepted, held before its slot
+            assert not streaming.done() and (await client.get("/v1/health")).json()["waiting"] == 1
+            streaming.cancel()
+            await asyncio.gather(streaming, return_exceptions=True)
+            deadline = time.monotonic() + 5
+            while backend.closed < 1 or (await client.get("/v1/health")).json()["waiting"]:
+                assert time.monotonic() < deadline, "the run that lost its client still waits"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(leave())
+
+
 @pytest.mark.parametrize(("path", "body", "opening", "beat", "last"), [
     ("/v1/chat/completions", SHORT, '"role":"assistant"', ": keep-alive", None),
     ("/v1/messages", SHORT, ": keep-alive", ": keep-alive", "message_stop"),  # message_start tells the cache: at the slot

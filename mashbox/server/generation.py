@@ -129,7 +129,7 @@ async def generate(ctx: Context, protocol: Protocol, body: dict[str, Any], reque
     run = Run(ctx, protocol, req, engine, tag)
     headers = ignored_header(prepared.ignored)
     if getattr(req, "stream", False):
-        return await run.streamed(headers)
+        return await run.streamed(headers, request.receive) or Response(None, headers=headers)
     answer = await run.whole(request.receive)
     return Response(answer, headers={**headers, "x-mashbox-cache": run.cache()})
 
@@ -172,18 +172,28 @@ class Run:
                 raise InvalidRequestError(event.param, event.error or "cannot be followed")
             self._failed(event)
 
-    async def streamed(self, headers: dict[str, str]) -> EventStream:
+    async def streamed(self, headers: dict[str, str], receive: Receive) -> EventStream | None:
+        """The stream of events; None when the client left before its headers (its ticket given back then,
+        not when the first frame failed to go: a second later, counted as waiting meanwhile)."""
         try:
-            first = await self._accepted()
-            if isinstance(first, Queued):
-                await self._await_slot()
+            first = await unless_gone(receive, self._first())
         except BaseException:
             await self.close()
             raise
+        if first is None:
+            await self.close()
+            return None
         if self._started is not None:
             headers = {**headers, "x-mashbox-cache": self.cache()}
         return EventStream(self._frames(first), idle_s=self._ctx.settings.idle_timeout_s, on_close=self.close,
                            headers=headers)
+
+    async def _first(self) -> Event:
+        """The run's first event, and a queued one's slot for up to SLOT_WAIT_S (``_await_slot``)."""
+        first = await self._accepted()
+        if isinstance(first, Queued):
+            await self._await_slot()
+        return first
 
     async def _await_slot(self) -> None:
         """Ask for a queued run's next event and wait up to SLOT_WAIT_S for its slot (``Started``: how
