@@ -298,6 +298,18 @@ def test_a_default_prefix_cache_folder_that_cannot_be_made_is_said_before_loadin
                           f"none with --cache-disk 0): {tmp_path}/afile/cache/prefixes cannot be a folder here"), err
 
 
+def test_a_default_tasks_db_that_cannot_be_made_is_said_before_loading(tmp_path):
+    """The default tasks file (in the mashbox cache) was not checked at start: under a home that cannot be
+    written every /v1/tasks call was a 500, while the server ran on."""
+    (tmp_path / "afile").write_text("")
+    env = {"MASHBOX_CACHE": str(tmp_path / "afile" / "cache")}
+    process = mashbox("--port", str(free_port()), "--cache-disk", "0", env=env)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"mashbox: tasks_db: {tmp_path}/afile/cache/tasks.sqlite3 cannot hold the tasks"), err
+    assert "--tasks-db" in err
+
+
 def test_a_tasks_db_that_cannot_hold_the_tasks_is_one_line_and_exit_2(tmp_path):
     """Refused at start, not a 500 on every /v1/tasks call later."""
     not_a_db = tmp_path / "notes.txt"

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mashbox.engine.load.catalog import cache_dir
 from mashbox.errors import NotReadyError
 from mashbox.server.admission import Admission
 from mashbox.server.backend import Backend
@@ -14,6 +13,7 @@ from mashbox.server.metrics import Metrics
 from mashbox.server.page import Page
 from mashbox.server.settings import Settings
 from mashbox.server.task_runs import TaskRuns
+from mashbox.server import task_store
 from mashbox.server.task_store import TaskStore
 
 
@@ -32,7 +32,7 @@ class Context:
         self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s, slots=self._slots)
         self.metrics = Metrics(self.backend.model_id)
         self.page = Page.load() if s.ui else None
-        store = TaskStore(Path(s.tasks_db) if s.tasks_db else cache_dir() / "tasks.sqlite3", s.tasks_ttl_s)
+        store = TaskStore(Path(s.tasks_db) if s.tasks_db else task_store.default_path(), s.tasks_ttl_s)
         self.tasks = TaskRuns(self.backend, self.admission, store, salted=s.auth_required, metrics=self.metrics)
 
     def _slots(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 from mashbox.api.task_items import FINAL
 from mashbox.api.task_loop import EXPIRED as EXPIRED_CODE
 from mashbox.api.task_loop import SERVER_STOPPED
+from mashbox.engine.load.catalog import cache_dir
 from mashbox.errors import InvalidRequestError, StorageError
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
@@ -33,6 +34,11 @@ CREATE INDEX IF NOT EXISTS tasks_updated ON tasks (updated_at)"""
 RUNNING = ("created", "queued", "working", "paused")
 STOPPED = "the server stopped while this task was {}; create it again"
 EXPIRED = {"code": EXPIRED_CODE, "message": "the task expired: nothing happened to it for the tasks' time to live"}
+
+
+def default_path() -> Path:
+    """Where the tasks are kept when no ``--tasks-db`` says: ``tasks.sqlite3`` in the mashbox cache."""
+    return cache_dir() / "tasks.sqlite3"
 
 
 def check(path: Path) -> None:
