@@ -212,6 +212,34 @@ def test_a_prompt_read_keeps_its_first_pages_longest(tmp_path: Path):
     assert PageStore(tmp_path / "pages", 2**30, "ns", page=4).stored(keys) == 2  # the first two: still of use
 
 
+def test_pages_of_a_prompt_used_from_memory_outlive_pages_not_used(tmp_path: Path):
+    """A hot prefix, answered from a slot or host memory, was never read back from disk, so its pages looked
+    the oldest and went first: a restart computed the most used prompt again. Touched, they stay."""
+    kept(tmp_path / "probe", [0, 1, 2, 3])
+    size = next((tmp_path / "probe").glob("*.safetensors")).stat().st_size
+    store = PageStore(tmp_path / "pages", int(size * 2.5), "ns", page=4)
+    hot, cold, new = ([i] * 4 for i in (1, 2, 3))
+    for prompt in (hot, cold):
+        store.save(store.keys(prompt, "")[0], prompt, *page())
+    store.touch(store.keys(hot, ""))
+    store.touch(store.keys(hot, ""))  # again within TOUCH_S: no second write of its time
+    store.save(store.keys(new, "")[0], new, *page())  # a third page: one must go
+    store.close()
+    after = PageStore(tmp_path / "pages", 2**30, "ns", page=4)
+    assert [after.stored(store.keys(p, "")) for p in (hot, cold, new)] == [1, 0, 1]
+
+
+def test_a_prompt_served_from_memory_touches_its_pages_on_disk(tiny_model_dir, tmp_path, monkeypatch):
+    touched = []
+    monkeypatch.setattr(PageStore, "touch", lambda self, keys: touched.append(list(keys)))
+    options = {"ctx": 512, "slots": 2, "quiet": True, "cache_disk_gib": 1, "cache_dir": str(tmp_path)}
+    with Engine(str(tiny_model_dir), **options) as engine:
+        assert _run(engine)[0] == 0
+        assert _run(engine)[0] > 256  # from its slot, more than the page on disk beside it
+    names = {path.stem for path in tmp_path.glob("*.safetensors")}
+    assert len(names) == 1 and any(keys == sorted(names) for keys in touched), (names, touched)
+
+
 def test_a_page_that_cannot_be_removed_is_passed_over_and_the_cap_holds(tmp_path: Path):
     """The least recently used page cannot go (a directory in its place, a file marked immutable): the
     trim stopped there for good, and the folder grew past its cap ten times over."""

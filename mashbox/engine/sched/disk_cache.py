@@ -14,7 +14,8 @@ Several processes may share the folder (the replicas of a host): each sees the p
 wrote (a page missing from its index is looked for on disk), a page one of them removed is a miss,
 and the cap holds for the folder: a writer counts the folder again before it trims, and at least
 each ``cap / RESCAN`` bytes it wrote. Least recently used out first, by the files' times (a read
-touches its file).
+touches its file, and so does a prompt served from memory whose pages are on disk: the prefix used most,
+never read back while the engine runs, would otherwise be the oldest on disk and the first trimmed).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ STUCK = 3  # pages in a row that cannot be removed: the folder cannot be trimmed
 ROOM = 1 << 30  # free bytes a page must leave on its disk (the cap may be more than a small disk has)
 PAGE_NAME = re.compile(r"[0-9a-f]{40}")  # a page's file is named by its key: the folder may hold other files
 QUEUED_BYTES = 256 << 20  # pages waiting for the writer, at most: past it (a slow or failing disk) pages are not kept
+TOUCH_S = 60.0  # a page used from memory is touched on disk at most this often
+TOUCHED = 1 << 16  # pages whose last touch is remembered, at most
 
 
 class PageStore:
@@ -61,8 +64,10 @@ class PageStore:
         self._queued = 0  # bytes of the pages waiting for the writer
         self._broken: set[str] = set()  # pages that do not read and could not be removed: misses, said once
         self._short = False  # whether the disk has too little room for pages (said once)
+        self._touched: OrderedDict[str, float] = OrderedDict()  # key -> when last touched for a use from memory
         self._scan()
-        self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | list[str] | None] = \
+            queue.SimpleQueue()  # pages to write, or (a list) keys to touch
         self._writer = threading.Thread(target=self._write_all, name="mashbox-disk-cache", daemon=True)
         self._writer.start()
 
@@ -129,17 +134,35 @@ class PageStore:
                 else:  # by another process's trim (and maybe written again since): a miss
                     self._forget(key)
                 break
-        now = time.time_ns()
-        for i, key in enumerate(reversed(keys[: len(parts)])):  # read: the first page the most recently used
-            with contextlib.suppress(FileNotFoundError):  # (a trim takes a prompt's last pages before its first,
-                os.utime(self._path(key), ns=(now + i * 1000,) * 2)  # which they need; the clock's ticks are
-                # coarser than a read); another process may have trimmed it since
-            with self._lock:
-                if key in self._files:
-                    self._files.move_to_end(key)
+        self._used(keys[: len(parts)])
         if not parts:
             return None
         return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def touch(self, keys: list[str]) -> None:
+        """Pages of a prompt the engine served from memory, marked used (by the writer, each at most every
+        ``TOUCH_S``): the prefix used most is never read back from disk while the engine runs."""
+        now = time.monotonic()
+        with self._lock:
+            due = [key for key in keys if now - self._touched.get(key, -TOUCH_S) >= TOUCH_S]
+            for key in due:
+                self._touched[key] = now
+                self._touched.move_to_end(key)
+            while len(self._touched) > TOUCHED:
+                self._touched.popitem(last=False)
+        if due:
+            self._writes.put(due)
+
+    def _used(self, keys: list[str]) -> None:
+        """A prompt's pages ``keys`` marked most recently used, the first of them the most: a trim takes a
+        prompt's last pages before its first, which they need."""
+        now = time.time_ns()
+        for i, key in enumerate(reversed(keys)):
+            with contextlib.suppress(FileNotFoundError):  # another process may have trimmed it since
+                os.utime(self._path(key), ns=(now + i * 1000,) * 2)  # the clock's ticks are coarser than a read
+            with self._lock:
+                if key in self._files:
+                    self._files.move_to_end(key)
 
     def save(self, key: str, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a page in the background (``keys``/``values`` are the engine's own copy)."""
@@ -162,6 +185,9 @@ class PageStore:
         from safetensors.torch import save_file
 
         while (item := self._writes.get()) is not None:
+            if isinstance(item, list):
+                self._used(item)
+                continue
             key, tokens, keys, values = item
             with self._lock:
                 self._queued -= keys.nbytes + values.nbytes

@@ -239,7 +239,8 @@ class PrefixCache:
             return None
         keys = self.disk.keys(prompt, salt, limit=len(prompt) - 1)
         pages = self.disk.stored(keys)
-        if pages * self.disk.page <= beat:
+        if pages * self.disk.page <= beat:  # memory serves it: its pages are of use all the same
+            self.disk.touch(keys[:pages])
             return None
         loaded = self.disk.read(keys[:pages], prompt)
         return loaded if loaded is not None and loaded[0].shape[1] > beat else None
