@@ -70,7 +70,8 @@ PR_SET_PDEATHSIG = 1  # Linux: the signal a child gets when the cluster dies, ki
 HARD_STOP_S = 30  # HAProxy stopping softly waits this long at most for the answers under way
 MESSAGES = ("/v1/messages",)  # Anthropic's routes: HAProxy's own errors there in Anthropic's shape
 HEALTH = ("/health", "/v1/health")
-LOCAL_HOST = r"'^(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?$'"  # LOOPBACK_NAMES as a Host header, port or none
+# LOOPBACK_NAMES as a Host header, as a replica reads one: any case, trailing dots, a port, empty or none
+LOCAL_HOST = r"'^(localhost|127\.0\.0\.1|\[::1\])\.*(:[0-9]*)?$'"
 BY_SESSION = ["    balance hash var(txn.session)",  # a session to the replica it hashes to, on every such backend
               "    hash-type consistent sdbm avalanche"]  # similar session ids spread (no avalanche: they bunch)
 

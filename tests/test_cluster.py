@@ -164,7 +164,7 @@ def test_with_no_replica_up_the_balancer_answers_as_a_loading_server_would(tmp_p
         assert httpx.get(url + "/health").json()["status"] == "loading"  # as a replica's, for a monitor
         scraped = httpx.get(url + "/metrics")  # one replica's counters, then another's: scrape each
         assert scraped.status_code == 404 and f"127.0.0.1:{first + 1}/metrics" in scraped.json()["error"]["message"]
-        for host in ("localhost", f"[::1]:{port}", f"LOCALHOST:{port}"):
+        for host in ("localhost", f"[::1]:{port}", f"LOCALHOST:{port}", "localhost.", "localhost:", f"127.0.0.1.:{port}"):
             assert httpx.get(url + "/metrics", headers={"host": host}).status_code == 404
         for host in ("rebound.example", f"rebound.example:{port}", "127.0.0.1.evil.example", "127x0x0x1"):
             rebound = httpx.get(url + "/metrics", headers={"host": host})  # a page rebound to 127.0.0.1
