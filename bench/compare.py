@@ -315,7 +315,7 @@ def roofline(servers: list[Server], weights: int, threads: int) -> str:
 
 
 def table(servers: list[Server]) -> str:
-    mine, peers = servers[0], servers[1:]
+    mine = servers[0]
     head = ["figure", *(s.name for s in servers), "mashbox / best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, label, higher in ROWS:
