@@ -111,7 +111,7 @@ def test_the_events_of_one_step_for_every_stream_come_back_in_one_message(worker
     async def scenario():
         await collect(worker.astream(chat("Hi.", max_tokens=1)))  # the reader now calls the handler above
         replies.clear()
-        requests = [chat(f"Count to {n}.", max_tokens=24) for n in range(4)]
+        requests = [chat(f"Count to {n}.", max_tokens=120) for n in range(4)]  # long enough to overlap on a busy machine
         return await asyncio.gather(*(collect(worker.astream(r)) for r in requests))
 
     streams = asyncio.run(scenario())
