@@ -1588,7 +1588,8 @@ static void tile_task(void *arg, int64_t task, int who) {
         if (!format_of(fmt, &f)) continue;
         int64_t row0 = (g - mm->first[p]) * GR, n = w->n[p] - row0 < GR ? w->n[p] - row0 : GR, bytes = K / f.values * f.bytes;
         /* a last group's rows past the weight's end decode its last row again (their lanes are dropped) */
-        const uint8_t *first = w->data[p] + row0 * bytes, *next = NULL;
+        const uint8_t *first = NULL, *next = NULL;
+        group_span(mm, g, &first);
         /* the lane's next group (of this part or the next one) */
         int64_t ahead = g + 1 < lane_end && g + 1 < mm->groups ? group_span(mm, g + 1, &next) : 0;
         float *y = mm->y + col + row0, part[16 * GR];
@@ -1601,8 +1602,6 @@ static void tile_task(void *arg, int64_t task, int who) {
 #endif
         if (w->fmt[p] >= PACKED) {
 #ifdef MB_AVX2
-            int64_t size = GR * packed_row_bytes(fmt, &f, K);
-            first = w->data[p] + row0 / GR * size;
             as_loaded = amx || (!amx_decoded && mm->M <= direct_rows(fmt));
             if (!as_loaded) decode_packed(fmt, &f, first, K, q, d, m, next, ahead);
 #endif
