@@ -282,7 +282,7 @@ class Cluster:
                     self._start(member)
                     continue
                 if code is None:
-                    if member.name not in self._served and _ready(member.port):
+                    if member.name not in self._served and _health(member.port, 0.5) == 200:
                         self._served.add(member.name)
                     continue
                 if code in REFUSED and self._starts[member.name] == 1 and member.name not in self._served:
@@ -300,7 +300,7 @@ class Cluster:
         if now - self._asked.get(member.name, 0.0) < ASK_S:
             return False
         self._asked[member.name] = now
-        if _answers(member.port):
+        if _health(member.port, ASK_TIMEOUT_S) is not None:
             self._heard[member.name] = time.monotonic()
             return False
         return now - self._heard.get(member.name, now) >= self.hung_s
@@ -352,27 +352,17 @@ def _end(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _answers(port: int) -> bool:
-    """Whether the replica on ``port`` answers /health at all (any status) within ``ASK_TIMEOUT_S``."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=ASK_TIMEOUT_S)
+def _health(port: int, timeout: float) -> int | None:
+    """The status the replica on ``port`` answers /health with within ``timeout`` (200: its model loaded,
+    503: loading); None for no answer."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         connection.request("GET", "/health")
-        connection.getresponse().read()
-        return True
+        answer = connection.getresponse()
+        answer.read()
+        return answer.status
     except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
-
-
-def _ready(port: int) -> bool:
-    """Whether the replica on ``port`` answers /health with 200 (its model loaded)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=0.5)
-    try:
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
+        return None
     finally:
         connection.close()
 
