@@ -294,13 +294,12 @@ def run(args: argparse.Namespace) -> int:
     from mashbox.server.launch import Launch, serve  # litestar and uvicorn load only here
 
     try:
-        if args.tasks_db:
-            task_store.check(Path(args.tasks_db))
-        else:  # the default file too, before the model loads (a read-only home): not a 500 at every task
-            try:
-                task_store.check(task_store.default_path())
-            except ValueError as err:
-                raise ValueError(f"{err}; choose its file with --tasks-db, or the cache with MASHBOX_CACHE") from None
+        try:  # the default file too, before the model loads (a read-only home): not a 500 at every task
+            task_store.check(task_store.path_of(args.tasks_db))
+        except ValueError as err:
+            if args.tasks_db:
+                raise
+            raise ValueError(f"{err}; choose its file with --tasks-db, or the cache with MASHBOX_CACHE") from None
         if args.cache_dir:
             _folder("cache_dir", Path(args.cache_dir))
         elif args.cache_disk:  # the default folder too, before the model loads (a read-only home)

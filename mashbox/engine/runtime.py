@@ -421,7 +421,7 @@ def _context(config: EngineConfig, loaded: LoadedModel) -> int:
     trained = loaded.checkpoint.trained_ctx
     if config.ctx is None:
         return loaded.ctx_default
-    if trained and config.ctx > trained and loaded.checkpoint.dynamic_rope:
+    if trained and config.ctx > trained and loaded.checkpoint.dynamic_rope:  # allowed or not
         raise ConfigError(f"ctx: {config.ctx} is more than the {trained} tokens {loaded.id} was trained on, past "
                           "which its rotary scaling (rope_type dynamic) grows with the prompt, which mashbox does "
                           f"not do: its answers there would not be the model's; ctx {trained} at most")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mashbox.errors import NotReadyError
@@ -32,7 +31,7 @@ class Context:
         self.admission = Admission(s.max_waiting_per_tenant, s.max_waiting, s.retry_after_s, slots=self._slots)
         self.metrics = Metrics(self.backend.model_id)
         self.page = Page.load() if s.ui else None
-        store = TaskStore(Path(s.tasks_db) if s.tasks_db else task_store.default_path(), s.tasks_ttl_s)
+        store = TaskStore(task_store.path_of(s.tasks_db), s.tasks_ttl_s)
         self.tasks = TaskRuns(self.backend, self.admission, store, salted=s.auth_required, metrics=self.metrics)
 
     def _slots(self) -> int:

@@ -36,9 +36,9 @@ STOPPED = "the server stopped while this task was {}; create it again"
 EXPIRED = {"code": EXPIRED_CODE, "message": "the task expired: nothing happened to it for the tasks' time to live"}
 
 
-def default_path() -> Path:
-    """Where the tasks are kept when no ``--tasks-db`` says: ``tasks.sqlite3`` in the mashbox cache."""
-    return cache_dir() / "tasks.sqlite3"
+def path_of(given: str | None) -> Path:
+    """Where the tasks are kept: ``given`` (``--tasks-db``), else ``tasks.sqlite3`` in the mashbox cache."""
+    return Path(given) if given else cache_dir() / "tasks.sqlite3"
 
 
 def check(path: Path) -> None:
