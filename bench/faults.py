@@ -10,8 +10,8 @@ Each scenario starts its own ``mashbox run`` on the embedded model and prints wh
   full. The server must be ready again with one restart and every slot free; nothing may hang.
 - ``kill-loading``: ``kill -9`` the worker while the model loads. ``mashbox run`` must say why in
   one line and exit 1 within seconds (a supervisor starts it again).
-- ``corrupt-cache``: the converted copy of the model in the cache cut short. The server must name
-  the file, build it again from the GGUF and serve.
+- ``corrupt-cache``: the tokenizer the cache keeps of the GGUF (``converted/.../tokenizer.json``) cut
+  short. The server must name the file, build it again from the GGUF and serve.
 
 Exits 1 when any scenario does not hold.
 """
@@ -148,8 +148,9 @@ def corrupt_cache() -> list[str]:
             shutil.copytree(own, copy)  # the user's copy stays whole
         else:
             return [f"no converted copy in {own} yet: run mashbox once first"]
-        weights = copy / "tokenizer.json"
-        with weights.open("r+b") as file:
+        tokenizer = copy / "tokenizer.json"
+        whole = tokenizer.stat().st_size
+        with tokenizer.open("r+b") as file:
             file.truncate(1_000)
         log = Path(cache) / "server.log"
         with log.open("w") as out:
@@ -157,11 +158,12 @@ def corrupt_cache() -> list[str]:
             with_server(lambda url, pid: {}, env={"MASHBOX_CACHE": cache}, stderr=out)
         took = time.monotonic() - started
         said = [line for line in log.read_text().splitlines() if "does not read" in line]
-        size = weights.stat().st_size
-    print(f"  cut {weights} to 1 MB; the server served after {took:.1f} s; the file is {size / 1e6:.0f} MB again")
+        size = tokenizer.stat().st_size
+    print(f"  cut {tokenizer} to 1,000 bytes; the server served after {took:.1f} s; the file is {size:,} bytes "
+          f"again ({whole:,} before)")
     print("\n".join(f"    {line}" for line in said))
-    problems = [] if said and str(weights) in said[0] else ["no line naming the unreadable file"]
-    return problems + ([] if size > 500e6 else ["the file was not built again"])
+    problems = [] if said and str(tokenizer) in said[0] else ["no line naming the unreadable file"]
+    return problems + ([] if size == whole else ["the file was not built again"])
 
 
 SCENARIOS = {
