@@ -482,7 +482,7 @@ def test_sigterm_ends_a_running_task_saved_with_its_output_and_says_the_server_s
     store = task_store.TaskStore(db, ttl_s=3600)
     task = store.get("default", "essay")
     store.close()
-    assert task["status"] == "failed" and task["error"] == {"code": -32001, "message": (
+    assert task["status"] == "failed" and task["error"] == {"code": -32012, "message": (
         "the server stopped while this task was running (the server is shutting down); create it again")}
     assert [item["status"] for item in task["output"]] == ["incomplete"]
     assert task["output"][0]["message_content"][0]["text"].strip()

@@ -350,6 +350,13 @@ def test_bad_input(url, tasks):
                                                          "task_id": done})):
         assert response.status_code == 409 and response.json()["error"]["code"] == -32009, response.text
         assert response.json()["error"]["data"]["param"] == "task_id"
+        assert response.headers["x-should-retry"] == "false"  # the SDK sent each 409 three times
+    sent = []
+    retrying = agentlin_client.Client(base_url=url + "/v1", api_key="unused", max_retries=2, http_client=httpx.Client(
+        event_hooks={"request": [sent.append]}))
+    with pytest.raises(agentlin_client.ConflictError):
+        retrying.tasks.pause(done)
+    assert len(sent) == 1, sent
     assert tasks.info(done).result.status == "completed"
     missing = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi."})  # the spec requires stream
     assert missing.status_code == 400 and missing.json()["error"]["data"]["param"] == "stream", missing.text
@@ -992,7 +999,7 @@ def test_an_engine_that_closes_mid_step_fails_the_task_as_stopped_and_keeps_what
         raise EngineClosedError("the server is shutting down")
 
     task = asyncio.run(run_async(prepare({"user_message_content": "Rome?"}, generate)))
-    assert task.status == "failed" and task.error.code == -32001, task.error
+    assert task.status == "failed" and task.error.code == -32012, task.error
     assert task.error.message == ("the server stopped while this task was running (the server is shutting down); "
                                   "create it again")
     assert [(o.status, o.message_content[0].text) for o in task.output] == [("incomplete", "Rome was")]
@@ -1031,13 +1038,13 @@ def test_a_task_paused_when_its_server_stopped_says_so(tmp_path):
     found = again.get("t", "job")
     again.close()
     assert found["status"] == "failed" and found["error"] == {
-        "code": -32001, "message": "the server stopped while this task was paused; create it again"}
+        "code": -32012, "message": "the server stopped while this task was paused; create it again"}
 
 
 def test_an_in_process_server_stopping_under_a_task_fails_it_as_stopped(tiny_model_dir):
     """With --in-process the engine closing ended a running task's generation as an abort: the task failed
     -32603 "this Engine is closed ...", its item ``completed``; the backend says the server is shutting down, as
-    the worker's does, and the task fails -32001 with its item incomplete."""
+    the worker's does, and the task fails -32012 with its item incomplete."""
     from mashbox import Engine
 
     engine = Engine(str(tiny_model_dir), ctx=512, slots=1, quiet=True)
@@ -1051,7 +1058,7 @@ def test_an_in_process_server_stopping_under_a_task_fails_it_as_stopped(tiny_mod
 
     task = asyncio.run(run_async(prepare({"user_message_content": "Tell a long story.",
                                           "inference_args": {"max_tokens": 400}}, generate)))
-    assert task.status == "failed" and task.error.code == -32001, task.error
+    assert task.status == "failed" and task.error.code == -32012, task.error
     assert "(the server is shutting down)" in task.error.message
     assert [o.status for o in task.output] == ["incomplete"]
 

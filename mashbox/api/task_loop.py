@@ -59,7 +59,7 @@ STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
 OUTPUT_LIMIT = -32011
 GENERATION_FAILED = -32603
 EXPIRED = -32002  # of an expired one
-SERVER_STOPPED = -32001  # of one that the server stopped (shutting down) while it ran
+SERVER_STOPPED = -32012  # of one that the server stopped (shutting down) while it ran
 STOP_WAIT = 5.0  # seconds an interrupted generation has to deliver its Finish (its usage)
 _PARAMS = {"messages": "history_messages", "response_schema": "structured_output", "tools": "client_tools",
            "tool_choice": "inference_args.tool_choice"}

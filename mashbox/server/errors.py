@@ -72,6 +72,8 @@ def is_anthropic(path: str) -> bool:
 def answer(path: str, error: ApiError, request_id: str | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Status, body and headers of ``error`` in the shape of the route at ``path``."""
     headers = {} if error.retry_after is None else {"retry-after": str(error.retry_after)}
+    if error.status == 409:  # a state that a retry does not change (the SDKs retry a 409 unless told not to)
+        headers["x-should-retry"] = "false"
     if is_task(path):
         data = {"type": OPENAI_TYPES.get(error.status, "invalid_request_error"), "param": error.param, "code": error.code}
         rpc = {"code": RPC_CODES.get(error.status, -32000), "message": error.message, "data": data}
