@@ -17,6 +17,7 @@ from mashbox.engine.load.catalog import catalog
 from mashbox.errors import ConfigError, MashboxError
 
 DEFAULT_MODEL = "smollm2-135m"
+COMMANDS = ("chat", "models", "run", "cluster")
 
 EXIT_STATUS = """\
 exit status:
@@ -48,11 +49,24 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
+def _with_command(argv: list[str]) -> list[str]:
+    """``argv`` with the default command, chat, where it names none: nothing, chat's flags (``mashbox
+    --max-tokens 8``) or a model (a catalog id or a path) first. Another word stays, to be refused as no
+    command."""
+    first = argv[0] if argv else "-"
+    if first in COMMANDS or first in ("-h", "--help", "--version"):
+        return argv
+    if first.startswith("-") or first in catalog() or os.path.exists(os.path.expanduser(first)):
+        return ["chat", *argv]
+    return argv
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mashbox", description="A local LLM engine for notebooks and agents.")
     parser.add_argument("--version", action="version", version=f"mashbox {version('mashbox')}")
     commands = parser.add_subparsers(dest="command", parser_class=Parser)
-    chat = commands.add_parser("chat", help="chat with a model in the terminal (the default command)")
+    chat = commands.add_parser("chat", help="chat with a model in the terminal (the default command: "
+                               "`mashbox [MODEL] [flags]` is `mashbox chat ...`)")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                       help="catalog id, HF model directory or .gguf file (default: %(default)s)")
     chat.add_argument("--ctx", type=int, default=None, help="context length per slot (default: the model's)")
@@ -92,7 +106,8 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                           "(default: %(default)s)")
     run.add_argument("--kv-dtype", choices=("f16", "q8_0"), default=None,
                      help="how the KV cache keeps keys and values: f16, or q8_0 (int8 with a scale for each 32, "
-                          "about half the memory, as llama.cpp's -ctk/-ctv q8_0; CPU only) (default: f16 on CPU)")
+                          "about half the memory, as llama.cpp's -ctk/-ctv q8_0; CPU only) (default: f16 with "
+                          "mashbox's CPU kernels, else the weights' float dtype: bfloat16 on CUDA)")
     run.add_argument("--verbatim-template", action="store_true",
                      help="render the model's chat template as written; by default tools that a template puts "
                           "after the system text come before it, so an agent's tools stay cached when its "
@@ -101,9 +116,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="in tool_choice auto, leave a tool call the model begins unconstrained; by default "
                           "the rest of it is held to the declared tools' names and parameter schemas (default: off)")
     run.add_argument("--no-speculation", action="store_true",
-                     help="turn off speculation: by default greedy answers propose their next tokens from the "
-                          "prompt and their own text (where their last tokens occurred before) and check them "
-                          "in one step: the same tokens, faster where an answer copies (an agent re-writing a file)")
+                     help="turn off speculation: by default answers propose their next tokens from the prompt and "
+                          "their own text (where their last tokens occurred before) and check them in one step: "
+                          "the same tokens (greedy, or sampled with the same seed), faster where an answer copies "
+                          "(an agent re-writing a file)")
     run.add_argument("--sampling", type=_sampling, default={}, metavar="NAME=VALUE,...", action=_Merged,
                      help="sampling for requests that leave these fields out, e.g. temperature=0.7,top_p=0.8 "
                           "(Qwen's advice for agents; fields: " + ", ".join(SAMPLING_FIELDS) + "); a request's own "
@@ -119,7 +135,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                      help="where those prefixes live (default: the mashbox cache's prefixes folder)")
     run.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="file of API keys, one per line, optionally followed by a tenant name; '#' starts "
-                          "a comment. With keys, /v1 routes, /metrics and /openapi.json need one "
+                          "a comment. With keys, /v1 routes, /tasks, /metrics and /openapi.json need one "
                           "(default: none; MASHBOX_API_KEY adds one more key)")
     run.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                      help="a web page origin (e.g. http://localhost:3000; '*' for any) whose scripts may call the "
@@ -168,7 +184,7 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_with_command(list(sys.argv[1:] if argv is None else argv)))
     try:
         if args.command == "models":
             return list_models()
@@ -176,8 +192,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args)
         if args.command == "cluster":
             return cluster(args)
-        if args.command is None:
-            args = build_parser().parse_args(["chat"])
         return chat(args)
     except ConfigError as err:  # a setting refused before any allocation
         print(f"mashbox: {err}", file=sys.stderr)
@@ -191,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit, when stdout is flushed)
         return 1
     except OSError as err:  # the output cannot be written (a full disk: `> /dev/full`)
-        if err.filename is not None or args.command not in ("chat", None, "models"):
+        if err.filename is not None or args.command not in ("chat", "models"):
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"mashbox: the output cannot be written: {err.strerror or err}", file=sys.stderr)

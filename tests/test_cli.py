@@ -13,11 +13,17 @@ def mashbox(*args, stdin=""):
                           timeout=600)
 
 
-def test_chat_answers_each_line_of_stdin_with_the_embedded_model():
-    done = mashbox("chat", "--max-tokens", "32", stdin="Name three planets.\n\nThanks!\n")
+@pytest.mark.parametrize("command", [["chat"], [], ["smollm2-135m"]])  # chat is the default command
+def test_chat_answers_each_line_of_stdin_with_the_embedded_model(command):
+    done = mashbox(*command, "--max-tokens", "32", stdin="Name three planets.\n\nThanks!\n")
     assert done.returncode == 0, done.stderr
     assert any(p in done.stdout.lower() for p in PLANETS)
     assert len([line for line in done.stdout.splitlines() if line.strip()]) >= 2
+
+
+def test_a_word_that_is_no_command_nor_model_is_refused_naming_the_commands():
+    done = mashbox("runn")
+    assert done.returncode == 2 and "invalid choice: 'runn'" in done.stderr and "'run'" in done.stderr, done.stderr
 
 
 def test_unknown_model_is_one_clear_error():
