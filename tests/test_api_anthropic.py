@@ -99,10 +99,14 @@ def test_a_tool_result_of_null_content_is_an_empty_result():
 def test_tools_skip_server_tools():
     tools = [{"name": "Read", "description": "d", "input_schema": {"type": "object"}},
              {"type": "custom", "name": "Bash", "input_schema": {}},
-             {"type": "web_search_20250305", "name": "web_search"}]
+             {"type": "web_search_20250305", "name": "web_search"},
+             {"type": "mcp_toolset", "mcp_server_name": "srv"}]  # the MCP connector's: no name (it was a 400)
     request = _request(tools=tools)
     assert [t.name for t in to_engine(request).tools] == ["Read", "Bash"]
-    assert request.ignored_fields() == ["tools[web_search_20250305]"]
+    assert request.ignored_fields() == ["tools[mcp_toolset]", "tools[web_search_20250305]"]
+    with pytest.raises(InvalidRequestError, match="is required for a tool the model calls") as refused:
+        _request(tools=[{"input_schema": {"type": "object"}}])
+    assert refused.value.param == "tools.0.name"
 
 
 def test_anthropic_s_client_tools_are_called_with_their_documented_input():
@@ -132,6 +136,21 @@ def test_a_document_of_text_is_read_as_its_title_context_and_text():
     messages = to_engine(_request(messages=[{"role": "user", "content": content}])).messages
     assert messages[0].content == "notes.txt\n\nFrom the user's disk.\n\nLine one.\nA\nB\nSummarise."
     assert messages[1] == Message("tool", "A\nB", tool_call_id="t1")
+
+
+@pytest.mark.parametrize(("block", "param", "words"), [
+    ({"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "p"}, {"type": "image"}]}},
+     "source.content.1.type", "a block of type 'image' in a document"),  # it said type content was not supported
+    ({"type": "document", "source": {"type": "text", "media_type": "text/plain"}}, "source.data", "is required"),
+    ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA"}}, "source",
+     "source type 'base64' is not supported"),
+    ({"type": "tool_result", "tool_use_id": "t", "content": {"type": "text", "text": "x"}}, "content",
+     "a block alone is not taken"),  # it said only "Input should be a valid string"
+])
+def test_a_block_the_model_cannot_read_is_refused_naming_what_in_it(block, param, words):
+    with pytest.raises(InvalidRequestError, match=words) as err:
+        _request(messages=[{"role": "user", "content": [block]}])
+    assert err.value.param == f"messages.0.content.0.{param}"
 
 
 def test_a_message_of_no_content_is_refused_naming_it():

@@ -64,6 +64,25 @@ def test_messages_map_to_canonical_roles():
     )
 
 
+def test_the_sdks_dumped_assistant_messages_keep_their_refusal_and_deprecated_function_calls():
+    """An assistant ``refusal`` is the turn's text; a ``function_call`` a tool call that the ``function``
+    message of its name answers (both were dropped: the model saw a result of no call); others reported."""
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": '{"city": "Paris"}'},
+         "refusal": None, "annotations": [], "audio": None},
+        {"role": "function", "name": "weather", "content": "Sunny"},
+        {"role": "assistant", "content": None, "refusal": "I cannot help with that.", "audio": {"id": "audio_1"}},
+    ]
+    request = parse(ChatRequest, {"messages": messages})
+    assert to_engine(request).messages[1:] == (
+        Message("assistant", "", tool_calls=(ToolCall("call_1", "weather", '{"city": "Paris"}'),)),
+        Message("tool", "Sunny", tool_call_id="call_1"),
+        Message("assistant", "I cannot help with that."),
+    )
+    assert request.ignored_fields() == ["messages[].audio"]
+
+
 def test_tool_call_arguments_given_as_an_object_become_json():
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
     engine = to_engine(parse(ChatRequest, {"messages": [{"role": "assistant", "tool_calls": [call]}]}))

@@ -183,8 +183,9 @@ def test_unsupported_part_message_says_why():
 
 
 def test_unknown_type_message_lists_the_known_ones():
-    with pytest.raises(InvalidRequestError, match="unknown type 'web_search_call'; expected one of"):
+    with pytest.raises(InvalidRequestError, match="unknown type 'web_search_call'; expected one of") as err:
         parse(ResponsesRequest, {"input": [{"type": "web_search_call", "id": "x"}]})
+    assert "'function_call_output'" in err.value.message and "'output'" not in err.value.message  # no inner tag
 
 
 def test_what_this_server_does_not_keep_is_refused_saying_what_to_send_instead():

@@ -110,12 +110,19 @@ class DocumentBlock(Part):
     @field_validator("source")
     @classmethod
     def _plain_text(cls, source: dict[str, Any]) -> dict[str, Any]:
-        content = source.get("content")
-        blocks = isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content)
-        if not (source.get("type") == "text" and isinstance(source.get("data"), str)
-                or source.get("type") == "content" and (isinstance(content, str) or blocks)):
-            raise ValueError(f"a document of source type {source.get('type')!r} {TEXT_ONLY} (a document of "
-                             "source type text or content is read as text)")
+        kind, content = source.get("type"), source.get("content")
+        if kind == "text" and not isinstance(source.get("data"), str):
+            raise InvalidRequestError("data", "is required in a document of source type text: its text, a string")
+        if kind == "content" and not isinstance(content, str | list):
+            raise InvalidRequestError("content", "is required in a document of source type content: a string or "
+                                                 "a list of text blocks")
+        if kind not in ("text", "content"):
+            raise ValueError(f"a document of source type {kind!r} {TEXT_ONLY} (source types text and content are "
+                             "read as text)")
+        for i, block in enumerate(content if kind == "content" and isinstance(content, list) else ()):
+            if not (isinstance(block, dict) and block.get("type") == "text"):
+                what = block.get("type") if isinstance(block, dict) else type(block).__name__
+                raise InvalidRequestError(f"content.{i}.type", f"a block of type {what!r} in a document {TEXT_ONLY}")
         return source
 
     @property
@@ -133,6 +140,13 @@ class ToolResultBlock(Part):
     tool_use_id: str
     content: str | list[ResultPart] | None = ""  # null: no output (a tool that printed nothing)
     is_error: bool | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _listed(cls, content: Any) -> Any:
+        if isinstance(content, dict):  # pydantic's error would say only that it is no string
+            raise ValueError("must be a string or a list of content blocks: a block alone is not taken")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -165,7 +179,7 @@ class InputMessage(Part):
 
 class AnthropicTool(Part):
     type: str | None = None
-    name: str
+    name: str | None = None  # a server tool may have none (the MCP connector's ``mcp_toolset``)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
 
@@ -174,10 +188,12 @@ class AnthropicTool(Part):
 
     def engine_tool(self) -> Tool:
         description, schema = client_tool(self.type) or ("", {})
-        return Tool(self.name, self.description or description, self.input_schema or schema)
+        return Tool(self.name or "", self.description or description, self.input_schema or schema)
 
     @model_validator(mode="after")
     def _schema(self) -> AnthropicTool:
+        if self.usable() and self.name is None:
+            raise InvalidRequestError("name", "is required for a tool the model calls")
         if self.type in (None, "custom") and self.input_schema is None:  # a server tool (web_search, ...) has none
             raise InvalidRequestError("input_schema", "is required for a custom tool (a JSON schema of its input)")
         return self
@@ -233,7 +249,8 @@ class CountTokensRequest(RequestModel):
     @model_validator(mode="after")
     def _choice_runs_here(self) -> CountTokensRequest:
         named = self.tool_choice.name if self.tool_choice and self.tool_choice.type == "tool" else None
-        if skipped := next((t for t in self.tools or () if t.name == named and not t.usable()), None):
+        skipped = next((t for t in self.tools or () if named is not None and t.name == named and not t.usable()), None)
+        if skipped:
             raise InvalidRequestError("tool_choice", f"names {named!r}, a tool of type {skipped.type!r}, which "
                                                      "runs on Anthropic's side or needs images: this server cannot "
                                                      "call it")

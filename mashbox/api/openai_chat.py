@@ -82,6 +82,8 @@ class ChatMessage(Part):
     reasoning_content: str | None = None
     reasoning: str | None = None
     name: str | None = None
+    refusal: str | None = None  # an assistant turn the model refused (the SDK's message, dumped)
+    function_call: FunctionCall | None = None  # deprecated: one call, answered by a ``function`` message of its name
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
@@ -169,7 +171,9 @@ class ChatRequest(RequestModel, SamplingFields):
     def _more_ignored(self) -> list[str]:
         kwargs = self.chat_template_kwargs or {}
         skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
-        return skipped + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
+        unread = {f"messages[].{k}" for m in self.messages for k, v in (m.model_extra or {}).items()
+                  if v not in (None, "", [], {})}  # an assistant's ``audio``, ``annotations``: not in its prompt
+        return skipped + sorted(unread) + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
 
     def thinking(self) -> bool | None:
         kwargs = self.chat_template_kwargs or {}
@@ -178,7 +182,7 @@ class ChatRequest(RequestModel, SamplingFields):
 
 def to_engine(req: ChatRequest) -> EngineRequest:
     return engine_request(
-        messages=tuple(_message(m) for m in req.messages),
+        messages=_messages(req.messages),
         sampling=req.sampling(),
         tools=tuple(
             Tool(t.function.name, t.function.description or "", t.function.parameters or {})
@@ -200,14 +204,21 @@ _ROLES: dict[str, Role] = {
 _FINISH: dict[str, ChatFinishReason] = {"length": "length", "tool_calls": "tool_calls"}
 
 
-def _message(m: ChatMessage) -> Message:
-    return Message(
-        role=_ROLES[m.role],
-        content=_text(m.content),
-        tool_calls=tuple(_tool_call(c) for c in m.tool_calls or ()),
-        tool_call_id=m.tool_call_id,
-        reasoning=m.reasoning_content or m.reasoning,
-    )
+def _messages(messages: list[ChatMessage]) -> tuple[Message, ...]:
+    """The conversation; a deprecated ``function_call`` is a tool call (``call_<its message's index>``),
+    and a ``function`` message answers the last one of its ``name``."""
+    calls: dict[str | None, str] = {}
+    out = []
+    for i, m in enumerate(messages):
+        tool_calls = [_tool_call(c.id, c.function) for c in m.tool_calls or ()]
+        if m.function_call is not None:
+            tool_calls.append(_tool_call(f"call_{i}", m.function_call))
+            calls[m.function_call.name] = f"call_{i}"
+        answers = calls.pop(m.name, None) if m.role == "function" and m.tool_call_id is None else m.tool_call_id
+        out.append(Message(role=_ROLES[m.role], content=_text(m.content) or m.refusal or "",
+                           tool_calls=tuple(tool_calls), tool_call_id=answers,
+                           reasoning=m.reasoning_content or m.reasoning))
+    return tuple(out)
 
 
 def _text(content: str | list[Any] | None) -> str:
@@ -216,9 +227,9 @@ def _text(content: str | list[Any] | None) -> str:
     return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
 
 
-def _tool_call(call: ChatToolCall) -> ToolCall:
-    args = call.function.arguments
-    return ToolCall(call.id, call.function.name, args if isinstance(args, str) else json.dumps(args))
+def _tool_call(call_id: str, function: FunctionCall) -> ToolCall:
+    args = function.arguments
+    return ToolCall(call_id, function.name, args if isinstance(args, str) else json.dumps(args))
 
 
 def _tool_choice(choice: str | NamedToolChoice | None) -> ToolChoice:

@@ -108,16 +108,8 @@ class ItemReference(Part):
                                           "store: false)", code="unsupported_value")
 
 
-_ITEM_TAGS = {
-    "function_call_output": "output",
-    "custom_tool_call_output": "output",
-    "local_shell_call_output": "output",
-}
-
-
 def _item_tag(value: Any) -> str:
-    kind = type_of(value, "message")
-    return _ITEM_TAGS.get(kind, kind)
+    return type_of(value, "message")
 
 
 InputItem = Annotated[
@@ -125,7 +117,9 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
     | Annotated[LocalShellCallItem, Tag("local_shell_call")]
-    | Annotated[CallOutputItem, Tag("output")]
+    | Annotated[CallOutputItem, Tag("function_call_output")]
+    | Annotated[CallOutputItem, Tag("custom_tool_call_output")]
+    | Annotated[CallOutputItem, Tag("local_shell_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[ItemReference, Tag("item_reference")],
     Discriminator(_item_tag),
