@@ -3,6 +3,7 @@ strings, UTF-8, limits, cancellation, async, and request validation."""
 
 import asyncio
 import linecache
+import math
 import re
 import threading
 import time
@@ -191,6 +192,13 @@ def test_async_twins_run_concurrently(tiny_engine):
     ]
     assert chunks[-1].choices[0].finish_reason == "length"
     assert sync_answer.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty"])
+def test_sampling_params_refuse_what_is_not_a_finite_number(field):
+    for value in (math.nan, math.inf):  # an infinite repetition penalty was taken (HTTP refuses it)
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
 
 
 def test_engine_request_checks_itself():

@@ -59,7 +59,7 @@ class SamplingParams:
         _check(self.top_k >= 0, "top_k", ">= 0", self.top_k)
         _check(self.seed is None or -2**63 <= self.seed < 2**63, "seed", "a 64-bit integer", self.seed)
         _check(0 <= self.min_p < 1, "min_p", "in [0, 1)", self.min_p)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(0 < self.repetition_penalty < math.inf, "repetition_penalty", "> 0 and finite", self.repetition_penalty)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, "between -2 and 2", value)
