@@ -24,6 +24,22 @@ def test_chat(oai, smol_server):
     assert completion.model == smol_server.backend.model_id
 
 
+def test_logit_bias_bans_and_forces_tokens(oai, smol_server, smol_engine):
+    """OpenAI's logit_bias (it was accepted and ignored): -100 never draws a token, 100 always does; an id
+    past the vocabulary is a 400 naming the field."""
+    ask = {"model": "smollm2-135m", "max_tokens": 6, "temperature": 0}
+    plain = oai.completions.create(prompt="The largest planet is", **ask).choices[0].text
+    first = smol_engine.tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned = oai.completions.create(prompt="The largest planet is", logit_bias={str(first): -100}, **ask)
+    assert smol_engine.tokenizer.encode(banned.choices[0].text, add_special_tokens=False)[0] != first
+    forced = smol_engine.tokenizer.encode(" moon", add_special_tokens=False)[0]
+    chat = oai.chat.completions.create(messages=USER, logit_bias={str(forced): 100}, seed=3, **{**ask, "temperature": 1})
+    assert chat.choices[0].message.content == smol_engine.tokenizer.decode([forced] * 6)
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(messages=USER, logit_bias={"49152": 5}, **ask)
+    assert refused.value.body["param"] == "logit_bias" and "vocabulary" in refused.value.body["message"]
+
+
 def test_chat_stream(oai, smol_server):
     chunks = list(oai.chat.completions.create(model=smol_server.backend.model_id, messages=USER, max_tokens=8,
                                               stream=True, stream_options={"include_usage": True}))

@@ -68,6 +68,16 @@ def test_greedy_takes_argmax_without_drawing():
     assert sampler.sample(row([0.1, 3.0, 2.0]), [SamplingParams()], [([], [])], [None]) == [1]
 
 
+def test_logit_bias_is_added_to_its_tokens_logits_greedy_or_sampled():
+    ban = SamplingParams(logit_bias={1: -100})
+    assert sampler.sample(row([0.1, 3.0, 2.0]), [ban], [([], [])], [None]) == [2]
+    force = SamplingParams(temperature=1.0, logit_bias={0: 100})
+    assert {sampler.sample(row([0.1, 3.0, 2.0]), [force], [([], [])], [sampler.uniform(1, i)])[0]
+            for i in range(50)} == {0}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101})
+
+
 def test_seeded_sampling_is_reproducible():
     params = SamplingParams(temperature=1.0, seed=5)
     logits = torch.randn(1, 1000)

@@ -7,6 +7,7 @@ Extra fields are accepted and reported, never silently dropped: ``ignored_fields
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -152,6 +153,26 @@ class SamplingFields(BaseModel):
             if getattr(self, name) is not None
         }
         return SamplingParams(**given, max_tokens=self.max_new_tokens(), stop=self.stop_strings())
+
+
+class LogitBias(BaseModel):
+    """OpenAI's ``logit_bias`` (Chat and Completions): token ids, as strings, each with a bias from -100 (never
+    drawn) to 100 (always) added to its logit. Listed before ``SamplingFields`` among a request's bases."""
+
+    model_config = ConfigDict(strict=True)
+
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if bad := next((key for key in value or {} if not (key.isascii() and key.isdigit())), None):
+            raise ValueError(f"keys are token ids (such as \"50256\"), not {bad!r}")
+        return value
+
+    def sampling(self) -> SamplingParams:
+        biased = {int(key): bias for key, bias in (self.logit_bias or {}).items()}
+        return dataclasses.replace(super().sampling(), logit_bias=tuple(sorted(biased.items())))  # type: ignore[misc]
 
 
 class ErrorBody(OutModel):

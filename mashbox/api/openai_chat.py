@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from mashbox.api.base import (
     STRUCTURED,
     ErrorBody,
+    LogitBias,
     Part,
     RequestModel,
     SamplingFields,
@@ -130,7 +131,7 @@ class Prediction(Part):
     content: str | list[TextPart]
 
 
-class ChatRequest(RequestModel, SamplingFields):
+class ChatRequest(RequestModel, LogitBias, SamplingFields):
     accepted_ignored = ("merge", "store")
 
     model: str | None = None

@@ -13,6 +13,7 @@ from pydantic import field_validator
 
 from mashbox.api.base import (
     ErrorBody,
+    LogitBias,
     OutModel,
     RequestModel,
     SamplingFields,
@@ -29,7 +30,7 @@ from mashbox.engine.events import Event, Finish, Usage
 from mashbox.engine.request import EngineRequest
 
 
-class CompletionRequest(RequestModel, SamplingFields):
+class CompletionRequest(RequestModel, LogitBias, SamplingFields):
     accepted_ignored = ("merge",)
 
     model: str | None = None

@@ -51,6 +51,7 @@ class ChatParams(SamplingKeywords, total=False):
     response_format: dict[str, Any] | None
     prediction: Object | None
     continue_final_message: bool | None
+    logit_bias: Mapping[str, float] | None
 
 
 class CompletionParams(SamplingKeywords, total=False):
@@ -61,6 +62,7 @@ class CompletionParams(SamplingKeywords, total=False):
     merge: bool | None
     prompt_cache_key: str | None
     logprobs: int | None
+    logit_bias: Mapping[str, float] | None
 
 
 class ResponsesParams(SamplingKeywords, total=False):

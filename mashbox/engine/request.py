@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's; a dict is taken
 
     def __post_init__(self) -> None:
         number = (int, float)
@@ -69,6 +71,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         _check(len(self.stop) <= MAX_STOPS, "stop", f"at most {MAX_STOPS} strings", f"{len(self.stop)} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 and isinstance(b, int | float)
+                   and not isinstance(b, bool) and -100 <= b <= 100 for i, b in self.logit_bias),
+               "logit_bias", "token ids (integers >= 0) with biases between -100 and 100", self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -198,6 +198,9 @@ class Runtime:
         field = "prompt" if request.prompt is not None else "messages"
         if not ids:
             raise InvalidRequestError(field, "is empty: there is no token to continue from")
+        if request.sampling.logit_bias and (most := max(request.sampling.logit_bias)[0]) >= len(self.tokenizer):
+            raise InvalidRequestError("logit_bias", f"token id {most} is not in the model's vocabulary (ids 0 to "
+                                                    f"{len(self.tokenizer) - 1})")
         room = self.ctx - len(ids)
         if room < 1:
             raise ContextLengthError.of(self._overflowing(request, field), len(ids), self.ctx)

@@ -19,8 +19,9 @@ from mashbox.engine.request import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Repetition (over prompt and output), frequency and presence (over output) penalties; a penalty
-    so strong that a logit overflows leaves it the largest (or smallest) finite number, never inf."""
+    """Repetition (over prompt and output), frequency and presence (over output) penalties, then the
+    logit bias; a penalty so strong that a logit overflows leaves it the largest (or smallest) finite
+    number, never inf."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
         picked = logits[seen]
@@ -29,6 +30,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[-1])
         counts = counts[: logits.shape[-1]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    if biased := [(i, b) for i, b in params.logit_bias if i < logits.shape[-1]]:  # the runtime checked the ids
+        ids = torch.tensor([i for i, _ in biased], device=logits.device)
+        logits[ids] += torch.tensor([b for _, b in biased], dtype=logits.dtype, device=logits.device)
     return torch.nan_to_num(logits, nan=float(torch.finfo(logits.dtype).min))
 
 
@@ -119,7 +123,7 @@ def sample(
     logits = logits.float()
     tokens = argmax(logits)
     for i, p in enumerate(params):
-        needs_penalty = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        needs_penalty = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias
         if not needs_penalty and p.greedy:
             continue
         row = apply_penalties(logits[i].clone(), p, *histories[i]) if needs_penalty else logits[i]
