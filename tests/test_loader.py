@@ -64,6 +64,13 @@ def test_embedded_model_loads(smol: LoadedModel) -> None:
     assert isinstance(smol.tokenizer, Tokenizer) and smol.tokenizer.eos_token_id == 2  # <|im_end|>
 
 
+def test_a_gguf_loaded_by_its_path_counts_a_tied_output_once(smol: LoadedModel) -> None:
+    """Bits per weight from the file's size (its metadata too: the catalog says 5.74), each weight once (the
+    tied output was counted twice: 4.83)."""
+    by_path = load(smol.weights)
+    assert 5.74 < by_path.bpw < 5.9 and by_path.gb == pytest.approx(smol.gb, rel=0.01)
+
+
 def test_gguf_tensors_are_the_weights_transformers_reads(smol: LoadedModel) -> None:
     """Names, llama's q/k row order and the dequantization, against transformers' own GGUF reader."""
     reference = hf_model("smollm2-135m").state_dict()

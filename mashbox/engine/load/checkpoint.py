@@ -319,8 +319,8 @@ class Tensors(Mapping[str, torch.Tensor]):
            device: torch.device, lib) -> Tensors:
         """A GGUF's tensors: ``floats`` as they are, ``blocks`` dequantized on first use (``lib``: the
         kernels that do it, else gguf-py's numpy code)."""
-        stored = {name: Stored(partial(t.float), tuple(t.shape), name) for name, t in floats.items()}
-        stored.update({name: Stored(partial(quant.dequantize, b, lib), (b.rows, b.k), name)
+        stored = {name: Stored(partial(t.float), tuple(t.shape), id(t)) for name, t in floats.items()}
+        stored.update({name: Stored(partial(quant.dequantize, b, lib), (b.rows, b.k), id(b))  # a tied head: one
                        for name, b in blocks.items()})
         return cls({}, dtype, stored, device)
 
