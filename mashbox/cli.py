@@ -9,12 +9,15 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from importlib.metadata import version
-from typing import Any, NoReturn
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mashbox.engine.config import MOST_CACHE_GIB
 from mashbox.engine.load.catalog import catalog
 from mashbox.errors import ConfigError, MashboxError
+
+if TYPE_CHECKING:
+    from mashbox.server.launch import Launch
 
 DEFAULT_MODEL = "smollm2-135m"
 COMMANDS = ("chat", "models", "run", "cluster")
@@ -304,44 +307,52 @@ def _folder(name: str, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mashbox.server import task_store
-    from mashbox.server.launch import Launch, serve  # litestar and uvicorn load only here
+    from mashbox.server.launch import serve  # litestar and uvicorn load only here
 
     try:
-        try:  # the default file too, before the model loads (a read-only home): not a 500 at every task
-            task_store.check(task_store.path_of(args.tasks_db))
-        except ValueError as err:
-            if args.tasks_db:
-                raise
-            raise ValueError(f"{err}; choose its file with --tasks-db, or the cache with MASHBOX_CACHE") from None
-        if args.cache_dir:
-            _folder("cache_dir", Path(args.cache_dir))
-        elif args.cache_disk:  # the default folder too, before the model loads (a read-only home)
-            from mashbox.engine.load.catalog import cache_dir
-
-            _folder("the disk prefix cache (choose its folder with --cache-dir or MASHBOX_CACHE, or none with "
-                    "--cache-disk 0)", cache_dir() / "prefixes")
-        launch = Launch(args.model, _settings(args), _engine_options(args), args.in_process)
+        launch = _launch(args)
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 2
     return serve(launch)
 
 
+def _launch(args: argparse.Namespace) -> Launch:
+    """What ``mashbox run`` serves, every flag checked before the model loads; ValueError naming one refused."""
+    from mashbox.server import task_store
+    from mashbox.server.launch import Launch
+
+    try:  # the default file too, before the model loads (a read-only home): not a 500 at every task
+        task_store.check(task_store.path_of(args.tasks_db))
+    except ValueError as err:
+        if args.tasks_db:
+            raise
+        raise ValueError(f"{err}; choose its file with --tasks-db, or the cache with MASHBOX_CACHE") from None
+    if args.cache_dir:
+        _folder("cache_dir", Path(args.cache_dir))
+    elif args.cache_disk:  # the default folder too, before the model loads (a read-only home)
+        from mashbox.engine.load.catalog import cache_dir
+
+        _folder("the disk prefix cache (choose its folder with --cache-dir or MASHBOX_CACHE, or none with "
+                "--cache-disk 0)", cache_dir() / "prefixes")
+    return Launch(args.model, _settings(args), _engine_options(args), args.in_process)
+
+
 def cluster(args: argparse.Namespace) -> int:
-    from mashbox.cluster import Cluster, check, find_haproxy, replicas
+    from mashbox.cluster import Cluster, check, find_haproxy, replica_args, replicas
 
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
     first = args.port + 1 if args.first_port is None else args.first_port
     try:
         check(args.host, args.port, first, args.replicas, run_args)
+        members = replicas(args.replicas, first)
         haproxy = find_haproxy(args.haproxy)
-        # a bad flag or value stops here (exit 2), not in each replica
-        _engine_options(build_parser().parse_args(["run", *run_args]))
+        # a bad flag or value stops here (exit 2), not in each replica: the first one's checked as it would run
+        _launch(build_parser().parse_args(["run", *replica_args(run_args, members[0])]))
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 2
-    return Cluster(replicas(args.replicas, first), args.host.strip("[]"), args.port, run_args, haproxy).run()
+    return Cluster(members, args.host.strip("[]"), args.port, run_args, haproxy).run()
 
 
 def _settings(args: argparse.Namespace):

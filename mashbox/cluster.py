@@ -220,7 +220,8 @@ class Cluster:
     _balanced: float = 0.0  # when HAProxy was started
 
     def run(self) -> int:
-        """Serve until Ctrl-C, SIGTERM or SIGHUP (0); 1 when HAProxy cannot start or a replica's model is refused."""
+        """Serve until Ctrl-C, SIGTERM or SIGHUP (0); 1 when HAProxy cannot start; a replica's status (1 or 2) when
+        its model or a setting is refused."""
         # a closed terminal (SIGHUP) stops it as Ctrl-C does
         previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
         with tempfile.TemporaryDirectory(prefix="mashbox-cluster-") as folder:
@@ -253,9 +254,7 @@ class Cluster:
         return self._balancer
 
     def _start(self, member: Replica) -> None:
-        tasks = cache_dir() / f"tasks-{member.name}.sqlite3"
-        argv = [sys.executable, "-m", "mashbox", "run", *self.run_args, "--port", str(member.port),
-                "--tasks-db", str(tasks)]
+        argv = [sys.executable, "-m", "mashbox", "run", *replica_args(self.run_args, member)]
         cores = share(self.members.index(member), len(self.members))
         env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))} if cores else None
         process = subprocess.Popen(argv, env=env, start_new_session=True,  # Ctrl-C reaches the cluster: it stops them
@@ -287,7 +286,7 @@ class Cluster:
                     continue
                 if code in REFUSED and self._starts[member.name] == 1 and member.name not in self._served:
                     _say(f"replica {member.name} exited with status {code}; stopping the cluster")
-                    return 1
+                    return code
                 if time.monotonic() - self._started[member.name] >= RESTART_S:
                     _say(f"replica {member.name} stopped ({_status(code)}); starting it again")
                     self._start(member)
@@ -399,6 +398,11 @@ def check(host: str, port: int, first: int, count: int, run_args: Sequence[str])
     taken = {"--port", "--host", "--tasks-db"} & {arg.partition("=")[0] for arg in run_args}
     if taken:
         raise ValueError(f"run_args: {', '.join(sorted(taken))} is set by the cluster, not per replica")
+
+
+def replica_args(run_args: list[str], member: Replica) -> list[str]:
+    """A replica's ``mashbox run`` arguments: the cluster's, its port and its own tasks file."""
+    return [*run_args, "--port", str(member.port), "--tasks-db", str(cache_dir() / f"tasks-{member.name}.sqlite3")]
 
 
 def find_haproxy(path: str | None) -> str:

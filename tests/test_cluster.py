@@ -600,6 +600,10 @@ def test_a_killed_replica_ends_its_streams_and_is_back_only_once_healthy(cluster
     (["--", "--port", "9000"], "run_args: --port is set by the cluster"),
     (["--haproxy", "/no/such/haproxy"], "haproxy: /no/such/haproxy is not an executable"),
     (["--", "--slots", "0"], "slots"),
+    # the server's own checks too (each replica refused them after HAProxy and all of them started: exit 1)
+    (["--", "--api-key-file", "/no/such/keys"], "api key file /no/such/keys: cannot read it"),
+    (["--", "--allow-origin", "foo"], "allow_origin: 'foo' is no origin"),
+    (["--", "--cache-dir", "/etc/passwd"], "cache_dir: /etc/passwd cannot be a folder here"),
 ])
 def test_bad_cluster_flags_are_one_line_and_exit_2(flags, words):
     process = subprocess.run([sys.executable, "-m", "mashbox", "cluster", "--port", str(free_port()), *flags],
