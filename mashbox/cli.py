@@ -307,14 +307,15 @@ def _folder(name: str, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mashbox.server.launch import serve  # litestar and uvicorn load only here
+    from mashbox.server.launch import Stop, serve  # litestar and uvicorn load only in serve
 
+    stop = Stop()  # Ctrl-C and SIGTERM stop it from here: exit 0, while loading too
     try:
         launch = _launch(args)
     except ValueError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 2
-    return serve(launch)
+    return serve(launch, stop)
 
 
 def _launch(args: argparse.Namespace) -> Launch:

@@ -247,6 +247,28 @@ def test_ctrl_c_while_loading_stops_within_a_second(tiny_model_dir):
     assert gone(pid, timeout=1)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["worker", "in-process"])
+def test_a_stop_as_the_server_starts_is_a_stop_and_exit_0(tiny_model_dir, mode, signum):
+    """As the exit statuses say: a stop while loading is 0. Sent as the port is bound (the in-process server then
+    imports torch): SIGTERM, not taken yet, killed it (143 to a supervisor); an interrupt raised inside numpy's
+    import broke it (a traceback, exit 1) or was swallowed there (the server served on)."""
+    port = free_port()
+    process = mashbox(str(tiny_model_dir), "--port", str(port), "--ctx", "512", "--slots", "4", *mode)
+    deadline = time.monotonic() + 60
+    while not _accepts(port):
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
+        time.sleep(0.005)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0 and "Traceback" not in err and "ready" not in err, err
+
+
+def _accepts(port):
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def loading_worker(port, process, timeout=60):
     """The worker's pid as soon as /health shows it while the model still loads."""
     deadline = time.monotonic() + timeout

@@ -42,7 +42,27 @@ class Launch:
     in_process: bool = False
 
 
-def serve(launch: Launch) -> int:
+class Stop:
+    """Ctrl-C and SIGTERM from the command's start, remembered and acted on where it is safe (``check``:
+    ``KeyboardInterrupt``). Raised at once, inside an import (torch's and numpy's C modules, as ``--in-process``
+    loads them), the interrupt broke it (numpy cannot be imported twice: a traceback, exit 1) or was swallowed
+    (the server served on); SIGTERM, not taken yet, killed the process (143 to a supervisor). Once uvicorn
+    runs, its own handlers take both."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._take)
+
+    def _take(self, signum: int, frame: FrameType | None) -> None:
+        self.asked = True
+
+    def check(self) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+
+
+def serve(launch: Launch, stop: Stop) -> int:
     """Serve until interrupted (0) or until the model fails to load (1); 2 if the address cannot be
     listened on (found before the model loads) or the engine refuses a setting (before allocating)."""
     try:
@@ -52,15 +72,14 @@ def serve(launch: Launch) -> int:
         return 2
     logs.to_stderr()  # each request with its id, session and tenant
     _more_files()
+    stop.check()
     backend = _backend(launch)
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, lambda *_: _reload_keys(launch.settings))  # (its default ends the process)
     try:
-        return _serve(backend, launch.settings, sock)
+        return _serve(backend, launch.settings, sock, stop)
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
         _say("stopping")
         backend.close()
 
@@ -105,7 +124,7 @@ def _reason(err: OSError) -> str:
     return reason
 
 
-def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
+def _serve(backend: Backend, settings: Settings, sock: socket.socket, stop: Stop) -> int:
     import uvicorn  # with the app, imported while the worker loads the model (~1 s on 2 cores)
 
     from mashbox.server.app import create_app
@@ -116,6 +135,7 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket) -> int:
     server = _server(config, backend)
     watch = Watch(backend, server, _url(settings))
     threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
+    stop.check()  # asked while the backend and the app were made; uvicorn's own handlers next
     server.run(sockets=[sock])
     return watch.status
 
