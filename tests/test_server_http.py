@@ -501,6 +501,47 @@ def test_a_session_that_looks_like_log_fields_is_quoted_and_a_refusal_ends_its_l
     assert any(line.startswith(f"{request_id} POST '/v1/chat/completions' answered 400: ") for line in lines), lines
 
 
+def _raw(server, request: bytes) -> bytes:
+    """Everything the server sends back to ``request``, sent as it is on a connection of its own, until it closes."""
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while got := sock.recv(65536):
+            answer += got
+        return answer
+
+
+def test_a_target_in_absolute_form_is_routed_by_its_path_and_host(tiny_server):
+    """RFC 9112 3.2.2: an origin server takes ``GET http://host/path`` (a proxy's form) by its path, the Host being the
+    target's (it was a 404); a foreign authority there is refused as a foreign Host is."""
+    netloc = tiny_server.url.removeprefix("http://").encode()
+    get = lambda target: _raw(tiny_server, b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" % target)
+    assert get(b"http://%s/health" % netloc).startswith(b"HTTP/1.1 200")
+    assert b'"object":"list"' in get(b"HTTP://%s/v1/models?x=1" % netloc)
+    assert get(b"http://evil.example/health").startswith(b"HTTP/1.1 403")
+
+
+def test_faulty_framing_is_refused_and_its_connection_closed_and_upgrades_are_not_taken(tiny_server, caplog):
+    """RFC 9112: both Content-Length and Transfer-Encoding (a smuggled request behind a proxy that reads the
+    other) is answered, then the connection closed (a pipelined request after it was answered too); HTTP/2's
+    preface is no HTTP/1 request (it was a 404 for ``PRI *``); an Upgrade (curl --http2 asks for h2c on every
+    request) is answered in HTTP/1.1, with no warning to install a websocket library."""
+    smuggled = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n0\r\n\r\n"
+                b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    answer = _raw(tiny_server, smuggled)
+    assert answer.startswith(b"HTTP/1.1 400") and b"connection: close" in answer and answer.count(b"HTTP/1.1") == 1
+    assert b"Transfer-Encoding with Content-Length" in answer
+    assert _raw(tiny_server, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").startswith(b"HTTP/1.1 505")
+    with caplog.at_level("WARNING"):
+        upgraded = _raw(tiny_server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, close\r\n"
+                                     b"Upgrade: websocket\r\n\r\n")
+    assert upgraded.startswith(b"HTTP/1.1 200") and "upgrade" not in caplog.text.lower(), caplog.text
+
+
 def test_a_connection_that_sends_no_whole_request_in_time_is_closed(tiny_server, monkeypatch):
     """Part of a request's headers, part of its body, or nothing: closed after ``read_s`` (each held a
     connection for as long as its client liked); the next request on a connection has its own time."""

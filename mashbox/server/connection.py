@@ -1,4 +1,5 @@
-"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request, and a cap on how many.
+"""An HTTP connection: uvicorn's h11 protocol with a deadline on reading each request, a cap on how many, and
+no upgrade to another protocol.
 
 uvicorn times out only the wait between requests (keep-alive): a client that sent part of a request's
 headers or body, or nothing at all, held its connection (a file descriptor) for as long as it liked,
@@ -75,6 +76,12 @@ class Connection(H11Protocol):
             log.warning("closing new connections: %d are open, the most this process's file descriptors allow "
                         "(ulimit -n, less %d)", most, RESERVE)
         self.transport.close()
+
+    def _should_upgrade(self) -> bool:
+        """Never: a request asking to change protocols (h2c, as ``curl --http2`` asks; a websocket) is answered in
+        HTTP/1.1, as RFC 9110 lets a server (uvicorn logged two warnings for each, naming a library to install;
+        with that library installed, a websocket one was a bare 403)."""
+        return False
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -29,6 +29,7 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope = origin_form(scope)
         method, path, headers = scope["method"], scope["path"], Headers.from_scope(scope)
         request_id = adopted(headers.get("x-request-id")) or "req_" + uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id  # type: ignore[typeddict-item]
@@ -38,11 +39,14 @@ class Gate:
             await _reply(send, 204, None, PREFLIGHT)  # a browser asks first; the answer names what it may send
             return
         server = scope.get("server")
-        refusal = security.check(self.ctx.settings, method, path, headers, server[0] if server else None)
+        framing = unframed(scope, headers)
+        refusal = framing or security.check(self.ctx.settings, method, path, headers, server[0] if server else None)
         if refusal is not None:
             status, body, headers = answer(path, ApiError(refusal.status, refusal.message), request_id)
             if status == 401:  # RFC 9110: a 401 names the scheme it asks for
                 headers = {**headers, "www-authenticate": 'Bearer realm="mashbox"'}
+            if framing:  # what follows on the connection cannot be told from this request's body
+                headers = {**headers, "connection": "close"}
             log_answer(request_id, method, path, status, refusal.message)
             self.ctx.metrics.error_answered(status)
             await _reply(send, status, None if method == "HEAD" else body, headers)
@@ -57,6 +61,33 @@ class Gate:
 
 
 SENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+ABSOLUTE = re.compile(rb"https?://([^/?#]*)(/.*)?", re.IGNORECASE | re.DOTALL)
+
+
+def unframed(scope: Scope, headers: Headers) -> security.Refusal | None:
+    """A request whose framing RFC 9112 calls faulty (then answered, and its connection closed): a version other
+    than HTTP/1.x (h2c's ``PRI *`` preface was taken for a request, a 404), or both a Content-Length and a
+    Transfer-Encoding (where a proxy reads one and the server the other, a request is smuggled)."""
+    if scope.get("http_version") not in ("1.0", "1.1"):
+        return security.Refusal(505, f"HTTP/{scope.get('http_version')} is not spoken here: send HTTP/1.1",
+                                "invalid_request_error")
+    if "transfer-encoding" in headers and ("content-length" in headers or scope.get("http_version") == "1.0"):
+        return security.Refusal(400, "Transfer-Encoding with Content-Length, or in HTTP/1.0: the body's length is "
+                                     "ambiguous; send one of them", "invalid_request_error")
+    return None
+
+
+def origin_form(scope: Scope) -> Scope:
+    """``scope``, where its target is in absolute form (``GET http://127.0.0.1:8000/health``, as to a proxy), as
+    RFC 9112 has an origin server take it: routed by its path, its Host the target's (it was a 404)."""
+    found = ABSOLUTE.fullmatch(scope.get("raw_path") or b"")
+    if found is None:
+        return scope
+    authority, raw = found.group(1), found.group(2) or b"/"
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"]
+    path = scope["path"].split("://", 1)[1]
+    return {**scope, "raw_path": raw, "path": path[path.find("/"):] if "/" in path else "/",  # type: ignore[typeddict-item]
+            "headers": [(b"host", authority), *headers]}
 
 
 def adopted(sent: str | None) -> str | None:
