@@ -3,13 +3,15 @@ conversation (the x-mashbox-cache header, the request's log line), and the count
 
 import json
 import logging
+import os
+from dataclasses import replace
 
 import httpx
 import pytest
 from server import serve
 from test_metrics import value
 
-from mashbox.engine.request import Message, Tool
+from mashbox.engine.request import EngineRequest, Message, Tool
 from mashbox.engine.sched.prefix_cache import PrefixCache
 from mashbox.engine.text.template import part_at
 from mashbox.server.backend import InProcessBackend
@@ -67,26 +69,26 @@ def test_a_prompt_the_disk_served_is_no_miss_of_what_a_slot_held(tmp_path):
 
 def test_a_character_is_placed_in_the_part_of_the_conversation_it_lies_in():
     messages = (Message("system", "Be brief."), Message("user", "Hello there"), Message("assistant", "Hi!"))
-    tools = (Tool("lookup", "Looks things up", {"type": "object"}),)
     rendered = '<s>system\nBe brief.\n# Tools\n{"name": "lookup"}\n<s>user\nHello there\n<s>assistant\nHi!\n'
-    where = lambda text: part_at(rendered, rendered.index(text), messages, tools)
-    assert [where(t) for t in ("<s>system", "brief", '"lookup"', "<s>user", "there", "Hi!")] == [
-        "the template's opening", "system text", "tools", "tools", "message 1 (user)", "message 2 (assistant)"]
+    where = lambda text: part_at(rendered, rendered.index(text), messages, rendered.index("# Tools"))
+    assert [where(t) for t in ("<s>system", "brief", "# Tools", '"lookup"', "<s>user", "there", "Hi!")] == [
+        "the template's opening", "system text", "tools", "tools", "tools", "message 1 (user)", "message 2 (assistant)"]
 
 
-def test_a_system_text_that_quotes_a_tools_name_is_still_the_system_text():
-    """The tools' block was found at the first quoted tool name: where the system text before it says
-    'Prefer the "lookup" tool', a change to the system text after that was told as one in the tools."""
-    messages = (Message("system", 'Prefer the "lookup" tool. Work in /home/ann.'), Message("user", "Hi"))
+def test_the_tools_block_begins_where_the_prompt_without_tools_differs(tiny_engine):
+    """Its heading and preamble are the tools' (a prompt that first differed at Qwen's '# Tools', before the first
+    tool's name, was told as differing in the template's opening); a system text that quotes a tool's name, or
+    shows a call of it, is still the system text."""
+    engine = tiny_engine
     tools = (Tool("lookup", "Looks things up", {"type": "object"}),)
-    rendered = ('<s>system\nPrefer the "lookup" tool. Work in /home/ann.\n# Tools\n'
-                '{"type": "function", "function": {"name": "lookup"}}\n<s>user\nHi\n')
-    assert part_at(rendered, rendered.index("/home"), messages, tools) == "system text"
-    assert part_at(rendered, rendered.index('"name"'), messages, tools) == "tools"
-    shown = (Message("system", 'Call it so: {"name": "lookup", "arguments": {}}. Work in /home/ann.'), messages[1])
-    rendered = rendered.replace('Prefer the "lookup" tool.', 'Call it so: {"name": "lookup", "arguments": {}}.')
-    assert part_at(rendered, rendered.index("/home"), shown, tools) == "system text"  # a call shown, not the tools
-    assert part_at(rendered, rendered.rindex('"name"'), shown, tools) == "tools"
+    for system in ('Prefer the "lookup" tool. Work in /home/ann.', 'Call it so: {"name": "lookup"}. Work in /home/ann.'):
+        request = EngineRequest(messages=(Message("system", system), Message("user", "Hi")), tools=tools)
+        rendered = engine._rendered(request)
+        start = len(os.path.commonprefix([rendered, engine._rendered(replace(request, tools=()))]))
+        assert rendered[start:].startswith("# Tools"), rendered
+        assert part_at(rendered, start, request.messages, start) == "tools"
+        assert part_at(rendered, rendered.index('"name": "lookup"', start), request.messages, start) == "tools"
+        assert part_at(rendered, rendered.index("/home"), request.messages, start) == "system text"
 
 
 def test_a_turn_is_found_after_the_turn_before_it_not_inside_it():
@@ -95,8 +97,8 @@ def test_a_turn_is_found_after_the_turn_before_it_not_inside_it():
     messages = (Message("user", "Is drawer 14 open? Yes or no, then describe the cabinet."), Message("assistant", "Yes"),
                 Message("user", "Good."))
     rendered = "".join(f"<s>{m.role}\n{m.content}\n" for m in messages)
-    assert part_at(rendered, rendered.index("describe"), messages, ()) == "message 0 (user)"
-    assert part_at(rendered, rendered.index("Yes\n"), messages, ()) == "message 1 (assistant)"
+    assert part_at(rendered, rendered.index("describe"), messages) == "message 0 (user)"
+    assert part_at(rendered, rendered.index("Yes\n"), messages) == "message 1 (assistant)"
 
 
 LONG = "A question about the weather in a city, with some words to fill a block or two of tokens. "
@@ -199,6 +201,22 @@ def test_a_stream_says_how_its_prompt_met_the_cache_in_its_headers(url):
     assert done and int(headers["x-mashbox-cache"].removeprefix("cached=")) >= 256
     changed, _, _ = _stream(url, messages=[{"role": "system", "content": SYSTEM.replace("Monday", "Friday")}, *TURNS])
     assert 'part="system text"' in changed["x-mashbox-cache"]
+
+
+def test_a_prompt_that_first_differs_at_the_tools_heading_is_told_as_differing_in_the_tools(tiny_model_dir):
+    """With only a prompt without tools cached, the same with tools parts from it at their heading ('# Tools',
+    before the first tool's name): that was told as the template's opening."""
+    from mashbox import Engine
+
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, speculation=False, quiet=True) as engine:
+        server = serve(InProcessBackend.of(engine), Settings())
+        url = next(server)
+        try:
+            assert _ask(url, tools=None).status_code == 200
+            changed = _ask(url)
+        finally:
+            next(server, None)
+    assert changed.status_code == 200 and changed.headers["x-mashbox-cache"].endswith('part="tools"'), changed.headers
 
 
 def test_a_stream_waiting_for_a_slot_starts_without_the_header_and_loses_nothing(tiny_model_dir, monkeypatch):

@@ -254,8 +254,11 @@ class Runtime:
         if not isinstance(event, Started) or event.differs is None or request.messages is None:
             return event
         at = len(self.tokenizer.decode(ids[: event.differs]))
-        tools = request.tools if request.tool_choice != "none" else ()
-        return replace(event, part=part_at(self._rendered(request), at, request.messages, tools))
+        rendered = self._rendered(request)
+        tools = None  # where the tools' block begins: where the prompt rendered without them first differs
+        if request.tools and request.tool_choice != "none":
+            tools = len(os.path.commonprefix([rendered, self._rendered(replace(request, tools=(), tool_choice="auto"))]))
+        return replace(event, part=part_at(rendered, at, request.messages, tools))
 
     def _events(self, job: Job, request: EngineRequest) -> Iterator[Event]:
         channel = self._core.submit(*job)

@@ -221,35 +221,22 @@ def turn_ends(tokenizer: Tokenizer) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: tuple[Tool, ...]) -> str:
+def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: int | None = None) -> str:
     """The part of a rendered conversation that character ``at`` lies in: ``system text``,
     ``tools`` or ``message N (role)`` (N: the request's item, else the place in ``messages``, from 0),
     each part starting where its own text first appears in ``rendered`` after the part before it (so a
-    token of a turn's header counts with the part before it); before them all, ``the template's opening``."""
-    starts, spans, pos = [], [], 0
+    token of a turn's header counts with the part before it), the tools at ``tools`` (their block's first
+    character, its heading and preamble too); before them all, ``the template's opening``."""
+    starts, pos = [], 0
     for i, m in enumerate(messages):
         probe = m.content[:64] or (m.tool_calls[0].name if m.tool_calls else "")
         if probe and (found := rendered.find(probe, pos)) >= 0:
             n = i if m.item is None else m.item
             starts.append((found, "system text" if m.role == "system" else f"message {n} ({m.role})"))
             pos = found + (len(m.content) if rendered.startswith(m.content, found) else len(probe))
-            spans.append(range(found, pos))
-    if tools and (found := _tools_at(rendered, tools[0].name, spans)) >= 0:
-        starts.append((found, "tools"))
+    if tools is not None:
+        starts.append((tools, "tools"))
     return max(((o, name) for o, name in starts if o <= at), default=(0, "the template's opening"))[1]
-
-
-def _tools_at(rendered: str, first: str, spans: list[range]) -> int:
-    """Where the tools' block shows its first tool: as the templates' JSON names it, else its name in
-    quotes; never within a message's text (``spans``: a system text may quote a tool's name, or show a
-    call of it)."""
-    for probe in (f'"name": "{first}"', f'"{first}"'):
-        found = rendered.find(probe)
-        while found >= 0 and any(found in span for span in spans):
-            found = rendered.find(probe, found + 1)
-        if found >= 0:
-            return found
-    return -1
 
 
 def _arguments(call: ToolCall) -> Any:
