@@ -148,7 +148,12 @@ def test_the_session_is_read_from_what_each_agent_sends(name, model):
     assert session_of({"x-session-id": "mine"}, req) == "mine"
 
 
-@pytest.mark.parametrize("metadata", [["a"], "text", {"user_id": "[1]"}, {"user_id": "{not json"},
+def test_claude_code_1s_user_id_names_its_session():
+    user = "user_5f3a_account_0d9e-11_session_6c2b-77"
+    assert session_of({}, SimpleNamespace(metadata={"user_id": user})) == "6c2b-77"
+
+
+@pytest.mark.parametrize("metadata", [["a"], "text", {"user_id": "[1]"}, {"user_id": "user_1_session_"}, {"user_id": "{not json"},
                                       {"user_id": '{"session_id": {"deep": 1}}'}, {"user_id": 7}, None])
 def test_metadata_that_holds_no_session_is_no_session(metadata):
     assert session_of({}, SimpleNamespace(metadata=metadata)) is None

@@ -72,14 +72,17 @@ class Tag:
 def session_of(headers: Mapping[str, str], req: RequestModel) -> str | None:
     """The client's session, as agents send it: a session header (mashbox's ``x-session-id``, Claude
     Code's, Codex's, Pi's; its bytes read as UTF-8), else OpenAI's ``prompt_cache_key``, else the
-    ``session_id`` in Anthropic's ``metadata.user_id`` (Claude Code's JSON). Characters that are not
-    printable are escaped (``\\n``, ``\\x1b``): the id is written in the log's line."""
+    ``session_id`` in Anthropic's ``metadata.user_id`` (Claude Code's JSON; before it, ``..._session_<id>``).
+    Characters that are not printable are escaped (``\\n``, ``\\x1b``): the id is written in the log's line."""
     if found := next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None):
         return _printable(found.encode("latin-1", "replace").decode("utf-8", "replace"))
     if key := getattr(req, "prompt_cache_key", None):
         return _printable(str(key))
     metadata = getattr(req, "metadata", None)
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if isinstance(user, str) and "_session_" in user and not user.startswith("{"):  # Claude Code 1's
+        # user_<hash>_account_<uuid>_session_<uuid>
+        return _printable(found) if (found := user.rpartition("_session_")[2]) else None
     if not isinstance(user, str) or len(user) > 4096 or not user.startswith("{"):
         return None
     try:
