@@ -7,6 +7,7 @@ background so the server answers ``loading`` before the model is ready.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from mashbox.errors import ConfigError, EngineClosedError, NotReadyError
 if TYPE_CHECKING:  # torch loads only where an engine is built
     from mashbox.facade import Engine
 
+log = logging.getLogger("mashbox.server")
 State = Literal["loading", "ready", "failed"]
 
 
@@ -151,6 +153,11 @@ class InProcessBackend:
         return stats.running + stats.waiting if stats else 0
 
     def close(self) -> None:
+        """Close the engine; one still loading once its load ends (torch's threads cannot be stopped: the process
+        left with them running aborted, 'terminate called without an active exception')."""
+        if self._thread.is_alive():
+            log.info("stopping: the model's load ends first (it runs in this process: --in-process)")
+            self._thread.join()
         if self._engine is not None:
             self._engine.close()
 

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -132,15 +133,14 @@ def _serve(backend: Backend, settings: Settings, sock: socket.socket, stop: Stop
 
     config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port, http=Connection,
                             log_level="warning", timeout_graceful_shutdown=GRACE_S)
-    server = _server(config, backend)
+    server = _server(config, backend, stop)
     watch = Watch(backend, server, _url(settings))
     threading.Thread(target=watch.run, name="mashbox-watch", daemon=True).start()
-    stop.check()  # asked while the backend and the app were made; uvicorn's own handlers next
     server.run(sockets=[sock])
     return watch.status
 
 
-def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
+def _server(config: uvicorn.Config, backend: Backend, stop: Stop) -> uvicorn.Server:
     import uvicorn
 
     from mashbox.server.connection import Seldom, accepts_said_seldom
@@ -148,9 +148,17 @@ def _server(config: uvicorn.Config, backend: Backend) -> uvicorn.Server:
     class Server(uvicorn.Server):
         """uvicorn's, but a second Ctrl-C ends the answers still running at once, each with its protocol's
         error event (uvicorn's own cut their connections, a traceback each); a third cuts them. Accepts that
-        fail for want of file descriptors are said seldom (``accepts_said_seldom``)."""
+        fail for want of file descriptors are said seldom (``accepts_said_seldom``). A stop asked before its
+        handlers took the signals (``stop``) is taken as soon as they do."""
 
         hurried = False
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                if stop.asked:
+                    self.handle_exit(signal.SIGTERM, None)
+                yield
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             asyncio.get_running_loop().set_exception_handler(accepts_said_seldom(Seldom()))
