@@ -38,6 +38,10 @@ def test_logit_bias_bans_and_forces_tokens(oai, smol_server, smol_engine):
     with pytest.raises(openai.BadRequestError) as refused:
         oai.chat.completions.create(messages=USER, logit_bias={"49152": 5}, **ask)
     assert refused.value.body["param"] == "logit_bias" and "vocabulary" in refused.value.body["message"]
+    for key in ("", "-1", "1.5", "x"):  # an empty key was a 500
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.completions.create(prompt="Hi", logit_bias={key: 5}, **ask)
+        assert refused.value.body["param"] == "logit_bias" and repr(key) in refused.value.body["message"]
 
 
 def test_chat_stream(oai, smol_server):

@@ -166,7 +166,7 @@ class LogitBias(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if bad := next((key for key in value or {} if not (key.isascii() and key.isdigit())), None):
+        if (bad := next((key for key in value or {} if not (key.isascii() and key.isdigit())), None)) is not None:
             raise ValueError(f"keys are token ids (such as \"50256\"), not {bad!r}")
         return value
 
