@@ -18,6 +18,7 @@ from mashbox.engine.events import (
     Usage,
 )
 from mashbox.engine.request import Message, Named, ToolCall
+from mashbox.errors import InvalidRequestError
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=3, reasoning_tokens=1)
 ANSWER = [
@@ -81,6 +82,13 @@ def test_the_sdks_dumped_assistant_messages_keep_their_refusal_and_deprecated_fu
         Message("assistant", "I cannot help with that."),
     )
     assert request.ignored_fields() == ["messages[].audio"]
+    both = {"role": "assistant", "content": "Partly.", "refusal": "Not the rest."}
+    assert to_engine(parse(ChatRequest, {"messages": [both]})).messages[0].content == "Partly.\nNot the rest."
+    for role in ("user", "system", "tool", "function"):  # dropped (or, on a user's, rendered as a call)
+        for field, value in (("refusal", "No."), ("function_call", {"name": "f", "arguments": "{}"})):
+            with pytest.raises(InvalidRequestError, match="is an assistant message's") as err:
+                parse(ChatRequest, {"messages": [{"role": role, "content": "x", "name": "f", field: value}]})
+            assert err.value.param == f"messages.0.{field}"
 
 
 def test_tool_call_arguments_given_as_an_object_become_json():

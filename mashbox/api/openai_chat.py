@@ -91,6 +91,9 @@ class ChatMessage(Part):
         if "content" not in self.model_fields_set and self.role != "assistant":
             keys = ", ".join(sorted(self.model_fields_set | set(self.model_extra or {})))
             raise InvalidRequestError("content", f"is required in a {self.role} message (this one has: {keys})")
+        for field in ("refusal", "function_call"):
+            if self.role != "assistant" and getattr(self, field) is not None:
+                raise InvalidRequestError(field, f"is an assistant message's, not a {self.role} message's")
         return self
 
 
@@ -216,7 +219,7 @@ def _messages(messages: list[ChatMessage]) -> tuple[Message, ...]:
             tool_calls.append(_tool_call(f"call_{i}", m.function_call))
             calls[m.function_call.name] = f"call_{i}"
         answers = calls.pop(m.name, None) if m.role == "function" and m.tool_call_id is None else m.tool_call_id
-        out.append(Message(role=_ROLES[m.role], content=_text(m.content) or m.refusal or "",
+        out.append(Message(role=_ROLES[m.role], content="\n".join(filter(None, (_text(m.content), m.refusal))),
                            tool_calls=tuple(tool_calls), tool_call_id=answers,
                            reasoning=m.reasoning_content or m.reasoning))
     return tuple(out)
