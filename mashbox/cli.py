@@ -54,12 +54,13 @@ class Parser(argparse.ArgumentParser):
 
 def _with_command(argv: list[str]) -> list[str]:
     """``argv`` with the default command, chat, where it names none: nothing, chat's flags (``mashbox
-    --max-tokens 8``) or a model (a catalog id or a path) first. Another word stays, to be refused as no
-    command."""
+    --max-tokens 8``) or a model (a catalog id, or what reads as a path) first. Another word stays, to be
+    refused as no command."""
     first = argv[0] if argv else "-"
     if first in COMMANDS or first in ("-h", "--help", "--version"):
         return argv
-    if first.startswith("-") or first in catalog() or os.path.exists(os.path.expanduser(first)):
+    path = first.startswith(("~", ".", os.sep)) or os.sep in first or first.endswith(".gguf")
+    if first.startswith("-") or first in catalog() or path:  # a path that does not exist is chat's to say
         return ["chat", *argv]
     return argv
 

@@ -24,6 +24,8 @@ def test_chat_answers_each_line_of_stdin_with_the_embedded_model(command):
 def test_a_word_that_is_no_command_nor_model_is_refused_naming_the_commands():
     done = mashbox("runn")
     assert done.returncode == 2 and "invalid choice: 'runn'" in done.stderr and "'run'" in done.stderr, done.stderr
+    missing = mashbox("./no-such-model.gguf")  # a path is chat's model: that it is missing is said as chat says it
+    assert missing.returncode == 1 and "no-such-model.gguf" in missing.stderr and "invalid choice" not in missing.stderr
 
 
 def test_unknown_model_is_one_clear_error():
