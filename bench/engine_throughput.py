@@ -84,8 +84,11 @@ def main() -> None:
             print(f"{r['n']:>4} {r['tokens']:>7} {r['tok_s']:>7.1f} {r['ttft_p50']:>8.2f}s {r['ttft_max']:>8.2f}s")
         if args.no_baseline:
             return
-        model = hf_model(args.model)
-        print(f"transformers generate(), batch 1: {generate_baseline(engine, model, args.max_tokens):.1f} tok/s")
+        device = engine.info.device  # on a GPU, transformers there too, in bfloat16 (it ran on the CPU in float32)
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        model = hf_model(args.model, dtype).to(device)
+        print(f"transformers generate() on {device}, batch 1: {generate_baseline(engine, model, args.max_tokens):.1f} "
+              "tok/s")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ PYTHON=${PYTHON:-.venv/bin/python}
 PYVER=${PYVER:-3.12}
 rm -rf .gpu && mkdir -p .gpu/wheels
 pins=$("$PYTHON" -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in (
-    "transformers", "pydantic", "llguidance", "gguf", "litestar", "uvicorn", "openai", "anthropic", "jsonschema")))')
+    "transformers", "pydantic", "llguidance", "gguf", "litestar", "uvicorn", "openai", "anthropic", "jsonschema",
+    "prometheus-client")))')
 platforms="--platform manylinux2014_x86_64"
 for n in 17 24 27 28 31 34 35 39; do platforms+=" --platform manylinux_2_${n}_x86_64"; done
 # shellcheck disable=SC2086

@@ -467,6 +467,9 @@ def test_a_dtype_the_cpu_cannot_run_is_refused_before_loading(dtype):
     assert decide(torch.device("cpu"), "float32", batch_invariant=False).mode == "plain"
     cuda = decide(torch.device("cuda"), None, batch_invariant=True)
     assert (cuda.dtype, cuda.mode, cuda.kv_dtype) == (torch.bfloat16, "plain", torch.bfloat16)
+    for int8 in ("int8", "q8"):  # it said int8 was no dtype it knows, naming int8 among them
+        with pytest.raises(ValueError, match=f"dtype: {int8} weights need mashbox's CPU kernels; on cuda use"):
+            decide(torch.device("cuda"), int8, batch_invariant=True)
 
 
 def test_a_twin_prompt_waits_for_the_prefill_in_flight_then_copies_it_and_answers_the_same(tiny_engine):
@@ -640,6 +643,11 @@ def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_pat
         check_fits(2**20, 4, 256, 2**29, "this machine")
     with pytest.raises(ConfigError, match="lower slots and ctx$"):
         check_fits(2**20, 1024, 2**20, 2**30, "cuda:0")
+    # on a GPU a step's work needs room too (a cache that took all that was free failed its first long step)
+    with pytest.raises(ConfigError, match=r"of KV cache and a step's work but cuda:0 has 2\.0 GiB free; lower ctx "
+                                          r"\(at most 2730 fits with 4 slots\)"):
+        check_fits(4096, 4, 2**16, 2**31, "cuda:0", layers=4)
+    check_fits(2730, 4, 2**16, 2**31, "cuda:0", layers=4)
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -78,7 +78,8 @@ class Runtime:
         per_token = kv_bytes_per_token(loaded.checkpoint.spec, form)
         graphs = config.cuda_graphs and device.type == "cuda"
         free, where = room(device)
-        check_fits(self.ctx, config.slots + graphs, per_token, free, where)
+        layers = loaded.checkpoint.spec.num_layers if device.type == "cuda" else None
+        check_fits(self.ctx, config.slots + graphs, per_token, free, where, layers)
         host_cap = config.cache_ram_mib * 2**20
         left = None if free is None else free - self.ctx * config.slots * per_token  # beside the KV cache
         if device.type == "cpu" and left is not None and left < host_cap:

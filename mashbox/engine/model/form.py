@@ -111,6 +111,9 @@ def _weights(device: torch.device, dtype: str | None, batch_invariant: bool) -> 
     for the packed form, ``float32`` keeps exact fp32 weights. On CUDA the default is bfloat16.
     """
     if device.type != "cpu":
+        if dtype in INT8:  # it named int8 among the dtypes it knows
+            raise ConfigError(f"dtype: {dtype} weights need mashbox's CPU kernels; on {device.type} use bfloat16, "
+                              "float16 or float32")
         return Form(device, pick_dtype(dtype, device), "plain")
     if dtype in (None, *INT8) and native.load() is not None:
         return Form(device, torch.float32, "gguf" if dtype is None else "q8")

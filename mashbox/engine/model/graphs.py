@@ -113,9 +113,9 @@ class DecodeGraphs:
             return
         torch.cuda.set_stream(stream)
         index = torch.cuda.current_device()
-        for undo in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
-            with contextlib.suppress(RuntimeError):
-                undo(index, self.pool)
+        for undo in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+            with contextlib.suppress(RuntimeError, AttributeError):  # a torch without them: graphs go off all the same
+                getattr(torch._C, undo)(index, self.pool)
 
 
 def row_sizes(slots: int) -> list[int]:

@@ -96,15 +96,22 @@ def _address_room(status: Path = Path("/proc/self/status")) -> int | None:
     return max(limit - size - ADDRESS_HEADROOM, 0)
 
 
-def check_fits(ctx: int, slots: int, per_token: int, free: int | None, where: str) -> None:
-    """Refuse a KV cache of ``ctx`` x ``slots`` tokens that needs more than ``free`` bytes."""
-    need = ctx * slots * per_token
+GPU_WORK = 2**30  # beside the KV cache on a GPU: cuBLAS's workspace, the CUDA graphs' pool, a step's logits
+
+
+def check_fits(ctx: int, slots: int, per_token: int, free: int | None, where: str, layers: int | None = None) -> None:
+    """Refuse a KV cache of ``ctx`` x ``slots`` tokens that needs more than ``free`` bytes; on a GPU (``layers``:
+    the model's) with room for a step's work too: attention's copies of a layer's keys and values for every row
+    (twice: masked), and ``GPU_WORK`` (a cache that took all the memory free failed its first long step)."""
+    per, work = (per_token * (1 + 2 / layers), GPU_WORK) if layers else (per_token, 0)
+    need = int(ctx * slots * per) + work
     if free is None or need <= free:
         return
-    fits = free // (slots * per_token)
+    fits = int(max(free - work, 0) // (slots * per))
     lower = f"lower ctx (at most {fits} fits with {slots} slots) or slots" if fits >= 16 else "lower slots and ctx"
-    raise ConfigError(f"ctx {ctx} x {slots} slots needs {_gib(need)} of KV cache but {where} has "
-                      f"{_gib(free)} free; {lower}")
+    what = "of KV cache and a step's work" if layers else "of KV cache"
+    raise ConfigError(f"ctx {ctx} x {slots} slots needs {_gib(need)} {what} but {where} has {_gib(free)} free; "
+                      f"{lower}")
 
 
 def _gib(n: int) -> str:
