@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mashbox.engine.config import MOST_CACHE_GIB
-from mashbox.engine.load.catalog import catalog
+from mashbox.engine.load.catalog import catalog, looks_like_path
 from mashbox.errors import ConfigError, MashboxError
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ def _with_command(argv: list[str]) -> list[str]:
     first = argv[0] if argv else "-"
     if first in COMMANDS or first in ("-h", "--help", "--version"):
         return argv
-    path = first.startswith(("~", ".", os.sep)) or os.sep in first or first.endswith(".gguf")
-    if first.startswith("-") or first in catalog() or path:  # a path that does not exist is chat's to say
+    if first.startswith("-") or first in catalog() or looks_like_path(first):  # a missing path is chat's to say
         return ["chat", *argv]
     return argv
 

@@ -171,8 +171,8 @@ class LogitBias(BaseModel):
         return value
 
     def sampling(self) -> SamplingParams:
-        biased = {int(key): bias for key, bias in (self.logit_bias or {}).items()}
-        return dataclasses.replace(super().sampling(), logit_bias=tuple(sorted(biased.items())))  # type: ignore[misc]
+        biased = {int(key): bias for key, bias in (self.logit_bias or {}).items()}  # SamplingParams sorts them
+        return dataclasses.replace(super().sampling(), logit_bias=biased)  # type: ignore[misc]
 
 
 class ErrorBody(OutModel):

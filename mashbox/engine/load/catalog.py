@@ -149,7 +149,7 @@ def resolve(model: str, *, cache: Path | None = None) -> ModelSource:
     path = Path(model).expanduser()
     if path.exists():
         return _resolve_path(path)
-    if _looks_like_path(model):
+    if looks_like_path(model):
         raise ModelLoadError(
             f"Model path '{model}' does not exist. Give an existing .gguf file, an HF model "
             f"directory with config.json, or a catalog id: {_known(entries)}.")
@@ -184,7 +184,7 @@ def _known(entries: dict[str, CatalogEntry]) -> str:
     return ", ".join(sorted(entries))
 
 
-def _looks_like_path(model: str) -> bool:
+def looks_like_path(model: str) -> bool:
     return any(mark in model for mark in ("/", os.sep)) or model.startswith(("~", ".")) \
         or model.endswith(".gguf")
 
