@@ -38,7 +38,7 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS, prepare
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.events import CLOSED, Event, Finish, Queued, Usage
+from mashbox.engine.events import CLOSED, Event, Finish, Queued, Started, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import (
@@ -180,7 +180,7 @@ class Engine(Runtime):
         req, translator, engine, job = self._prepare(name, request, fields)
         events = self._events(job, engine)
         if req.stream:
-            return _translated(translator, events)
+            return _translated(translator, events, PROTOCOLS[name].start_tells_cache)
         for event in events:
             _check(name, event)
             translator.feed(event)
@@ -190,7 +190,7 @@ class Engine(Runtime):
         req, translator, engine, job = self._prepare(name, request, fields)
         events = self._aevents(job, engine)
         if req.stream:
-            return _atranslated(translator, events)
+            return _atranslated(translator, events, PROTOCOLS[name].start_tells_cache)
         async for event in events:
             _check(name, event)
             translator.feed(event)
@@ -229,11 +229,17 @@ def _stopped(event: Event) -> None:
         raise GenerationError("the request was aborted before it finished")
 
 
-def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
+def _translated(translator: Any, events: Iterator[Event], tells_cache: bool) -> Iterator[Any]:
+    """``tells_cache``: the first item says how the prompt met the cache (Anthropic's message_start), so
+    it waits for the request's slot (``Started``), as the server's first frame does."""
     try:
         first = next(events)  # Queued: the prompt's length, before any output
-        yield from translator.start(_prompt(first))
+        started = next(events) if tells_cache and isinstance(first, Queued) else None
+        yield from translator.start(_prompt(first, started))
         yield from translator.feed(first)
+        if started is not None:
+            _stopped(started)
+            yield from translator.feed(started)
         for event in events:
             _stopped(event)
             yield from translator.feed(event)
@@ -241,11 +247,16 @@ def _translated(translator: Any, events: Iterator[Event]) -> Iterator[Any]:
         events.close()  # type: ignore[attr-defined]
 
 
-async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIterator[Any]:
+async def _atranslated(translator: Any, events: AsyncIterator[Event], tells_cache: bool) -> AsyncIterator[Any]:
     try:
         first = await anext(events)
-        for item in [*translator.start(_prompt(first)), *translator.feed(first)]:
+        started = await anext(events) if tells_cache and isinstance(first, Queued) else None
+        for item in [*translator.start(_prompt(first, started)), *translator.feed(first)]:
             yield item
+        if started is not None:
+            _stopped(started)
+            for item in translator.feed(started):
+                yield item
         async for event in events:
             _stopped(event)
             for item in translator.feed(event):
@@ -254,8 +265,11 @@ async def _atranslated(translator: Any, events: AsyncIterator[Event]) -> AsyncIt
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def _prompt(first: Event) -> Usage | None:
-    return Usage(first.prompt_tokens, 0) if isinstance(first, Queued) else None
+def _prompt(first: Event, started: Event | None) -> Usage | None:
+    """The prompt's tokens as known before any output, and those the prefix cache served once ``started``."""
+    if not isinstance(first, Queued):
+        return None
+    return Usage(first.prompt_tokens, 0, started.cached if isinstance(started, Started) else 0)
 
 
 def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Mapping[str, Any]:

@@ -384,6 +384,47 @@ def test_prefix_cache_hit_gives_the_cold_answer(tiny_model_dir):
     assert stats.prefix_lookup_tokens == first_finish.usage.prompt_tokens + warm_finish.usage.prompt_tokens
 
 
+def test_a_streamed_message_start_tells_the_prefix_cache_as_its_end_does(tiny_model_dir):
+    """message_start carries the usage Claude Code reads: it was built before the slot, so its cache
+    figure was always 0 (and its input the whole prompt) where the server's and the end's said 256."""
+    from mashbox import Engine
+
+    messages = [{"role": "user", "content": " ".join(f"fact{i} is true." for i in range(120))}]
+    with Engine(str(tiny_model_dir), ctx=1024, slots=2, quiet=True) as engine:
+        engine.message(messages=messages, max_tokens=2)
+        events = list(engine.message(messages=messages, max_tokens=2, stream=True))
+
+        async def streamed():
+            return [event async for event in await engine.amessage(messages=messages, max_tokens=2, stream=True)]
+
+        for run_events in (events, asyncio.run(streamed())):
+            start = next(e for e in run_events if e.type == "message_start").message.usage
+            end = next(e for e in run_events if e.type == "message_delta").usage
+            assert start.cache_read_input_tokens >= 256
+            assert (start.input_tokens, start.cache_read_input_tokens) == (end.input_tokens, end.cache_read_input_tokens)
+
+
+def test_a_prompt_dropped_while_it_waits_for_a_slot_is_not_counted(tiny_model_dir):
+    """``prompt_tokens`` (the metric's) counts prompts the engine took in: one dropped in the queue was counted."""
+    from mashbox import Engine
+
+    with Engine(str(tiny_model_dir), ctx=512, slots=1, quiet=True) as engine:
+        before = engine.stats().prompt_tokens
+        running = engine.stream(EngineRequest(prompt="Go on and on", sampling=SamplingParams(max_tokens=400)))
+        assert isinstance(next(running), Queued) and isinstance(next(running), Started)
+        waiting = engine.stream(EngineRequest(prompt="Wait for me " * 20, sampling=SamplingParams(max_tokens=4)))
+        assert isinstance(next(waiting), Queued)
+        waiting.close()
+        deadline = time.time() + 10
+        while engine.stats().waiting and time.time() < deadline:
+            time.sleep(0.01)
+        running.close()
+        _, finish = run(engine, "Count me", max_tokens=2)
+        counted = engine.stats().prompt_tokens - before
+        ran = len(engine.encode(EngineRequest(prompt="Go on and on")))
+    assert counted == ran + finish.usage.prompt_tokens
+
+
 def test_prefix_restored_from_host_memory_gives_the_cold_answer(tiny_model_dir):
     from mashbox import Engine
 

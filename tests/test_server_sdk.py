@@ -102,7 +102,7 @@ def test_messages_stream(claude, smol_engine):
     prompt = claude.messages.count_tokens(model="x", messages=USER).input_tokens
     assert start.input_tokens + (start.cache_read_input_tokens or 0) == prompt > 0
     (start,) = [e for e in smol_engine.message(messages=USER, max_tokens=2, stream=True) if e.type == "message_start"]
-    assert start.message.usage.input_tokens == prompt
+    assert start.message.usage.input_tokens + start.message.usage.cache_read_input_tokens == prompt
 
 
 

@@ -69,6 +69,17 @@ def test_a_budget_spent_as_the_model_closes_thinking_closes_it_once(tmp_path, ti
             assert "Let me think hard".startswith(found[0][1]) and found[1][1] == "The answer.", (budget, found)
 
 
+def test_reasoning_tokens_are_the_thought_with_both_its_tags(tmp_path, tiny_model_dir):
+    """The model's own ``<think>`` was counted as the answer's and ``</think>`` as reasoning: cut inside
+    its thinking, an answer of no text had a token of it."""
+    with engine(tmp_path, tiny_model_dir, OWN, ["\n", "<think>", *THOUGHT, "</think>", "\n\n", *ANSWER]) as e:
+        cut = e.chat(messages=HI, max_tokens=4)
+        assert (cut.choices[0].message.content or "") == "" and cut.choices[0].finish_reason == "length"
+        assert cut.usage.completion_tokens_details.reasoning_tokens == 4  # <think>, Let, me, think
+        whole = e.respond(input="hi", max_output_tokens=30)
+        assert whole.usage.output_tokens_details.reasoning_tokens == len(THOUGHT) + 2
+
+
 def test_a_budget_spent_inside_a_close_written_in_pieces_forces_only_the_rest_of_it(tmp_path, tiny_model_dir):
     """``</think>`` of three tokens: spent after ``</``, the whole tag was forced after it, and the thinking
     ended with ``</`` (``</think`` after ``think``)."""

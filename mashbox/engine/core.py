@@ -62,7 +62,8 @@ class Stream:
     guard: CallGuard | None = None
     started: bool = False
     pushed: int = 0  # tokens through the state machines
-    reasoning_tokens: int = 0
+    reasoning_tokens: int = 0  # the thought with both its tags (the usage's)
+    thought: int = 0  # the thought and its close, not an opening the model wrote (the budget's)
     channel: Channel[Event] = field(default_factory=Channel)
 
     def push(self, token: int) -> None:
@@ -71,9 +72,10 @@ class Stream:
         self._put(self.markup.push(self.stop.push(self.detok.push(token))))
         if self.guard is not None:  # the answer up to this token (a step may have appended more)
             self.seq.constraint = self.guard.follow(self.markup.open_call(), self.seq.output_ids[: self.pushed])
-        self.reasoning_tokens += thinking
+        self.reasoning_tokens += thinking or self.markup.state == "think"
+        self.thought += thinking
         budget = self.budget  # spent with thinking still open after this token (which may have closed it)
-        if budget and self.markup.state == "think" and self.reasoning_tokens >= budget.tokens and not self.seq.forced:
+        if budget and self.markup.state == "think" and self.thought >= budget.tokens and not self.seq.forced:
             self.seq.forced.extend(budget.close_ids(self.markup.held))  # held: what of </think> came (</)
 
     @property
@@ -181,7 +183,6 @@ class EngineCore:
             if kind == "add":
                 self.streams[payload.seq.id] = payload
                 self.scheduler.add(payload.seq)
-                self.counters.prompt_tokens += len(payload.seq.prompt_ids)
             elif kind == "abort" and payload in self.streams:
                 self._end(self.streams[payload], Status.FINISHED_ABORT)
 
@@ -203,6 +204,7 @@ class EngineCore:
             stream = self.streams.get(item.seq.id)
             if stream is not None and not stream.started:  # its first step with a slot: say so at once
                 stream.started = True
+                self.counters.prompt_tokens += len(item.seq.prompt_ids)  # a prompt is counted once computed
                 stream.channel.put(Started(item.seq.num_cached, item.seq.differs))
         try:
             start = time.perf_counter()
