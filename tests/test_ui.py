@@ -78,6 +78,19 @@ def test_the_files_need_no_key_and_are_cached_for_a_year(page_server):
     assert httpx.get(f"{page_server}/health").json()["status"] == "ok"
 
 
+def test_the_page_loads_behind_a_proxy_that_rewrote_host_and_its_calls_say_why_they_are_refused(page_server):
+    """nginx's plain ``proxy_pass`` sends the upstream's Host, and the browser sends the proxy's Origin with
+    the page's script: that was a 403, and the page stayed at "connecting" with no word of why."""
+    port = int(page_server.rsplit(":", 1)[1])
+    proxied = {"Host": f"127.0.0.1:{port}", "Origin": f"http://localhost:{port + 1}"}
+    for path in asset_paths(httpx.get(page_server + "/").text):
+        assert httpx.get(f"{page_server}/{path}", headers=proxied).status_code == 200, path
+    call = httpx.post(f"{page_server}/v1/chat/completions", headers={**proxied, "authorization": f"Bearer {KEY}"},
+                      json={"messages": [{"role": "user", "content": "hi"}]})
+    assert call.status_code == 403
+    assert "--allow-origin" in call.json()["error"]["message"] and "Host" in call.json()["error"]["message"]
+
+
 def test_without_ui_the_root_is_health_and_there_are_no_files(api_server):
     root = httpx.get(api_server + "/")
     assert root.headers["content-type"] == "application/json" and root.json()["status"] == "ok"

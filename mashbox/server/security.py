@@ -7,7 +7,10 @@ a ``Refusal`` into its route's error shape. Checks run in this order:
    nor one of ``--allow-origin`` (``allowed_origin``: those get CORS headers).
    Own origin: http(s) on a host name the server answers to (2.) with
    ``--port``, or exactly the name and port the request's ``Host`` names (an
-   SSH tunnel changes the port; the page was served through it).
+   SSH tunnel changes the port; the page was served through it). Not asked of
+   a GET of the chat page's files (``/ui/...``: the browser sends its Origin
+   for the page's script), which hold nothing: a page behind a proxy that
+   rewrote Host loads, and its first call says why it is refused.
 2. 403 ``Host`` names a host the server does not answer to (DNS rebinding).
    The server answers to 127.0.0.1, localhost, ::1, ``--host`` and
    ``server_host`` (a name it is also reached by, e.g. a test client's),
@@ -121,8 +124,9 @@ def check(
     """The refusal for this request, or None when it may go on (order: module doc)."""
     lowered = _lower(headers)
     hosts = answered_hosts(settings, server_host)
+    origin_free = allowed_origin(settings, lowered) or (method.upper() in ("GET", "HEAD") and path.startswith("/ui/"))
     return (
-        (None if allowed_origin(settings, lowered) else _origin_refusal(lowered, hosts, settings.port))
+        (None if origin_free else _origin_refusal(lowered, hosts, settings.port))
         or _host_refusal(lowered, hosts)
         or _key_refusal(settings, method, path, lowered)
         or _type_refusal(method, lowered)
@@ -169,7 +173,8 @@ def _origin_refusal(headers: dict[str, str], hosts: frozenset[str] | None, port:
     origin = headers.get("origin")
     if origin is None or _same_origin(origin, headers.get("host"), hosts, port):
         return None
-    message = f"requests from a web page of another origin are refused (Origin: {origin[:100]})"
+    message = (f"requests from a web page of another origin are refused (Origin: {origin[:100]}): let it call with "
+               "--allow-origin, or, behind a proxy, forward the Host header the browser sent")
     return Refusal(403, message, "permission_error")
 
 
