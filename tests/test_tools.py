@@ -522,6 +522,29 @@ def test_a_calls_arguments_name_only_the_keys_its_schema_lists(tiny_engine, smol
     assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, arguments
 
 
+def test_a_function_declared_without_parameters_is_called_with_none(tiny_engine, smol_tokenizer):
+    """OpenAI: omitted parameters are an empty list. They were any object: a forced call of ``now()`` came
+    with made-up arguments (``{"argument": 1}``), on Chat, Responses and the tasks' client tools."""
+    from mashbox.api import openai_chat, openai_responses, task_items
+    from mashbox.api.base import parse
+
+    ask = [{"role": "user", "content": "What time is it?"}]
+    declared = [
+        openai_chat.to_engine(parse(openai_chat.ChatRequest, {
+            "messages": ask, "tools": [{"type": "function", "function": {"name": "now"}}]})).tools,
+        openai_responses.to_engine(parse(openai_responses.ResponsesRequest, {
+            "input": "hi", "tools": [{"type": "function", "name": "now"}]})).tools,
+        task_items.client_tools(parse(task_items.CreateTask, {
+            "user_message_content": "hi", "stream": False, "client_tools": [{"type": "function", "function": {"name": "now"}}]})),
+    ]
+    for tools in declared:
+        constraint = tiny_engine.grammars.for_tools(tools, "required")
+        for arguments, whole in (("{}", True), ('{"argument":1}', False)):
+            ids = smol_tokenizer.encode(f'<tool_call>\n{{"name":"now","arguments":{arguments}}}', add_special_tokens=False)
+            assert (constraint.matcher.try_consume_tokens(ids) == len(ids)) == whole, (tools, arguments)
+            constraint.matcher.reset()
+
+
 @pytest.mark.parametrize("arguments", ['{"n": ' + "1" * 5000 + "}", "[" * 100_000 + "]" * 100_000])
 def test_past_call_arguments_python_cannot_hold_are_kept_as_text_not_a_500(tiny_engine, arguments):
     """A number of 5,000 digits (past Python's int limit) or 100,000 levels of nesting in an earlier call's

@@ -207,6 +207,12 @@ def json_object(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def parameters_of(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """A function tool's parameters; omitted, none at all (OpenAI: an empty parameter list), where an
+    empty schema would let the call's grammar write any object."""
+    return {"type": "object", "properties": {}} if schema is None else schema
+
+
 def refuse_logprobs(value: Any) -> Any:
     if value is not None and value is not False:
         raise ValueError(NO_LOGPROBS)

@@ -23,6 +23,7 @@ from mashbox.api.base import (
     engine_request,
     new_id,
     now,
+    parameters_of,
     prefixed,
     refuse_logprobs,
 )
@@ -189,7 +190,7 @@ def to_engine(req: ChatRequest) -> EngineRequest:
         messages=_messages(req.messages),
         sampling=req.sampling(),
         tools=tuple(
-            Tool(t.function.name, t.function.description or "", t.function.parameters or {})
+            Tool(t.function.name, t.function.description or "", parameters_of(t.function.parameters))
             for t in req.tools or ()
             if t.function is not None and t.type == "function"
         ),

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from mashbox.api.base import Part, type_of
+from mashbox.api.base import Part, parameters_of, type_of
 from mashbox.engine.request import Named, Tool
 from mashbox.engine.request import ToolChoice as EngineToolChoice
 from mashbox.errors import InvalidRequestError
@@ -146,7 +146,7 @@ class ToolMap:
         if ref.namespace and (called in self._refs or called in self._top):  # a tool of its name before it or after
             called = f"{ref.namespace}__{ref.name}"
         self._refs[called] = ref
-        self.tools.append(Tool(called, description or "", parameters or {}))
+        self.tools.append(Tool(called, description or "", parameters_of(parameters)))
 
 
 def _custom_description(tool: CustomTool) -> str:

@@ -12,7 +12,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 
-from mashbox.api.base import OutModel, Part, RequestModel, SamplingFields, UnsupportedPart, refuse_logprobs, type_of
+from mashbox.api.base import (
+    OutModel,
+    Part,
+    RequestModel,
+    SamplingFields,
+    UnsupportedPart,
+    parameters_of,
+    refuse_logprobs,
+    type_of,
+)
 from mashbox.engine.request import Message, Named, Tool, ToolCall, ToolChoice, chosen
 
 TaskStatus = Literal["created", "queued", "working", "input-required", "paused", "completed", "canceled",
@@ -76,7 +85,7 @@ HistoryItem = Annotated[
 class FunctionDef(Part):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
-    parameters: dict[str, Any] = {}
+    parameters: dict[str, Any] | None = None
 
 
 class ToolData(Part):
@@ -190,7 +199,7 @@ def text_of(content: Content | None) -> str:
 
 
 def client_tools(req: CreateTask) -> tuple[Tool, ...]:
-    return tuple(Tool(t.function.name, t.function.description or "", t.function.parameters)
+    return tuple(Tool(t.function.name, t.function.description or "", parameters_of(t.function.parameters))
                  for t in req.client_tools or ())
 
 
