@@ -290,10 +290,13 @@ def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method:
 
 def _as_json(value: Any, depth: int = 0) -> Any:
     """A Python caller's values as a JSON body has them: tuples as lists, numpy's numbers (a notebook's
-    ``np.int64(64)``) as Python's (the request types are strict, as over HTTP). Past the depth a body
-    may nest, left for ``plain`` to refuse."""
+    ``np.int64(64)``) as Python's (the request types are strict, as over HTTP), a model (an answer's
+    message, block or item, sent back in the next turn) as its fields, as an SDK sends one. Past the
+    depth a body may nest, left for ``plain`` to refuse."""
     if depth > MAX_DEPTH:
         return value
+    if isinstance(value, BaseModel):
+        return _as_json(value.model_dump(mode="json", by_alias=True, exclude_none=True), depth)
     if isinstance(value, Mapping):
         return {key: _as_json(item, depth + 1) for key, item in value.items()}
     if isinstance(value, list | tuple):

@@ -305,6 +305,21 @@ def test_unlisted_fields_of_a_dict_are_reported_as_ignored_at_the_callers_line(t
         assert warning.filename == __file__ and call in linecache.getline(__file__, warning.lineno)
 
 
+def test_an_answers_message_blocks_and_items_are_taken_back_in_the_next_turn(tiny_engine):
+    """``messages.append(answer.choices[0].message)``, as with the SDKs, whose objects go as their fields:
+    the Engine refused its own answers ("messages.1: Input should be a valid dictionary")."""
+    ask, again = {"role": "user", "content": "Say hi"}, {"role": "user", "content": "Again"}
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    chat = tiny_engine.chat(messages=[ask], tools=[tool], tool_choice="required", max_tokens=30).choices[0].message
+    result = {"role": "tool", "tool_call_id": chat.tool_calls[0].id, "content": "noon"}
+    assert tiny_engine.chat(messages=[ask, chat, result], tools=[tool], max_tokens=2).choices[0].finish_reason
+    message = tiny_engine.message(messages=[ask], max_tokens=4)
+    turn = [ask, {"role": "assistant", "content": message.content}, again]
+    assert tiny_engine.message(messages=turn, max_tokens=2).stop_reason == "max_tokens"
+    response = tiny_engine.respond(input=[ask], max_output_tokens=4)
+    assert tiny_engine.respond(input=[ask, *response.output, again], max_output_tokens=2).status == "incomplete"
+
+
 def test_a_request_model_is_taken_as_its_fields(tiny_engine):
     """Each method takes its protocol's request as a dict, as its pydantic model, or as keywords."""
     from mashbox.api.anthropic_messages import CountTokensRequest, MessagesRequest
