@@ -73,6 +73,28 @@ def template(source: str) -> ChatTemplate:
     return ChatTemplate(Tokenizer())
 
 
+QWEN_DEFAULT = ("{% if messages[0].role == 'system' %}{% set turns = messages[1:] %}<|im_start|>system\n"
+                "{{ messages[0].content }}<|im_end|>\n{% else %}{% set turns = messages %}<|im_start|>system\n"
+                "You are Qwen.<|im_end|>\n{% endif %}{% for m in turns %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_empty_system_text_keeps_the_templates_default_out():
+    """A client sends an empty system message to have none: it was dropped, and Qwen's default system text
+    ("You are Qwen, created by Alibaba Cloud...") was the prompt's, as transformers does not."""
+    hi = Message("user", "Hi")
+    assert template(QWEN_DEFAULT).render((Message("system", ""), hi)).startswith("<|im_start|>system\n<|im_end|>\n")
+    assert "You are Qwen." in template(QWEN_DEFAULT).render((hi,))
+
+
+@pytest.mark.parametrize("source", [QWEN_DEFAULT, GEMMA2])
+def test_a_continued_message_keeps_its_trailing_spaces(source):
+    """``continue_final_message`` on ``def f():\n    ``: the new line and the indent were cut, and the model
+    had to write them again (transformers keeps them where the template does)."""
+    messages = (Message("user", "Write f"), Message("assistant", "def f():\n    "))
+    assert template(source).render(messages, continue_final=True).endswith("\ndef f():\n    ")
+
+
 def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_turn():
     """Gemma 2's template refuses a system turn, and any turn out of alternation: the system text (and
     mashbox's tool prompt, with the tools) opens the first user turn, and the results of the calls are a

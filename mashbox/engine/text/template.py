@@ -109,7 +109,7 @@ class ChatTemplate:
         if final.role != "assistant" or not final.content.strip():
             raise InvalidRequestError("messages", "the last message cannot be continued: it is not an assistant "
                                       "message with text")
-        marked = (*messages[:-1], replace(final, content=final.content.rstrip() + CONTINUE_MARK))
+        marked = (*messages[:-1], replace(final, content=final.content + CONTINUE_MARK))  # its spaces kept
         rendered = self._rendered(marked, tools, enable_thinking, False)
         if (at := rendered.find(CONTINUE_MARK)) >= 0:  # its text may be in what the template writes after it
             return rendered[:at]
@@ -160,6 +160,7 @@ class ChatTemplate:
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]
+        said = any(m.role == "system" for m in messages)  # empty, it still keeps the template's default out
         if tools:  # the schemas first and the call rules last, unless verbatim: see the module's note
             schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
@@ -174,7 +175,7 @@ class ChatTemplate:
             opens = bool(turns) and turns[0]["role"] == "user"
             first = turns[0] if opens else {"role": "user", "content": ""}
             turns = [{**first, "content": f"{system}\n\n{first['content']}".rstrip()}, *turns[opens:]]
-        return ([{"role": "system", "content": system}] if system and self.takes_system else []) + turns
+        return ([{"role": "system", "content": system}] if (system or said) and self.takes_system else []) + turns
 
     def _turn(self, m: Message) -> dict[str, Any]:
         if m.role == "tool":
@@ -209,7 +210,8 @@ def _continued(rendered: str, final: Message) -> str:
     if at < 0:
         raise InvalidRequestError("messages", "the last message cannot be continued: it is not an assistant "
                                   "message whose text the chat template shows")
-    return rendered[: at + len(text)]
+    kept = final.content.lstrip()  # with its trailing spaces, where the template kept them (transformers' rule)
+    return rendered[: at + (len(kept) if rendered.startswith(kept, at) else len(text))]
 
 
 def turn_ends(tokenizer: Tokenizer) -> set[int]:
