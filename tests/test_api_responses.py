@@ -127,6 +127,22 @@ def test_allowed_tools_that_name_none_of_the_tools_say_so():
     assert err.value.param == "tool_choice.tools"
 
 
+@pytest.mark.parametrize("choice", [
+    {"type": "allowed_tools"}, {"type": "allowed_tools", "mode": "none", "tools": None},
+    {"type": "allowed_tools", "mode": "auto", "tools": []},
+])
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_an_allowed_tools_choice_that_lists_no_tools_is_refused(choice, tools):
+    """Open Responses requires its ``tools`` (one or more): without any, and without tools in the request,
+    it was taken, and echoed in a response its schema refuses."""
+    with pytest.raises(InvalidRequestError, match="lists the tools it allows") as err:
+        to_engine(_request(tools=tools, tool_choice=choice))
+    assert err.value.param == "tool_choice.tools"
+    named = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "spawn"}]}
+    with pytest.raises(InvalidRequestError, match="names none of the request's tools"):
+        to_engine(_request(tool_choice=named))  # and a request without tools has none of those it names
+
+
 @pytest.mark.parametrize(("entry", "names"), [
     ({"type": "local_shell"}, ["local_shell"]),  # a tool of no name, listed by its type: was a 400 "no tools"
     ({"type": "namespace", "name": "agents"}, ["spawn", "agents__exec_command"]),
@@ -362,8 +378,8 @@ def test_response_carries_the_open_responses_fields():
 def test_an_allowed_tools_choice_is_echoed_with_its_mode():
     """Open Responses requires ``mode`` in the response's allowed_tools choice; a request may leave it out."""
     choice = {"type": "allowed_tools", "tools": [{"type": "function", "name": "spawn"}]}
-    translator, _ = _stream(_request(tools=TOOLS, tool_choice=choice), [Finish("stop", USAGE, TIMINGS)])
-    assert translator.response().dump()["tool_choice"] == {**choice, "mode": "auto"}
+    translator, _ = _stream(_request(tools=TOOLS, tool_choice={**choice, "extra": 1}), [Finish("stop", USAGE, TIMINGS)])
+    assert translator.response().dump()["tool_choice"] == {**choice, "mode": "auto"}  # not a key the spec lacks
 
 
 def test_allowed_tools_limits_what_the_model_may_call():

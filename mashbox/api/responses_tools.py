@@ -227,9 +227,11 @@ def allowed_tools(choice: ToolChoice | None, tools: ToolMap) -> tuple[Tool, ...]
     """The tools the model may call: all, or those an ``allowed_tools`` choice lists."""
     if not isinstance(choice, ToolChoiceObject) or choice.type != "allowed_tools":
         return tuple(tools.tools)
-    names = set().union(*(tools.allowed(entry) for entry in choice.tools or ()))
+    if not choice.tools:
+        raise InvalidRequestError("tool_choice.tools", "an allowed_tools choice lists the tools it allows (one or more)")
+    names = set().union(*(tools.allowed(entry) for entry in choice.tools))
     allowed = tuple(t for t in tools.tools if t.name in names)
-    if tools.tools and not allowed and choice.mode != "none":
+    if not allowed and choice.mode != "none":
         raise InvalidRequestError("tool_choice.tools", "names none of the request's tools")
     return allowed
 
@@ -241,6 +243,7 @@ def echo_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
     name = choice.named()
     if name is not None and choice.type in ("function", "custom"):
         return {"type": choice.type, "name": name}
+    known = choice.model_dump(exclude_none=True, include=set(ToolChoiceObject.model_fields))  # not a field it ignored
     if choice.type == "allowed_tools":  # its mode is required in the response (default: auto)
-        return {**choice.model_dump(exclude_none=True), "mode": choice.mode or "auto"}
-    return choice.model_dump(exclude_none=True)
+        return {**known, "mode": choice.mode or "auto"}
+    return known
