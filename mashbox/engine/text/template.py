@@ -109,10 +109,12 @@ class ChatTemplate:
         if final.role != "assistant" or not final.content.strip():
             raise InvalidRequestError("messages", "the last message cannot be continued: it is not an assistant "
                                       "message with text")
-        marked = (*messages[:-1], replace(final, content=final.content + CONTINUE_MARK))  # its spaces kept
+        text = final.content.rstrip()
+        spaces = final.content[len(text):]  # kept where the template keeps them (transformers' rule: not trimmed)
+        marked = (*messages[:-1], replace(final, content=text + CONTINUE_MARK + spaces))
         rendered = self._rendered(marked, tools, enable_thinking, False)
         if (at := rendered.find(CONTINUE_MARK)) >= 0:  # its text may be in what the template writes after it
-            return rendered[:at]
+            return rendered[:at] + spaces * rendered.startswith(spaces, at + len(CONTINUE_MARK))
         return _continued(self._rendered(messages, tools, enable_thinking, False), final)
 
     def _rendered(self, messages: tuple[Message, ...], tools: tuple[Tool, ...], enable_thinking: bool | None,
