@@ -196,6 +196,11 @@ def test_ignored_fields():
     assert request.ignored_fields() == ["context_management", "metadata", "output_config.effort"]
 
 
+def test_a_messages_field_it_does_not_read_is_reported_as_chats_are():
+    messages = [{"role": "user", "content": "Hi", "name": "ann", "cache": None}]
+    assert _request(messages=messages).ignored_fields() == ["messages[].name"]
+
+
 def test_count_tokens_request():
     request = parse(CountTokensRequest, {"messages": USER, "system": "S", "max_tokens": 5})
     engine = to_engine(request)

@@ -204,10 +204,26 @@ def test_max_output_tokens_and_ignored_fields():
         "client_metadata", "include[reasoning.encrypted_content]", "reasoning.summary", "store", "truncation"]
 
 
-def test_empty_input_without_instructions_is_refused():
+def test_an_items_field_it_does_not_read_is_reported_but_those_its_answers_carry():
+    """An output item sent back (``id``, ``status``) says nothing; a field no item has is named."""
+    items = [{"role": "user", "content": "hi", "name": "ann"},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Hello"}]}]
+    assert _request(input=items).ignored_fields() == ["input[].name"]
+
+
+@pytest.mark.parametrize("instructions", [None, ""])
+def test_empty_input_without_instructions_is_refused(instructions):
     with pytest.raises(InvalidRequestError) as err:
-        to_engine(_request(input=[]))
+        to_engine(_request(input=[], instructions=instructions))
     assert err.value.param == "input"
+
+
+def test_empty_instructions_are_an_empty_system_text_as_an_empty_system_item_is():
+    """Either keeps the template's default system text out (Qwen's "You are Qwen..."): the instructions did not."""
+    assert to_engine(_request(instructions="")).messages[0] == Message("system", "")
+    assert to_engine(_request(input=[{"role": "system", "content": ""}, {"role": "user", "content": "hi"}])
+                     ).messages[0] == Message("system", "")
 
 
 ANSWER = [

@@ -52,6 +52,7 @@ from mashbox.api.base import (
     json_object,
     new_id,
     prefixed,
+    unread_fields,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.engine.events import Event, Finish, Usage
@@ -244,7 +245,7 @@ class CountTokensRequest(RequestModel):
     thinking: ThinkingConfig | None = None
 
     def _more_ignored(self) -> list[str]:
-        return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()]
+        return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()] + unread_fields("messages", self.messages)
 
     @model_validator(mode="after")
     def _choice_runs_here(self) -> CountTokensRequest:

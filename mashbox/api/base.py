@@ -207,6 +207,16 @@ def json_object(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def unread_fields(where: str, parts: Any, said: frozenset[str] = frozenset()) -> list[str]:
+    """``where[].key`` for each field with a value that one of ``parts`` (a request's messages or items)
+    has and does not read (an assistant's ``audio``, ``annotations``: not in its prompt), but those the
+    protocol's own answers carry back (``said``: an output item's ``id`` and ``status``)."""
+    if not isinstance(parts, list):
+        return []
+    return sorted({f"{where}[].{k}" for p in parts if isinstance(p, BaseModel)
+                   for k, v in (p.model_extra or {}).items() if v not in (None, "", [], {}) and k not in said})
+
+
 def parameters_of(schema: dict[str, Any] | None) -> dict[str, Any]:
     """A function tool's parameters; omitted, none at all (OpenAI: an empty parameter list), where an
     empty schema would let the call's grammar write any object."""

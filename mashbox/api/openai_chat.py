@@ -26,6 +26,7 @@ from mashbox.api.base import (
     parameters_of,
     prefixed,
     refuse_logprobs,
+    unread_fields,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.api.chat_output import (
@@ -176,9 +177,8 @@ class ChatRequest(RequestModel, LogitBias, SamplingFields):
     def _more_ignored(self) -> list[str]:
         kwargs = self.chat_template_kwargs or {}
         skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
-        unread = {f"messages[].{k}" for m in self.messages for k, v in (m.model_extra or {}).items()
-                  if v not in (None, "", [], {})}  # an assistant's ``audio``, ``annotations``: not in its prompt
-        return skipped + sorted(unread) + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
+        return (skipped + unread_fields("messages", self.messages)
+                + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"])
 
     def thinking(self) -> bool | None:
         kwargs = self.chat_template_kwargs or {}

@@ -36,6 +36,7 @@ from mashbox.api.base import (
     now,
     prefixed,
     refuse_logprobs,
+    unread_fields,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.api.responses_items import InputItem, to_messages
@@ -112,6 +113,9 @@ class TextConfig(Part):
         return value
 
 
+ITEM_FIELDS = frozenset({"id", "status"})  # an output item's, sent back in the next turn's input
+
+
 class ResponsesRequest(RequestModel, SamplingFields):
     accepted_ignored = ("store", "client_metadata")
 
@@ -157,7 +161,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
     def _more_ignored(self) -> list[str]:
         include = [f"include[{entry}]" for entry in self.include or ()]
         summary = ["reasoning.summary"] if self.reasoning and self.reasoning.summary else []
-        return skipped(self.tools, self.tool_choice) + include + summary
+        return skipped(self.tools, self.tool_choice) + include + summary + unread_fields("input", self.input, ITEM_FIELDS)
 
     def tool_map(self) -> ToolMap:
         return ToolMap(self.tools)
@@ -166,7 +170,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
 def to_engine(req: ResponsesRequest) -> EngineRequest:
     tools = req.tool_map()
     messages = to_messages(req.input, tools)
-    if req.instructions:
+    if req.instructions or (req.instructions is not None and messages):  # "": no system text, nor the template's
         messages.insert(0, Message("system", req.instructions))
     if not messages:
         raise InvalidRequestError("input", "must hold at least one item")
