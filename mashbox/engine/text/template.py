@@ -162,7 +162,6 @@ class ChatTemplate:
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
         parts = [m.content for m in messages if m.role == "system" and m.content]
-        said = any(m.role == "system" for m in messages)  # empty, it still keeps the template's default out
         if tools:  # the schemas first and the call rules last, unless verbatim: see the module's note
             schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
@@ -177,6 +176,7 @@ class ChatTemplate:
             opens = bool(turns) and turns[0]["role"] == "user"
             first = turns[0] if opens else {"role": "user", "content": ""}
             turns = [{**first, "content": f"{system}\n\n{first['content']}".rstrip()}, *turns[opens:]]
+        said = any(m.role == "system" for m in messages) and turns  # empty, it keeps the template's default out
         return ([{"role": "system", "content": system}] if (system or said) and self.takes_system else []) + turns
 
     def _turn(self, m: Message) -> dict[str, Any]:
