@@ -110,7 +110,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--kv-dtype", choices=("f16", "q8_0"), default=None,
                      help="how the KV cache keeps keys and values: f16, or q8_0 (int8 with a scale for each 32, "
                           "about half the memory, as llama.cpp's -ctk/-ctv q8_0; CPU only) (default: f16 with "
-                          "mashbox's CPU kernels, else the weights' float dtype: bfloat16 on CUDA)")
+                          "mashbox's CPU kernels, else float32 on CPU and the weights' dtype on CUDA: bfloat16)")
     run.add_argument("--verbatim-template", action="store_true",
                      help="render the model's chat template as written; by default tools that a template puts "
                           "after the system text come before it, so an agent's tools stay cached when its "

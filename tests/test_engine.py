@@ -4,6 +4,7 @@ strings, UTF-8, limits, cancellation, async, and request validation."""
 import asyncio
 import linecache
 import math
+import os
 import re
 import threading
 import time
@@ -691,7 +692,8 @@ def test_free_memory_is_read_from_meminfo_and_the_refusal_says_what_fits(tmp_pat
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    8000000 kB\n")
     none = tmp_path / "none"
     assert room(torch.device("cpu"), meminfo, none) == (8000000 * 1024, "this machine")
-    assert room(torch.device("cpu"), none, none)[0] is None
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # macOS has no /proc/meminfo: its RAM
+    assert room(torch.device("cpu"), none, none) == (physical, "this machine (in all: what is free cannot be read here)")
     check_fits(1024, 4, 256, 1024 * 4 * 256, "this machine")  # exactly fits
     check_fits(10**9, 4, 256, None, "this machine")  # unknown: not refused
     with pytest.raises(ConfigError, match=r"needs 1\.0 GiB of KV cache but this machine has 0\.5 GiB free; "

@@ -1,6 +1,7 @@
 """mashbox's compiled CPU kernels against torch references, and the batch invariance they promise."""
 
 import ctypes
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from mashbox import SamplingParams
 from mashbox.engine.load.checkpoint import Checkpoint, Tensors
 from mashbox.engine.model import native
 from mashbox.engine.model.form import Form, decide
+from mashbox.errors import ConfigError
 from mashbox.engine.model.kv_cache import BLOCK, KVCache, _pairs, _rows
 from mashbox.engine.model.ops import NativeOps, TorchOps
 from mashbox.engine.model.packed import Packer
@@ -347,10 +349,27 @@ def test_gguf_blocks_are_the_cpu_default_and_the_fallback_works_without_kernels(
         assert native.load() is None
         assert decide(cpu, None, batch_invariant=True).mode in ("packed", "tiled")
         assert decide(cpu, "float32", batch_invariant=True).kv_dtype == torch.float32
-        with pytest.raises(ValueError, match="dtype: int8"):
-            decide(cpu, "int8", batch_invariant=True)
+        with pytest.raises(ConfigError, match=r"dtype: int8 .* which are off here \(MASHBOX_NATIVE=0\)"):
+            decide(cpu, "int8", batch_invariant=True)  # a ValueError, "no C compiler" where there was one
+        with pytest.raises(ConfigError, match=r"kv_dtype: q8_0 .* off here \(MASHBOX_NATIVE=0\); use f16"):
+            decide(cpu, None, True, "q8_0")
+        with pytest.raises(ConfigError, match=r"use float16 \(packed\) or float32$"):  # not int8, refused above
+            decide(cpu, "bfloat16", True)
     finally:
         monkeypatch.delenv("MASHBOX_NATIVE")
+        native.load.cache_clear()
+
+
+def test_kernels_off_say_why_in_the_log(monkeypatch, caplog):
+    """Off Linux (a Mac) or with MASHBOX_NATIVE=0 nothing said the kernels were off: only a missing compiler did."""
+    monkeypatch.setattr(native.platform, "system", lambda: "Darwin")
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="mashbox.engine"):
+            assert native.load() is None
+        assert "CPU kernels are off (they are built on Linux only, not Darwin): torch's are used" in caplog.text
+    finally:
+        monkeypatch.undo()
         native.load.cache_clear()
 
 

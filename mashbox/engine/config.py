@@ -38,8 +38,9 @@ class EngineConfig:
     ``batch_invariant`` (fixed-shape matmul tiles, slower alone); fbgemm's fp16
     kernel does not promise it on every CPU.
     ``kv_dtype``: how the KV cache keeps keys and values: unset (fp16 beside mashbox's CPU kernels,
-    else the floats' dtype), ``f16``, or ``q8_0`` (int8 with an fp16 scale for each 32, as llama.cpp's
-    ``-ctk/-ctv q8_0``: ~0.53x the memory; mashbox's CPU kernels only).
+    else the activations' dtype: float32 on CPU, bfloat16 on CUDA), ``f16``, or ``q8_0`` (int8 with
+    an fp16 scale for each 32, as llama.cpp's ``-ctk/-ctv q8_0``: ~0.53x the memory; mashbox's CPU
+    kernels only).
     ``cuda_graphs``: on CUDA, steps of one-token rows run at fixed shapes, each
     shape captured once as a CUDA graph and replayed (one launch a step).
     ``verbatim_template``: render the model's chat template exactly as written; by default, where the

@@ -97,8 +97,8 @@ def decide(device: torch.device, dtype: str | None, batch_invariant: bool, kv_dt
     mashbox's CPU kernels run the model: they write and read its rows)."""
     form = replace(_weights(device, dtype, batch_invariant), kv=kv_dtype)
     if kv_dtype == "q8_0" and form.lib is None:
-        raise ConfigError("kv_dtype: q8_0 needs mashbox's CPU kernels (a CPU device, a C compiler, and int8 or "
-                         "GGUF weights); use f16")
+        raise ConfigError("kv_dtype: q8_0 needs mashbox's CPU kernels (a CPU device, and int8 or GGUF weights)"
+                          f"{_kernels_off(device)}; use f16")
     return form
 
 
@@ -118,16 +118,24 @@ def _weights(device: torch.device, dtype: str | None, batch_invariant: bool) -> 
     if dtype in (None, *INT8) and native.load() is not None:
         return Form(device, torch.float32, "gguf" if dtype is None else "q8")
     if dtype in INT8:
-        raise ValueError("dtype: int8 weights need mashbox's CPU kernels, which could not be built here "
-                         "(no C compiler, or MASHBOX_NATIVE=0); use float16 or float32")
+        raise ConfigError(f"dtype: int8 weights need mashbox's CPU kernels{_kernels_off(device)}; use float16 "
+                          "or float32")
     from mashbox.engine.model.weights import fbgemm_available
 
     asked = None if dtype is None else pick_dtype(dtype, device)
     if asked in (None, torch.float16) and fbgemm_available():
         return Form(device, torch.float32, "packed")
     if asked not in (None, torch.float16, torch.float32):
-        raise ConfigError(f"dtype: {dtype!r} is not supported on CPU; use int8, float16 (packed) or float32")
+        choices = "int8, float16 (packed)" if native.load() is not None else "float16 (packed)"
+        raise ConfigError(f"dtype: {dtype!r} is not supported on CPU; use {choices} or float32")
     return Form(device, torch.float32, "tiled" if batch_invariant else "plain")
+
+
+def _kernels_off(device: torch.device) -> str:
+    """Why mashbox's CPU kernels are not there, for a refusal that needs them ("" where they are)."""
+    if device.type != "cpu" or native.load() is not None:
+        return ""
+    return f", which are off here ({native.off() or 'their build failed: the log says why'})"
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

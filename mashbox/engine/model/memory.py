@@ -3,6 +3,7 @@ so that a context too large for the machine is one clear error, not minutes of a
 
 from __future__ import annotations
 
+import os
 import resource
 from pathlib import Path
 
@@ -25,7 +26,10 @@ def room(device: torch.device, meminfo: Path = Path("/proc/meminfo"), cgroups: P
     address-space limit (``ulimit -v``) leaves."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0], str(device)
-    rooms = [(_machine_room(meminfo), "this machine"), (_address_room(), "this process's address space (ulimit -v)"),
+    machine = _machine_room(meminfo)
+    whole = (_physical(), "this machine (in all: what is free cannot be read here)")
+    rooms = [(machine, "this machine") if machine is not None else whole,
+             (_address_room(), "this process's address space (ulimit -v)"),
              *((free, "this process's cgroup (its memory limit)") for free in _cgroup_rooms(cgroups, root))]
     known = [(free, where) for free, where in rooms if free is not None]
     return min(known) if known else (None, "this machine")
@@ -38,6 +42,14 @@ def _machine_room(meminfo: Path) -> int | None:
         return None
     found = [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
     return found[0] if found else None
+
+
+def _physical() -> int | None:
+    """The machine's whole memory, where its free memory cannot be read (no /proc/meminfo: macOS)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 # a cgroup's files: its limit, its use, and the file cache in its use that can be let go (v2, then v1)

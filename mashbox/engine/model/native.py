@@ -51,18 +51,26 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-pthread", "-f
 
 @cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, building them if needed; None where they cannot be built."""
-    if os.environ.get("MASHBOX_NATIVE", "1") == "0" or platform.system() != "Linux":
+    """The compiled kernels, building them if needed; None where they cannot be built (``off``, or a build
+    that failed: logged)."""
+    if (why := off()) is not None:
+        log.info("mashbox's CPU kernels are off (%s): torch's are used", why)
         return None
     compiler = find_compiler()
-    if compiler is None:
-        log.info("no C compiler found: mashbox's CPU kernels are off, torch's are used")
-        return None
     try:
         return bind(ctypes.CDLL(str(_build(compiler))))
     except (OSError, subprocess.SubprocessError, ConfigError) as err:
         log.warning("mashbox's CPU kernels could not be built (%s): torch's are used", _why(err))
         return None
+
+
+def off() -> str | None:
+    """Why the kernels are not built here, before trying (None: they are tried)."""
+    if os.environ.get("MASHBOX_NATIVE", "1") == "0":
+        return "MASHBOX_NATIVE=0"
+    if platform.system() != "Linux":
+        return f"they are built on Linux only, not {platform.system()}"
+    return None if find_compiler() else "no C compiler found"
 
 
 def _why(err: Exception) -> str:
