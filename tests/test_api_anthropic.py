@@ -196,6 +196,13 @@ def test_ignored_fields():
     assert request.ignored_fields() == ["context_management", "metadata", "output_config.effort"]
 
 
+@pytest.mark.parametrize("system", ["", []])
+def test_an_empty_system_is_an_empty_system_text_as_chats_is(system):
+    """It keeps the template's default system text out (Qwen's "You are Qwen..."), as on Chat and Responses."""
+    assert to_engine(_request(system=system)).messages[0] == Message("system", "")
+    assert to_engine(_request()).messages[0].role == "user"
+
+
 def test_a_messages_field_it_does_not_read_is_reported_as_chats_are():
     messages = [{"role": "user", "content": "Hi", "name": "ann", "cache": None}]
     assert _request(messages=messages).ignored_fields() == ["messages[].name"]

@@ -309,7 +309,7 @@ def _prefilled(final: Message) -> bool:
 def _system(system: str | list[TextBlock] | None) -> tuple[Message, ...]:
     if isinstance(system, list):
         system = "\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER))
-    return (Message("system", system),) if system else ()
+    return () if system is None else (Message("system", system),)  # "": no system text, nor the template's
 
 
 def _tool_choice(choice: ToolChoice | None) -> EngineToolChoice:
