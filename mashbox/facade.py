@@ -36,9 +36,9 @@ from mashbox.api.params import (
     MessagesParams,
     ResponsesParams,
 )
-from mashbox.api.protocols import PROTOCOLS, prepare
+from mashbox.api.protocols import PROTOCOLS, prepare, start_usage
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.events import CLOSED, Event, Finish, Queued, Started, Usage
+from mashbox.engine.events import CLOSED, Event, Finish, Queued
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import (
@@ -235,7 +235,7 @@ def _translated(translator: Any, events: Iterator[Event], tells_cache: bool) -> 
     try:
         first = next(events)  # Queued: the prompt's length, before any output
         started = next(events) if tells_cache and isinstance(first, Queued) else None
-        yield from translator.start(_prompt(first, started))
+        yield from translator.start(start_usage(first, started))
         yield from translator.feed(first)
         if started is not None:
             _stopped(started)
@@ -251,7 +251,7 @@ async def _atranslated(translator: Any, events: AsyncIterator[Event], tells_cach
     try:
         first = await anext(events)
         started = await anext(events) if tells_cache and isinstance(first, Queued) else None
-        for item in [*translator.start(_prompt(first, started)), *translator.feed(first)]:
+        for item in [*translator.start(start_usage(first, started)), *translator.feed(first)]:
             yield item
         if started is not None:
             _stopped(started)
@@ -263,13 +263,6 @@ async def _atranslated(translator: Any, events: AsyncIterator[Event], tells_cach
                 yield item
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-
-
-def _prompt(first: Event, started: Event | None) -> Usage | None:
-    """The prompt's tokens as known before any output, and those the prefix cache served once ``started``."""
-    if not isinstance(first, Queued):
-        return None
-    return Usage(first.prompt_tokens, 0, started.cached if isinstance(started, Started) else 0)
 
 
 def _merge(request: Any, fields: dict[str, Any], model: type[BaseModel], method: str) -> Mapping[str, Any]:

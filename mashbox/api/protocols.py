@@ -23,6 +23,7 @@ from mashbox.api import (
 )
 from mashbox.api.base import RequestModel, parse
 from mashbox.api.frames import COMMENT, DONE, PING, data_frame, event_frame
+from mashbox.engine.events import Event, Queued, Started, Usage
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 
@@ -86,3 +87,11 @@ def counting(body: Mapping[str, Any]) -> Prepared:
     """The engine request whose prompt an Anthropic count_tokens body counts, and the fields it ignores."""
     req = parse(anthropic_messages.CountTokensRequest, body)
     return Prepared(req, anthropic_messages.to_engine(req), req.ignored_fields())
+
+
+def start_usage(first: Event, started: Event | None) -> Usage | None:
+    """What a stream's first frame tells of its usage: the prompt's tokens, as known before any output
+    (``first``: the run's first event), and those the prefix cache served once it had a slot (``started``)."""
+    if not isinstance(first, Queued):
+        return None
+    return Usage(first.prompt_tokens, 0, started.cached if isinstance(started, Started) else 0)

@@ -28,8 +28,8 @@ from litestar.types import Receive
 
 from mashbox.api.base import RequestModel
 from mashbox.api.frames import COMMENT
-from mashbox.api.protocols import Protocol, prepare
-from mashbox.engine.events import Event, Finish, Queued, Started, Usage
+from mashbox.api.protocols import Protocol, prepare, start_usage
+from mashbox.engine.events import Event, Finish, Queued, Started
 from mashbox.engine.request import EngineRequest
 from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError
 from mashbox.server import security
@@ -236,7 +236,7 @@ class Run:
         if self._protocol.start_tells_cache and isinstance(first, Queued):
             async for comment in self._until_slot():
                 yield comment
-        yield self._encode(translator.start(self._prompt(first)))
+        yield self._encode(translator.start(start_usage(first, self._started)))
         try:
             event = first
             while isinstance(event, Queued) or _lost(event):  # no output yet: it may be sent again
@@ -327,13 +327,6 @@ class Run:
         if isinstance(event, Finish):
             self._finish = event
         return event
-
-    def _prompt(self, first: Event) -> Usage | None:
-        """The prompt's tokens as known before any output (``first``: the run's first event), and those
-        the prefix cache served once it has a slot."""
-        if not isinstance(first, Queued):
-            return None
-        return Usage(first.prompt_tokens, 0, self._started.cached if self._started else 0)
 
     def cache(self) -> str:
         """How the prompt met the prefix cache: ``cached=N`` tokens, and where it left a longer
