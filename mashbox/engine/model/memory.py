@@ -27,8 +27,7 @@ def room(device: torch.device, meminfo: Path = Path("/proc/meminfo"), cgroups: P
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0], str(device)
     machine = _machine_room(meminfo)
-    whole = (_physical(), "this machine (in all: what is free cannot be read here)")
-    rooms = [(machine, "this machine") if machine is not None else whole,
+    rooms = [(machine, "this machine") if machine is not None else (_physical(), WHOLE),
              (_address_room(), "this process's address space (ulimit -v)"),
              *((free, "this process's cgroup (its memory limit)") for free in _cgroup_rooms(cgroups, root))]
     known = [(free, where) for free, where in rooms if free is not None]
@@ -42,6 +41,9 @@ def _machine_room(meminfo: Path) -> int | None:
         return None
     found = [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
     return found[0] if found else None
+
+
+WHOLE = "this machine (in all: what is free cannot be read here)"
 
 
 def _physical() -> int | None:
