@@ -138,3 +138,22 @@ def test_a_grammar_that_cannot_go_on_fails_the_request_naming_the_tools(oai, cla
     with pytest.raises(openai.APIError, match="cannot be enforced"):  # the stream's error chunk
         list(oai.chat.completions.create(model="smollm2-135m", messages=messages, tools=tools, tool_choice="required",
                                          max_tokens=64, stream=True))
+
+
+def test_two_tools_of_one_name_are_refused_on_every_protocol(oai, claude):
+    """Each was answered with a call held to whichever schema came first: the client could not tell which
+    of its two tools was meant (Anthropic's API, and the tasks API here, refuse such a list)."""
+    zip_code = {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}
+    messages = [{"role": "user", "content": ASK}]
+    with pytest.raises(openai.BadRequestError, match="two tools are named 'get_weather'") as err:
+        oai.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=8, tools=[
+            {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}},
+            {"type": "function", "function": {"name": "get_weather", "parameters": zip_code}}])
+    assert err.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="two tools are named 'get_weather'"):
+        oai.responses.create(model="smollm2-135m", input=ASK, max_output_tokens=16, tools=[
+            {"type": "function", "name": "get_weather", "parameters": PARAMETERS},
+            {"type": "function", "name": "get_weather", "parameters": zip_code}])
+    with pytest.raises(anthropic.BadRequestError, match="two tools are named 'get_weather'"):
+        claude.messages.create(model="m", max_tokens=8, messages=messages, tools=[
+            {"name": "get_weather", "input_schema": PARAMETERS}, {"name": "get_weather", "input_schema": zip_code}])

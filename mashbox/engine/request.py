@@ -181,5 +181,9 @@ class EngineRequest:
             if kind is not None and not object_typed(tool.parameters):
                 raise ValueError(f"tools: the tool {tool.name!r}: its parameters must be an object schema "
                                  f"(type 'object', not {kind!r})")
+        names = [tool.name for tool in self.tools]
+        if twice := next((name for i, name in enumerate(names) if name in names[:i]), None):
+            raise ValueError(f"tools: two tools are named {twice!r}: a call could not say which one it means "
+                             "(give each tool a name of its own)")
         if isinstance(self.tool_choice, Named) and all(t.name != self.tool_choice.name for t in self.tools):
             raise ValueError(f"tool_choice: names a tool that is not in tools: {self.tool_choice.name!r}")
