@@ -51,6 +51,8 @@ TABLE = [
     ("x <tool_call>{\"name\": \"f\", \"argu", {}, [("text", "x <tool_call>{\"name\": \"f\", \"argu")]),
     ("less < than <tool and <tool_cal", {}, [("text", "less < than <tool and <tool_cal")]),
     ("tags " + CALL, {"calls": None}, [("text", "tags " + CALL)]),
+    ('<tool_call>\n{"name": "save", "arguments": {"text": "a</tool_call>b \\"</tool_call>\\""}}\n</tool_call>', {},
+     [("call", 0, "save", {"text": 'a</tool_call>b "</tool_call>"'})]),  # its closing tag inside its strings
 ]
 
 

@@ -157,3 +157,14 @@ def test_two_tools_of_one_name_are_refused_on_every_protocol(oai, claude):
     with pytest.raises(anthropic.BadRequestError, match="two tools are named 'get_weather'"):
         claude.messages.create(model="m", max_tokens=8, messages=messages, tools=[
             {"name": "get_weather", "input_schema": PARAMETERS}, {"name": "get_weather", "input_schema": zip_code}])
+
+
+def test_a_forced_call_whose_arguments_hold_its_closing_tag_is_that_call(oai):
+    """A file's text an agent writes may hold `</tool_call>`: the call ended there and came back as text."""
+    text = {"type": "object", "properties": {"text": {"const": "a</tool_call>b"}}, "required": ["text"]}
+    tools = [{"type": "function", "function": {"name": "save", "parameters": text}}]
+    answer = oai.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Save it."}],
+                                         tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=60)
+    assert answer.choices[0].finish_reason == "tool_calls", answer
+    assert json.loads(answer.choices[0].message.tool_calls[0].function.arguments) == {"text": "a</tool_call>b"}

@@ -217,6 +217,9 @@ class Markup:
             self.held = buf[len(buf) - keep :]
             return ""
         at, tag = hit
+        if self.state == "call" and _in_string(self.body + buf[:at]):  # a call's closing tag inside one of its
+            self._emit(buf[: at + len(tag)], events)  # strings (a file's text it writes) is that string's
+            return buf[at + len(tag) :]
         self._emit(buf[:at], events)
         if self.after:
             return self._resume(buf[at:])
@@ -483,6 +486,19 @@ def _past(text: str, at: int, separator: str) -> int:
         at += len(separator)
         at += len(text[at:]) - len(text[at:].lstrip())
     return at
+
+
+def _in_string(text: str) -> bool:
+    """Whether ``text``, a call's JSON so far, ends inside one of its strings."""
+    inside = escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = inside
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def _left_open(text: str) -> bool:
