@@ -23,7 +23,7 @@ from mashbox import (
     Tool,
 )
 from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
-from mashbox.engine.request import ToolCall
+from mashbox.engine.request import Named, ToolCall
 from mashbox.engine.text.grammar import Grammars
 from mashbox.engine.text.markup import Markup, looping_call
 from mashbox.engine.text.tokenizer import Tokenizer
@@ -490,6 +490,30 @@ def test_a_schema_that_cannot_be_enforced_names_its_tool(tiny_engine):
     with pytest.raises(InvalidRequestError, match="the tool 'lost': ") as err:
         tiny_engine.grammars.for_tools((good, bad), "required")
     assert "'/$defs/Nope'" in err.value.message  # the tool's own pointer, not where mashbox keeps its schema
+
+
+def test_a_lone_tool_that_cannot_be_enforced_is_named_with_its_own_words(tiny_engine):
+    """The error named neither the tool nor its property, but the key mashbox wraps arguments in."""
+    never = Tool("save", "", {"type": "object", "properties": {"n": {"enum": []}}, "required": ["n"]})
+    with pytest.raises(InvalidRequestError, match="the tool 'save': ") as err:
+        tiny_engine.grammars.for_tools((never,), Named("save"))
+    assert "'n'" in err.value.message and "'arguments'" not in err.value.message, err.value.message
+
+
+def test_references_in_a_schemas_data_are_data(tiny_engine):
+    """A ``$ref`` inside ``const`` or ``enum`` is a value to write as it is: it was pointed at where mashbox
+    keeps the tool's schema, and the call wrote that, against the tool's own schema."""
+    import jsonschema
+
+    parameters = {"type": "object", "$defs": {"N": {"type": "integer", "enum": [1, 2]}}, "required": ["n", "c", "e"],
+                  "properties": {"n": {"$ref": "#/$defs/N"}, "c": {"const": {"$ref": "#/$defs/N"}},
+                                 "e": {"enum": [{"$ref": "#/x"}]}}, "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "save", "parameters": parameters}}]
+    answer = tiny_engine.chat(messages=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                              max_tokens=120)
+    arguments = json.loads(answer.choices[0].message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, parameters)
+    assert arguments["c"] == {"$ref": "#/$defs/N"}
 
 
 @pytest.mark.parametrize(("parameters", "arguments", "whole"), [

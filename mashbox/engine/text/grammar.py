@@ -148,20 +148,28 @@ def _kept(tool: Tool, name: str, defs: dict[str, Any]) -> dict[str, Any] | None:
     return {"$ref": f"#/$defs/{name}"}
 
 
-def _refers(node: Any) -> bool:
-    if isinstance(node, dict):
-        return str(node.get("$ref", "")).startswith("#") or any(_refers(v) for v in node.values())
-    return isinstance(node, list) and any(_refers(v) for v in node)
+def _refers(node: Any, names: bool = False) -> bool:
+    """Whether a schema holds a local reference (``#...``); not in its data (``const``, ``enum``, ...).
+    ``names``: ``node`` maps names to schemas (``properties``), its keys are no keywords."""
+    if isinstance(node, list):
+        return any(_refers(v) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if not names and isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+        return True
+    return any(_refers(v, k in NAMED_SCHEMAS and not names) for k, v in node.items() if names or k not in DATA)
 
 
-def _pointed(node: Any, root: str) -> Any:
-    """``node`` with each local reference (``#...``) made relative to ``root``."""
+def _pointed(node: Any, root: str, names: bool = False) -> Any:
+    """``node`` with each local reference (``#...``) made relative to ``root``; its data (``const``,
+    ``enum``, ...) as it is."""
     if isinstance(node, list):
         return [_pointed(v, root) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _pointed(v, root) for k, v in node.items()}
-    if isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+    out = {k: v if k in DATA and not names else _pointed(v, root, k in NAMED_SCHEMAS and not names)
+           for k, v in node.items()}
+    if not names and isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
         out["$ref"] = root + ref[1:]
     return out
 
@@ -230,12 +238,21 @@ class Grammars:
         try:
             return self._calls(tools, many, tags)
         except InvalidRequestError as err:  # which tool: the first that cannot be enforced alone
-            for tool in tools if len(tools) > 1 else ():
+            for tool in tools:
                 try:
                     self._calls((tool,), many, tags)
                 except InvalidRequestError as alone:
-                    raise InvalidRequestError("tools", f"the tool {tool.name!r}: {alone.message}") from None
+                    raise InvalidRequestError("tools", f"the tool {tool.name!r}: {self._why(tool, alone)}") from None
             raise err from None
+
+    def _why(self, tool: Tool, error: InvalidRequestError) -> str:
+        """Why ``tool``'s call cannot be enforced: in the words of its parameters alone where they fail too
+        (a call's error may only say that its ``arguments`` cannot be written, a key of mashbox's wrapping)."""
+        try:
+            Constraint(self.tokenizer, f"start: %json {json.dumps({**arguments_schema(tool), 'x-guidance': TOOL_JSON})}\n")
+        except InvalidRequestError as alone:
+            return alone.message
+        return error.message
 
     def _calls(self, tools: tuple[Tool, ...], many: bool, tags: tuple[str, str, str, str]) -> Constraint:
         if self._source.token_id(self.calls.args or None) is not None:
