@@ -119,6 +119,15 @@ def test_enable_thinking(fields, thinking):
     assert to_engine(_request(**fields)).enable_thinking is thinking
 
 
+@pytest.mark.parametrize("value", ["false", 0, [1], {"a": 1}])
+def test_enable_thinking_in_template_kwargs_is_typed(value):
+    """It was taken as it came: the string "false" turned thinking on (the engine reads "not False")."""
+    with pytest.raises(InvalidRequestError) as err:
+        _request(chat_template_kwargs={"enable_thinking": value})
+    assert err.value.param == "chat_template_kwargs.enable_thinking"
+    assert _request(chat_template_kwargs={"enable_thinking": None, "x": 1}).ignored_fields() == ["chat_template_kwargs.x"]
+
+
 def test_sampling_fields():
     request = _request(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3, repetition_penalty=1.1,
                        frequency_penalty=0.5, presence_penalty=-0.5, max_tokens=10,

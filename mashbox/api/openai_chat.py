@@ -136,6 +136,12 @@ class Prediction(Part):
     content: str | list[TextPart]
 
 
+class TemplateKwargs(Part):
+    """vLLM's ``chat_template_kwargs``: mashbox reads ``enable_thinking``; other keys are reported unread."""
+
+    enable_thinking: bool | None = None
+
+
 class ChatRequest(RequestModel, LogitBias, SamplingFields):
     accepted_ignored = ("merge", "store")
 
@@ -146,7 +152,7 @@ class ChatRequest(RequestModel, LogitBias, SamplingFields):
     parallel_tool_calls: bool | None = None
     stream: Stream = False
     stream_options: StreamOptions | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     enable_thinking: bool | None = None
     merge: bool | None = None
     prompt_cache_key: str | None = None
@@ -175,14 +181,13 @@ class ChatRequest(RequestModel, LogitBias, SamplingFields):
         return value
 
     def _more_ignored(self) -> list[str]:
-        kwargs = self.chat_template_kwargs or {}
+        kwargs = self.chat_template_kwargs.model_extra or {} if self.chat_template_kwargs else {}
         skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
-        return (skipped + unread_fields("messages", self.messages)
-                + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"])
+        return skipped + unread_fields("messages", self.messages) + [f"chat_template_kwargs.{k}" for k in kwargs]
 
     def thinking(self) -> bool | None:
-        kwargs = self.chat_template_kwargs or {}
-        return kwargs.get("enable_thinking", self.enable_thinking)
+        kwargs = self.chat_template_kwargs
+        return kwargs.enable_thinking if kwargs and "enable_thinking" in kwargs.model_fields_set else self.enable_thinking
 
 
 def to_engine(req: ChatRequest) -> EngineRequest:
