@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -162,3 +163,11 @@ class OpenResponses:
     def _validate(self, name: str, value: dict) -> None:
         schema = {"$ref": f"#/components/schemas/{name}", "components": self._components}
         jsonschema.Draft202012Validator(schema).validate(value)
+
+
+def undescribed(doc: dict, path: str, method: str, response: httpx.Response) -> list[str]:
+    """How ``response``'s JSON body fails the schema ``doc`` (the server's /openapi.json) gives ``path``'s
+    ``method`` for its status ([] where it fits)."""
+    answer = doc["paths"][path][method]["responses"][str(response.status_code)]
+    schema = {**answer["content"]["application/json"]["schema"], "components": doc["components"]}
+    return [error.message for error in jsonschema.Draft202012Validator(schema).iter_errors(response.json())]

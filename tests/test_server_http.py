@@ -12,7 +12,7 @@ import httpx
 import pytest
 from anthropic.types import ModelInfo
 from openapi_spec_validator import validate
-from server import frames
+from server import frames, undescribed
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 MESSAGE = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -443,6 +443,21 @@ def test_openapi_names_the_id_a_model_from_a_path_is_served_under(tmp_path):
             assert document(backend.model_id, "0")["info"]["x-model"] == "My-Model.Q4_1"
         finally:
             backend.close()
+
+
+def test_answers_fit_what_the_document_says_of_their_status(http, loading, tiny_server):
+    """Anthropic's model shapes (a client that sends anthropic-version), a 403 on /health (said to be a Health
+    body) and a 503 from /v1/models while loading (not said at all) were answers the document did not describe."""
+    doc = http.get("/openapi.json").json()
+    anthropic = {"anthropic-version": "2023-06-01"}
+    model = f"/v1/models/{tiny_server.backend.model_id}"
+    for path, response in [("/v1/models", http.get("/v1/models")), ("/v1/models", http.get("/v1/models", headers=anthropic)),
+                           ("/v1/models/{model}", http.get(model, headers=anthropic)),
+                           ("/health", http.get("/health", headers={"Origin": "http://elsewhere.example"})),
+                           ("/v1/models", loading.get("/v1/models")),
+                           ("/v1/models/{model}", loading.get("/v1/models/x"))]:
+        assert response.status_code in (200, 403, 503)
+        assert not undescribed(doc, path, "get", response), (path, response.status_code, response.text)
 
 
 def test_openapi_describes_every_route(http):

@@ -20,7 +20,7 @@ import agentlin_client
 import httpx
 import jsonschema
 import pytest
-from server import frames, serve
+from server import frames, serve, undescribed
 
 from mashbox.api.local_tasks import function_tool, prepare, run_async, run_sync
 from mashbox.engine.events import (
@@ -248,6 +248,17 @@ def test_a_cancel_with_no_body_and_no_headers_is_taken(url, tasks):
     assert head.startswith(b"HTTP/1.1 200 "), answer
     result = json.loads(body)["result"]
     assert result["status"] == "canceled" and result["usage"]["input_tokens"] > 5
+
+
+def test_an_action_answer_fits_the_document(url, tasks):
+    """A cancel's answer holds the task's fields beside the envelope's: the document said an envelope of
+    no other fields."""
+    task = tasks.create(stream=False, user_message_content="Tell a long story.", extra_body={"background": True},
+                        inference_args={"max_tokens": 400}).result
+    answer = httpx.post(url + f"/v1/tasks/{task.id}/cancel", timeout=60)
+    assert answer.status_code == 200 and answer.json()["status"] == "canceled", answer.text
+    doc = httpx.get(url + "/openapi.json").json()
+    assert not undescribed(doc, "/v1/tasks/{task_id}/cancel", "post", answer)
 
 
 def test_pause_and_resume(url, tasks, smol_engine):

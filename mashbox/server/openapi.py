@@ -14,7 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 from mashbox.api import anthropic_messages, anthropic_output, chat_output, openai_chat, openai_completions
 from mashbox.api import openai_responses, responses_output, task_events, task_items
-from mashbox.server.models import Model, ModelList
+from mashbox.server.models import AnthropicModel, AnthropicModelList, Model, ModelList
 
 REF = "#/components/schemas/{model}"
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -55,6 +55,7 @@ class Route(NamedTuple):
     request: type[BaseModel] | None = None
     event: type[BaseModel] | tuple[str, Any] | None = None  # a stream's event: a model, or a named union of them
     errors: dict[str, str] = {}
+    anthropic: type[BaseModel] | None = None  # the answer to a client that sends ``anthropic-version``
 
 
 TASK_ERROR = {"type": "object", "required": ["jsonrpc", "error"], "properties": {
@@ -68,7 +69,8 @@ TASK_ERRORS = {"400": "Bad request (error.data.param names the field).", "404": 
 
 def _task_routes() -> list[Route]:
     one, envelope = "/v1/tasks/{task_id}", task_events.TaskEnvelope
-    acts = [Route("post", f"{one}/{verb}", f"{verb.capitalize()} an agent task", envelope, errors=TASK_ERRORS)
+    acts = [Route("post", f"{one}/{verb}", f"{verb.capitalize()} an agent task (the task's fields beside the "
+                                           "envelope's)", {"$ref": REF.format(model="TaskAction")}, errors=TASK_ERRORS)
             for verb in ("cancel", "pause", "resume")]
     return [
         Route("post", "/v1/tasks", "Create an agent task (also POST /tasks)", envelope, task_items.CreateTask,
@@ -88,8 +90,11 @@ ROUTES = [
     Route("get", "/", "Health, or the chat page with --ui", HEALTH, errors=HEALTH_ROUTE),
     Route("head", "/v1/health", "Ready check without a body (every path answers HEAD the same way)",
           errors={"503": "Loading."}),
-    Route("get", "/v1/models", "List models", ModelList),
-    Route("get", "/v1/models/{model}", "Get a model", Model, errors={"404": OPENAI_ERRORS["404"]}),
+    Route("get", "/v1/models", "List models", ModelList, errors={"503": OPENAI_ERRORS["503"]},
+          anthropic=AnthropicModelList),
+    Route("get", "/v1/models/{model}", "Get a model", Model, errors={"404": OPENAI_ERRORS["404"],
+                                                                     "503": OPENAI_ERRORS["503"]},
+          anthropic=AnthropicModel),
     Route("post", "/v1/chat/completions", "Chat completion", chat_output.ChatCompletion,
           openai_chat.ChatRequest, chat_output.ChatCompletionChunk, OPENAI_ERRORS),
     Route("post", "/v1/completions", "Text completion", openai_completions.Completion,
@@ -109,7 +114,8 @@ ROUTES = [
 def document(model_id: str, version: str) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
     schemas, refs = _schemas()
-    schemas.update(Error=ERROR, AnthropicError=ANTHROPIC_ERROR, Health=HEALTH, TaskError=TASK_ERROR)
+    schemas.update(Error=ERROR, AnthropicError=ANTHROPIC_ERROR, Health=HEALTH, TaskError=TASK_ERROR,
+                   TaskAction=_beside(schemas["TaskObject"], schemas["TaskEnvelope"]))
     for name, union in (r.event for r in ROUTES if isinstance(r.event, tuple)):  # one event of the stream
         schemas[name] = {"oneOf": [refs[m, "serialization"] for m in _members(union)],
                          "discriminator": {"propertyName": "type"}}
@@ -133,7 +139,7 @@ def _operation(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
         operation["requestBody"] = {"required": True, "content": body}
     errors = route.errors | _guards(route)
     operation["responses"] = {"200": {"description": "OK", **_content(route, refs)}} | {
-        code: {"description": text, **_errors(route)} for code, text in sorted(errors.items()) if code != "200"
+        code: {"description": text, **_errors(route, code)} for code, text in sorted(errors.items()) if code != "200"
     }
     return operation
 
@@ -150,8 +156,10 @@ def _content(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
         return {"content": {"text/plain": {"schema": {"type": "string"}}}}
     if route.answer is None:
         return {}
-    schema = route.answer if isinstance(route.answer, dict) else refs[route.answer, "serialization"]
-    content = {"application/json": {"schema": _named(schema)}}
+    schema = _named(route.answer) if isinstance(route.answer, dict) else refs[route.answer, "serialization"]
+    if route.anthropic is not None:
+        schema = {"oneOf": [schema, refs[route.anthropic, "serialization"]]}
+    content = {"application/json": {"schema": schema}}
     if isinstance(route.event, tuple):
         content["text/event-stream"] = {"schema": {"$ref": f"#/components/schemas/{route.event[0]}"}}
     elif route.event is not None:
@@ -159,10 +167,10 @@ def _content(route: Route, refs: dict[Any, Any]) -> dict[str, Any]:
     return {"content": content}
 
 
-def _errors(route: Route) -> dict[str, Any]:
+def _errors(route: Route, code: str) -> dict[str, Any]:
     if route.method == "head":
         return {}
-    shape = "Health" if route.answer is HEALTH else (
+    shape = "Health" if route.answer is HEALTH and code == "503" else (
         "AnthropicError" if route.path.startswith("/v1/messages") else
         "TaskError" if route.path.startswith("/v1/tasks") else "Error")
     return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
@@ -170,6 +178,13 @@ def _errors(route: Route) -> dict[str, Any]:
 
 def _named(schema: dict[str, Any]) -> dict[str, Any]:
     return {"$ref": "#/components/schemas/Health"} if schema is HEALTH else schema
+
+
+def _beside(*parts: dict[str, Any]) -> dict[str, Any]:
+    """One object holding the fields of each of ``parts`` (a later part's field wins)."""
+    properties = {name: field for part in parts for name, field in part["properties"].items()}
+    required = sorted({name for part in parts for name in part.get("required", ())})
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
 def _operation_id(route: Route) -> str:
@@ -184,7 +199,7 @@ def _members(union: Any) -> tuple[type[BaseModel], ...]:
 
 def _schemas() -> tuple[dict[str, Any], dict[Any, Any]]:
     wanted = {(r.request, "validation") for r in ROUTES if r.request is not None}
-    wanted |= {(m, "serialization") for r in ROUTES for m in (r.answer, r.event) if isinstance(m, type)}
+    wanted |= {(m, "serialization") for r in ROUTES for m in (r.answer, r.event, r.anthropic) if isinstance(m, type)}
     wanted |= {(m, "serialization") for r in ROUTES if isinstance(r.event, tuple) for m in _members(r.event[1])}
     refs, top = models_json_schema(sorted(wanted, key=lambda w: (w[0].__name__, w[1])), ref_template=REF)
     return top.get("$defs", {}), refs
