@@ -250,6 +250,15 @@ def test_a_cancel_with_no_body_and_no_headers_is_taken(url, tasks):
     assert result["status"] == "canceled" and result["usage"]["input_tokens"] > 5
 
 
+@pytest.mark.parametrize(("body", "content_type", "status", "code"), [
+    (b"{bad", "application/json", 400, -32700), (b"", "application/json", 400, -32700),  # JSON-RPC's parse error
+    (b"[1]", "application/json", 400, -32602), (b"{}", "text/plain", 415, -32600)])
+def test_a_body_that_does_not_parse_is_jsonrpcs_parse_error(url, body, content_type, status, code):
+    """It was -32602 (invalid params), and -32700 went to a body of another content type."""
+    answer = httpx.post(url + "/v1/tasks", content=body, headers={"content-type": content_type})
+    assert answer.status_code == status and answer.json()["error"]["code"] == code, answer.text
+
+
 def test_an_action_answer_fits_the_document(url, tasks):
     """A cancel's answer holds the task's fields beside the envelope's: the document said an envelope of
     no other fields."""

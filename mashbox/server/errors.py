@@ -56,8 +56,9 @@ class ApiError(Exception):
         self.overloaded = overloaded or status == 503
 
 
-RPC_CODES = {400: -32602, 401: -32001, 403: -32003, 404: -32004, 405: -32601, 409: -32009, 415: -32700,
+RPC_CODES = {400: -32602, 401: -32001, 403: -32003, 404: -32004, 405: -32601, 409: -32009, 415: -32600,
              429: -32029, 500: -32603, 503: -32503}  # JSON-RPC error codes of the task routes
+NOT_JSON = "invalid_json"  # the code of a body that does not parse: JSON-RPC's parse error, -32700
 
 
 def is_task(path: str) -> bool:
@@ -76,7 +77,8 @@ def answer(path: str, error: ApiError, request_id: str | None = None) -> tuple[i
         headers["x-should-retry"] = "false"
     if is_task(path):
         data = {"type": OPENAI_TYPES.get(error.status, "invalid_request_error"), "param": error.param, "code": error.code}
-        rpc = {"code": RPC_CODES.get(error.status, -32000), "message": error.message, "data": data}
+        code = -32700 if error.code == NOT_JSON else RPC_CODES.get(error.status, -32000)
+        rpc = {"code": code, "message": error.message, "data": data}
         return error.status, {"jsonrpc": "2.0", "id": request_id, "error": rpc}, headers
     if not is_anthropic(path):
         kind = OPENAI_TYPES.get(error.status, "invalid_request_error")
@@ -109,7 +111,7 @@ def api_error(exc: Exception, retry_after: int, body: bytes = b"", request_id: s
     if isinstance(exc, HTTPException):
         if exc.status_code >= 500:  # Litestar's own (not a client that left: the handler says that apart)
             log.error("%s failed: %s", request_id, exc.detail, exc_info=exc)
-        return ApiError(exc.status_code, _body_error(exc, body) or _detail(exc))
+        return _body_error(exc, body) or ApiError(exc.status_code, _detail(exc))
     if isinstance(exc, StorageError):
         log.error("%s", exc)
         return ApiError(500, str(exc))
@@ -145,7 +147,7 @@ def _backslashes_before(body: bytes, at: int) -> int:
     return n
 
 
-def _body_error(exc: HTTPException, body: bytes) -> str | None:
+def _body_error(exc: HTTPException, body: bytes) -> ApiError | None:
     """What is wrong with a body Litestar could not read as a JSON object (None: something else)."""
     if isinstance(exc.__cause__, SerializationException):  # msgspec: "Input data was truncated", "... (byte 7)"
         reason = _lower(str(exc.__cause__).removeprefix("JSON is malformed: "))
@@ -159,12 +161,13 @@ def _body_error(exc: HTTPException, body: bytes) -> str | None:
             where = "it begins with a byte order mark (EF BB BF), which JSON sent over HTTP has not"
         elif body[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in body[:4]:
             where = "it is UTF-16 or UTF-32 (a byte order mark, or zero bytes between its first characters); send UTF-8"
-        return f"the body is not valid JSON: {where}"
+        return ApiError(exc.status_code, f"the body is not valid JSON: {where}", code=NOT_JSON)
     for item in exc.extra if isinstance(exc.extra, list) else ():
         if isinstance(item, dict) and item.get("key") == "data" and item.get("source") == "body":
             if item.get("message") == "'data'":  # no body at all
-                return "the body is not valid JSON: it is empty; send a JSON object"
-            return f"the body must be a JSON object: {_lower(str(item.get('message', '')))}"
+                return ApiError(exc.status_code, "the body is not valid JSON: it is empty; send a JSON object",
+                                code=NOT_JSON)
+            return ApiError(exc.status_code, f"the body must be a JSON object: {_lower(str(item.get('message', '')))}")
     return None
 
 
