@@ -460,6 +460,15 @@ def test_answers_fit_what_the_document_says_of_their_status(http, loading, tiny_
         assert not undescribed(doc, path, "get", response), (path, response.status_code, response.text)
 
 
+def test_a_null_stream_is_taken_and_described(http):
+    """Taken as not streamed (as OpenAI's API takes it), where the document said a boolean only."""
+    doc = http.get("/openapi.json").json()
+    for name in ("ChatRequest", "CompletionRequest", "MessagesRequest", "ResponsesRequest"):
+        assert {"type": "null"} in doc["components"]["schemas"][name]["properties"]["stream"]["anyOf"], name
+    answer = http.post("/v1/chat/completions", json={**CHAT, "stream": None})
+    assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
+
+
 def test_openapi_describes_every_route(http):
     from mashbox.server.routes import HANDLERS
     from mashbox.server.task_routes import TASK_HANDLERS

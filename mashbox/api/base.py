@@ -97,7 +97,8 @@ class UnsupportedPart(Part):
 Temperature = Annotated[float, Field(ge=0, le=4, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
-Stream = Annotated[bool, BeforeValidator(lambda v: False if v is None else v)]  # null: not streamed, as OpenAI's
+# null: not streamed, as OpenAI's
+Stream = Annotated[bool, BeforeValidator(lambda v: False if v is None else v, json_schema_input_type=bool | None)]
 
 
 class SamplingFields(BaseModel):
