@@ -386,7 +386,13 @@ def test_a_call_made_and_answered_alike_three_turns_running_is_a_loop():
     assert looping_call(_turns("walrus", "walrus", "walrus", "walrus")) == key
     assert looping_call(_turns("walrus", "walrus")) is None, "two turns are not yet a loop"
     assert looping_call(_turns("old", "new", "new")) is None, "a file that changed is read again rightly"
-    assert looping_call((*_turns("walrus", "walrus", "walrus"), Message("user", "Again"))) is None
+    answered = (*_turns("walrus", "walrus", "walrus"), Message("assistant", "It is walrus."))
+    assert looping_call((*answered, Message("user", "Read it again"))) is None, "a new ask after an answer"
+    nudged = (*_turns("walrus", "walrus", "walrus"), Message("assistant", ""),  # the loop's empty answer
+              Message("user", "[Your previous response had no visible output. Please continue and produce a "
+                              "user-visible response.]"))
+    assert looping_call(nudged) == key, "Claude Code asks again: its model called again, and on and on"
+    assert looping_call(nudged[:-2] + nudged[-1:]) == key  # it sends the words with the result, no empty answer
     other = ToolCall("c", "read", '{"path": "other.txt"}')
     assert looping_call((*_turns("walrus", "walrus"), *_turns("walrus", call=other)[1:])) is None
 

@@ -527,14 +527,21 @@ def _calls(body: str) -> list[tuple[str, str]] | None:
 
 def looping_call(messages: tuple[Message, ...]) -> tuple[str, str] | None:
     """The call (its ``_key``) that each of the conversation's last ``LOOP_TURNS`` assistant turns
-    made alone, each time getting the same result back; None if they did not."""
+    made alone, each time getting the same result back; None if they did not. A user's words sent with
+    a result, before any answer (Claude Code's "[Your previous response had no visible output...]" after
+    the empty answer that ends a loop), and an empty answer break no run."""
     turns: list[tuple[tuple[str, str], str]] = []
+    answered = True  # no result since the last answer: a user's words are a new ask
     for i, m in enumerate(messages):
         if m.role == "assistant" and len(m.tool_calls) == 1:
             result = messages[i + 1].content if i + 1 < len(messages) and messages[i + 1].role == "tool" else None
             turns.append((_key(m.tool_calls[0].name, m.tool_calls[0].arguments), result))
-        elif m.role in ("assistant", "user"):
+        elif m.role == "assistant" and (m.tool_calls or m.content.strip()):
             turns.append(((m.role, m.content), None))
+            answered = True
+        elif m.role == "user" and answered:
+            turns.append(((m.role, m.content), None))
+        answered = answered and m.role != "tool"
     last = turns[-LOOP_TURNS:]
     if len(last) < LOOP_TURNS or last[0][1] is None or any(turn != last[0] for turn in last):
         return None
