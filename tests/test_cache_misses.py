@@ -73,6 +73,9 @@ def test_a_character_is_placed_in_the_part_of_the_conversation_it_lies_in():
     where = lambda text: part_at(rendered, rendered.index(text), messages, rendered.index("# Tools"))
     assert [where(t) for t in ("<s>system", "brief", "# Tools", '"lookup"', "<s>user", "there", "Hi!")] == [
         "the template's opening", "system text", "tools", "tools", "tools", "message 1 (user)", "message 2 (assistant)"]
+    later = (*messages, Message("system", "Remember."), Message("user", "Go"))  # a reminder where it stands
+    rendered += "<s>system\nRemember.\n<s>user\nGo\n"
+    assert part_at(rendered, rendered.index("Remember."), later) == "message 3 (system)"
 
 
 def test_the_tools_block_begins_where_the_prompt_without_tools_differs(tiny_engine):

@@ -87,6 +87,22 @@ def test_an_empty_system_text_keeps_the_templates_default_out():
     assert "You are Qwen." in template(QWEN_DEFAULT).render((hi,))
 
 
+def test_a_system_message_after_the_first_answer_stays_where_it_is_where_the_template_takes_it():
+    """Claude Code adds a system reminder every ~20 messages: joined into the system text at the top, it
+    changed the prompt before the whole conversation, which was prefilled again (10 s and more a time)."""
+    asked = (Message("system", "Be brief."), Message("user", "Hi"), Message("system", "Agents: none."),
+             Message("assistant", "Hello."), Message("user", "And?"))
+    reminded = (*asked, Message("assistant", "Nothing."), Message("system", "Remember the tasks."),
+                Message("user", "Go on."))
+    qwen = template(QWEN_DEFAULT)
+    before = qwen.render(asked).removesuffix("<|im_start|>assistant\n")
+    after = qwen.render(reminded)
+    assert after.startswith(before) and after.startswith("<|im_start|>system\nBe brief.\n\nAgents: none.<|im_end|>")
+    assert "Nothing.<|im_end|>\n<|im_start|>system\nRemember the tasks.<|im_end|>\n<|im_start|>user\nGo on." in after
+    gemma = template(GEMMA2).render(reminded)  # no system turn there: the system text, as before
+    assert gemma.startswith("<bos><start_of_turn>user\nBe brief.\n\nAgents: none.\n\nRemember the tasks.")
+
+
 @pytest.mark.parametrize(("source", "end"), [(QWEN_DEFAULT, "\ndef f():\n    "), (GEMMA2, "model\ndef f():")])
 def test_a_continued_message_keeps_its_trailing_spaces_where_the_template_does(source, end):
     """``continue_final_message`` on ``def f():\n    ``: the new line and the indent were cut, and the model

@@ -91,11 +91,19 @@ class ChatTemplate:
         self.many_calls = not self.shows_calls or self._shows(_probe(_asked(PROBE_CALL, also=True))) is not None
         self.short_ids = self.shows_calls and self._shows(_probe(_asked(LONG_CALL))) is None
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
+        late = self._rendering(_probe([HI, {"role": "assistant", "content": "Sure."}, {"role": "system", "content":
+                                                                                      PROBE_TEXT}, HI]))
+        self.system_in_place = late is not None and -1 < late.find("Sure.") < late.find(PROBE_TEXT)
 
     def _shows(self, kwargs: dict[str, Any], text: str = PROBE.name) -> bool | None:
         """Whether the template renders ``text`` from ``kwargs``; None where it refuses them."""
+        rendered = self._rendering(kwargs)
+        return None if rendered is None else text in rendered
+
+    def _rendering(self, kwargs: dict[str, Any]) -> str | None:
+        """The template's text for ``kwargs``; None where it refuses them."""
         try:
-            return text in self.compiled.render(**self.specials, **kwargs)
+            return self.compiled.render(**self.specials, **kwargs)
         except Exception:  # a template runs Python: whatever it raises, it refuses these turns
             return None
 
@@ -161,13 +169,14 @@ class ChatTemplate:
         return head + schemas + end + gap + system + rules + plain_after
 
     def conversation(self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()) -> list[dict[str, Any]]:
-        parts = [m.content for m in messages if m.role == "system" and m.content]
+        late = self._late_systems(messages)
+        parts = [m.content for m in messages if m.role == "system" and m.content and id(m) not in late]
         if tools:  # the schemas first and the call rules last, unless verbatim: see the module's note
             schemas, end, rules = tool_prompt(tools, self.calls).rpartition(TOOLS_END)
             parts = [*parts, schemas + end + rules] if self.verbatim else [schemas + end, *parts, rules.strip()]
         system = "\n\n".join(parts)
         kept = _in_call_order(messages) if self.many_calls else _one_call_each(messages)
-        turns = [self._turn(m) for m in kept if m.role != "system"]
+        turns = [self._turn(m) for m in kept if m.role != "system" or id(m) in late]
         if not (self.takes_tool_role and self.users_in_row):  # one turn of the user's at a time (results too)
             turns = _joined(turns)
         if not self.user_after_results:  # Mistral's: the user's words after results go with the last result
@@ -176,8 +185,17 @@ class ChatTemplate:
             opens = bool(turns) and turns[0]["role"] == "user"
             first = turns[0] if opens else {"role": "user", "content": ""}
             turns = [{**first, "content": f"{system}\n\n{first['content']}".rstrip()}, *turns[opens:]]
-        said = any(m.role == "system" for m in messages) and turns  # empty, it keeps the template's default out
+        said = turns and any(m.role == "system" and id(m) not in late for m in messages)  # empty: no default
         return ([{"role": "system", "content": system}] if (system or said) and self.takes_system else []) + turns
+
+    def _late_systems(self, messages: tuple[Message, ...]) -> set[int]:
+        """The system messages (their ids) after the first answer, where the template renders a system turn
+        there: they stay where they are (the prompt before a reminder an agent adds late is then the one it
+        sent before, and cached; Claude Code's every ~20 messages). The others make the system text."""
+        if not self.system_in_place:
+            return set()
+        first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
+        return {id(m) for m in messages[first:] if m.role == "system" and m.content}
 
     def _turn(self, m: Message) -> dict[str, Any]:
         if m.role == "tool":
@@ -236,7 +254,8 @@ def part_at(rendered: str, at: int, messages: tuple[Message, ...], tools: int | 
         probe = m.content[:64] or (m.tool_calls[0].name if m.tool_calls else "")
         if probe and (found := rendered.find(probe, pos)) >= 0:
             n = i if m.item is None else m.item
-            starts.append((found, "system text" if m.role == "system" else f"message {n} ({m.role})"))
+            opening = m.role == "system" and all(name == "system text" for _, name in starts)  # not one in place
+            starts.append((found, "system text" if opening else f"message {n} ({m.role})"))
             pos = found + (len(m.content) if rendered.startswith(m.content, found) else len(probe))
     if tools is not None:
         starts.append((tools, "tools"))
