@@ -99,6 +99,16 @@ def test_tools_map_namespaces_custom_and_local_shell():
     assert request.ignored_fields() == ["tools[apply_patch].format", "tools[web_search]"]  # lark: shown, not held
 
 
+@pytest.mark.parametrize("namespaces", [
+    [{"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "f"}]}],
+    [{"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "f"}]}] * 2])
+def test_two_tools_of_one_name_in_one_namespace_are_refused(namespaces):
+    """The second was called ``a__f``, and both came back as ``f`` of ``a``: which one, no client could tell."""
+    with pytest.raises(InvalidRequestError, match="two tools of the namespace 'a' are named 'f'") as err:
+        to_engine(_request(tools=namespaces))
+    assert err.value.param == "tools"
+
+
 def test_a_namespace_tool_before_a_top_level_tool_of_its_name_gets_a_name_of_its_own():
     """Top-level after it, the top-level tool took the name: two tools named ``read_file``, and the namespace's
     never called (in history too, a call of it was the top-level one's)."""

@@ -142,6 +142,9 @@ class ToolMap:
         return {self.visible(entry.get("name", ""), entry.get("namespace"))}
 
     def _register(self, ref: ToolRef, description: str | None, parameters: dict[str, Any] | None) -> None:
+        if ref.namespace and any((r.name, r.namespace) == (ref.name, ref.namespace) for r in self._refs.values()):
+            raise InvalidRequestError("tools", f"two tools of the namespace {ref.namespace!r} are named {ref.name!r}: "
+                                               "a call could not say which one it means (give each a name of its own)")
         called = ref.name
         if ref.namespace and (called in self._refs or called in self._top):  # a tool of its name before it or after
             called = f"{ref.namespace}__{ref.name}"
