@@ -32,6 +32,7 @@ def coalesce(events):
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+OPEN_STRING = '<tool_call>\n{"name": "write", "arguments": {"content": "abc}}\n</tool_call>'  # broken: all text
 TABLE = [
     ("plain text only", {}, [("text", "plain text only")]),
     ("Sure. " + CALL, {}, [("text", "Sure."), ("call", 0, "get_weather", {"city": "Paris"})]),
@@ -53,6 +54,9 @@ TABLE = [
     ("tags " + CALL, {"calls": None}, [("text", "tags " + CALL)]),
     ('<tool_call>\n{"name": "save", "arguments": {"text": "a</tool_call>b \\"</tool_call>\\""}}\n</tool_call>', {},
      [("call", 0, "save", {"text": 'a</tool_call>b "</tool_call>"'})]),  # its closing tag inside its strings
+    (OPEN_STRING + "\nI wrote it.", {"names": frozenset({"write"})}, [("text", OPEN_STRING + "\nI wrote it.")]),
+    (OPEN_STRING + "\nSo:" + CALL + " Done.", {"names": frozenset({"get_weather", "write"})},  # a call left a string
+     [("text", OPEN_STRING + "\nSo:"), ("call", 0, "get_weather", {"city": "Paris"}), ("text", " Done.")]),  # open
 ]
 
 

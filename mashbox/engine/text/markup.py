@@ -138,6 +138,7 @@ class Markup:
         self.thought = False  # thinking just closed: the new lines that follow it are no part of the answer
         self.held = ""
         self.body = ""
+        self.quoted: int | None = None  # where in the call's body a closing tag taken as a string's text is
         self.list_at = self.list_made = 0  # of a list of calls being written: where its next call begins, and
         # how many of its calls came out already (each as it closes)
         self.blank = ""
@@ -182,6 +183,9 @@ class Markup:
         held, self.held = self.held, ""
         if self.repeated or self.done:
             return events
+        if self.state == "call" and self.quoted is not None and self.cut_calls_are_text and not self.calls.parse(
+                (self.body + held).strip()):
+            return events + self.push(self._unquoted(held, events)) + self.flush()
         if self.state == "call":  # cut off: a whole call whose closing tag was begun is that call
             body = self.body + held
             whole = body[: len(body) - overlap(body, self.calls.close)] if self.calls.close else body
@@ -218,13 +222,24 @@ class Markup:
             return ""
         at, tag = hit
         if self.state == "call" and _in_string(self.body + buf[:at]):  # a call's closing tag inside one of its
-            self._emit(buf[: at + len(tag)], events)  # strings (a file's text it writes) is that string's
+            self.quoted = len(self.body) + at if self.quoted is None else self.quoted  # strings (a file's text it
+            self._emit(buf[: at + len(tag)], events)  # writes) is that string's
             return buf[at + len(tag) :]
+        if self.state == "call" and self.quoted is not None and not self.calls.parse((self.body + buf[:at]).strip()):
+            return self._unquoted(buf, events)
         self._emit(buf[:at], events)
         if self.after:
             return self._resume(buf[at:])
         self._enter(tag, events)
         return buf[at + len(tag) :]
+
+    def _unquoted(self, buf: str, events: list[Event]) -> str:
+        """A call that left a string open, then closed (or ended) as no call: it ended at the first closing tag
+        taken as that string's text after all, as text; what follows goes through the machine again."""
+        text, at = self.body + buf, self.quoted
+        self.quoted = None
+        self._end_call(text[:at], events, closed=True)
+        return text[at + len(self.calls.close) :]
 
     def _untagged_end(self, buf: str, events: list[Event]) -> str:
         """A call with no closing tag takes ``buf`` up to the end of its JSON; what follows is text again."""
@@ -335,7 +350,7 @@ class Markup:
         elif self.calls and tag == self.calls.open:
             if self.bare:  # what it held was text, not a call: it goes out before the tagged call
                 self._text(self.bare.release(), events)
-            self.state, self.body, self.list_at, self.list_made = "call", "", 0, 0
+            self.state, self.body, self.list_at, self.list_made, self.quoted = "call", "", 0, 0, None
         else:
             self._end_call(self.body, events, closed=True)
 
