@@ -240,6 +240,19 @@ def test_proposals_a_stop_took_back_are_not_counted_as_kept(plain_engine, spec_e
                                                        + details.rejected_prediction_tokens)
 
 
+def test_proposals_past_the_end_of_the_answer_are_not_counted(spec_engine):
+    """Proposed after the end of turn (the prompt's own text went on past it), the template's next tokens
+    were counted as accepted: 3 kept proposals in an answer of 3 tokens, whose first is no proposal."""
+    before = spec_engine.stats()
+    out = spec_engine.chat(messages=ask("Hello world\nHello world\nHello world"), max_tokens=40)
+    after = spec_engine.stats()
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens <= out.usage.completion_tokens - 1, (out.usage, out.choices[0])
+    assert after.accepted_tokens - before.accepted_tokens == details.accepted_prediction_tokens
+    assert after.draft_tokens - before.draft_tokens == (details.accepted_prediction_tokens
+                                                       + details.rejected_prediction_tokens)
+
+
 def test_a_prediction_is_read_only_as_far_as_the_answer_can_go(spec_engine):
     """A 9 MB prediction was tokenized and indexed whole on the path every request waits behind (other
     clients stalled 17 s); an answer of 8 tokens can use the first hundred-odd characters of it."""

@@ -214,8 +214,6 @@ class Scheduler:
         accepted = next((i for i, (p, t) in enumerate(zip(proposed, rows)) if p != t), len(proposed))
         if w.draft:
             seq.num_computed -= w.draft - accepted  # the keys of rejected proposals are written over later
-            seq.drafted, seq.accepted = seq.drafted + w.draft, seq.accepted + accepted
-            self.drafted, self.accepted = self.drafted + w.draft, self.accepted + accepted
             seq.drafts.record(w.draft, accepted)
         kept = []
         for token in rows[: accepted + 1]:
@@ -223,7 +221,11 @@ class Scheduler:
             kept.append(token)
             if token in seq.eos_ids:
                 break
-        return kept, min(len(kept), accepted)
+        taken = min(len(kept), accepted)
+        checked = w.draft if len(kept) > accepted else taken  # past an end of text they are no part of the answer
+        seq.drafted, seq.accepted = seq.drafted + checked, seq.accepted + taken
+        self.drafted, self.accepted = self.drafted + checked, self.accepted + taken
+        return kept, taken
 
     def _withdraw(self, seq: Sequence, proposals: int) -> None:
         """Forget ``proposals`` accepted proposals that were taken back (after a stop string, a grammar
