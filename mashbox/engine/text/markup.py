@@ -221,9 +221,10 @@ class Markup:
             self.held = buf[len(buf) - keep :]
             return ""
         at, tag = hit
-        if self.state == "call" and _in_string(self.body + buf[:at]):  # a call's closing tag inside one of its
-            self.quoted = len(self.body) + at if self.quoted is None else self.quoted  # strings (a file's text it
-            self._emit(buf[: at + len(tag)], events)  # writes) is that string's
+        if self.state == "call" and _in_string(self.body + buf[:at]):  # inside one of the call's strings (a
+            # file's text it writes), a closing tag is that string's text
+            self.quoted = len(self.body) + at if self.quoted is None else self.quoted
+            self._emit(buf[: at + len(tag)], events)
             return buf[at + len(tag) :]
         if self.state == "call" and self.quoted is not None and not self.calls.parse((self.body + buf[:at]).strip()):
             return self._unquoted(buf, events)

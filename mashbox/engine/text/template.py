@@ -91,9 +91,9 @@ class ChatTemplate:
         self.many_calls = not self.shows_calls or self._shows(_probe(_asked(PROBE_CALL, also=True))) is not None
         self.short_ids = self.shows_calls and self._shows(_probe(_asked(LONG_CALL))) is None
         self.knows_thinking = "<think>" in self.source or "enable_thinking" in self.source
-        late = self._rendering(_probe([HI, {"role": "assistant", "content": "Sure."}, {"role": "system", "content":
-                                                                                      PROBE_TEXT}, HI]))
-        self.system_in_place = late is not None and -1 < late.find("Sure.") < late.find(PROBE_TEXT)
+        late = [HI, {"role": "assistant", "content": "Sure."}, {"role": "system", "content": PROBE_TEXT}, HI]
+        rendered = self._rendering(_probe(late))
+        self.system_in_place = rendered is not None and -1 < rendered.find("Sure.") < rendered.find(PROBE_TEXT)
 
     def _shows(self, kwargs: dict[str, Any], text: str = PROBE.name) -> bool | None:
         """Whether the template renders ``text`` from ``kwargs``; None where it refuses them."""
