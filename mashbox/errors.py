@@ -31,9 +31,11 @@ class ContextLengthError(InvalidRequestError):
     def of(cls, param: str, tokens: int, ctx: int, *, bound: str = "",
            hint: str = "shorten it or raise ctx") -> ContextLengthError:
         """A prompt of ``tokens`` (at least, where ``bound`` says how that is known) in a context of ``ctx``."""
-        length = f"at least {tokens} tokens ({bound})" if bound else f"{tokens} tokens"
-        return cls(param, f"the prompt is {length} but a context of {ctx} takes at most {ctx - 1} prompt tokens "
-                          f"(one is the answer's); {hint}", tokens=tokens, ctx=ctx)
+        length = f"at least {tokens} tokens ({bound})" if bound else f"{tokens} tokens"  # OpenAI's opening words,
+        # which agents match to compact their history and send it again (Pi's "maximum context length is N tokens")
+        return cls(param, f"This model's maximum context length is {ctx} tokens; the prompt is {length}, and a "
+                          f"context of {ctx} takes at most {ctx - 1} prompt tokens (one is the answer's): {hint}",
+                   tokens=tokens, ctx=ctx)
 
 
 class ModelNotFoundError(InvalidRequestError):

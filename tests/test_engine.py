@@ -159,6 +159,9 @@ def test_a_prompt_too_long_for_its_tools_names_the_tools(tiny_engine):
     with pytest.raises(ContextLengthError) as err:  # the conversation too long whatever the tools
         tiny_engine.respond(input="word " * 600, tools=[{"type": "function", "name": "f", "parameters": {}}])
     assert err.value.param == "input"
+    with pytest.raises(ContextLengthError) as err:  # a history grown past the context beside a few tools (Codex's
+        tiny_engine.chat(messages=[{"role": "user", "content": "word " * 400}], tools=tools[:3])  # were "tools")
+    assert err.value.param == "messages", err.value
     with pytest.raises(InvalidRequestError) as err:
         tiny_engine.task(user_message_content="Hi", client_tools=tools, stream=False)
     assert err.value.param == "client_tools"

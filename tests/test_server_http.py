@@ -123,6 +123,7 @@ def test_models_in_anthropic_shape(http, tiny_server):
     body = http.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
     assert body["has_more"] is False and body["first_id"] == tiny_server.backend.model_id
     ModelInfo.model_validate(body["data"][0])
+    assert body["data"][0]["max_input_tokens"] == 32767  # a prompt of the context's length is refused: 1 is the answer's
 
 
 def test_get_model(http, tiny_server):
@@ -205,6 +206,7 @@ def test_context_length_is_400_in_the_words_agents_match(http, words):
                               ("/v1/responses", {"input": prompt}, "input")]:
         error = openai_error(http.post(path, json=body), 400, param)
         assert error["code"] == "context_length_exceeded" and "a context of 32768 takes at most 32767 prompt tokens" in error["message"]
+        assert re.search(r"maximum context length is \d+ tokens", error["message"])  # Pi's words for OpenAI's
     message = anthropic_error(http.post("/v1/messages", json={**MESSAGE, "messages": turn}), 400,
                               "invalid_request_error")
     assert re.fullmatch(r"prompt is too long: (\d+) tokens > 32767 maximum", message), message

@@ -167,14 +167,15 @@ class Runtime:
         template = self._template_for(bool(tools))
         return template.render(request.messages, tools, request.enable_thinking, request.continue_final)
 
-    def _overflowing(self, request: EngineRequest, field: str) -> str:
-        """The field a prompt too long for the context is named by: ``tools`` where the conversation
-        alone would fit (a client sending thousands of tools), else ``field``."""
+    def _overflowing(self, request: EngineRequest, field: str, tokens: int) -> str:
+        """The field a prompt of ``tokens`` too long for the context is named by: ``tools`` where the
+        conversation alone would fit and the tools take the most of it (a client sending thousands of
+        tools), else ``field`` (a history that grew past the context beside an agent's tools)."""
         if field != "messages" or not request.tools or request.tool_choice == "none":
             return field
-        alone = self.tokenizer.encode(self._rendered(replace(request, tools=(), tool_choice="auto")),
-                                      add_special_tokens=False)
-        return "tools" if len(alone) < self.ctx else field
+        alone = len(self.tokenizer.encode(self._rendered(replace(request, tools=(), tool_choice="auto")),
+                                          add_special_tokens=False))
+        return "tools" if alone < self.ctx and tokens - alone > alone else field
 
     def stream(self, request: EngineRequest) -> Iterator[Event]:
         """Submit ``request``; iterate its events: ``Queued`` at once, ``Started`` once it has a slot,
@@ -204,7 +205,7 @@ class Runtime:
                                                     f"{len(self.tokenizer) - 1})")
         room = self.ctx - len(ids)
         if room < 1:
-            raise ContextLengthError.of(self._overflowing(request, field), len(ids), self.ctx)
+            raise ContextLengthError.of(self._overflowing(request, field, len(ids)), len(ids), self.ctx)
         max_new = min(request.sampling.max_tokens or room, room)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)

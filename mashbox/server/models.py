@@ -49,7 +49,7 @@ class AnthropicModel(OutModel):
 
     @classmethod
     def of(cls, info: ModelInfo) -> AnthropicModel:
-        return cls(id=info.id, display_name=info.id, max_input_tokens=info.ctx)
+        return cls(id=info.id, display_name=info.id, max_input_tokens=info.ctx - 1)  # one is the answer's
 
 
 class AnthropicModelList(OutModel):
