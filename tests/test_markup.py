@@ -55,6 +55,8 @@ TABLE = [
     ('<tool_call>\n{"name": "save", "arguments": {"text": "a</tool_call>b \\"</tool_call>\\""}}\n</tool_call>', {},
      [("call", 0, "save", {"text": 'a</tool_call>b "</tool_call>"'})]),  # its closing tag inside its strings
     (OPEN_STRING + "\nI wrote it.", {"names": frozenset({"write"})}, [("text", OPEN_STRING + "\nI wrote it.")]),
+    ('<tool_call>\n{"name": "write", "arguments": {"content": "a</tool_call>b"}}\n</tool_', {"names": frozenset({"write"})},
+     [("call", 0, "write", {"content": "a</tool_call>b"})]),  # cut in its own closing tag: that call
     (OPEN_STRING + "\nSo:" + CALL + " Done.", {"names": frozenset({"get_weather", "write"})},  # a call left a string
      [("text", OPEN_STRING + "\nSo:"), ("call", 0, "get_weather", {"city": "Paris"}), ("text", " Done.")]),  # open
 ]

@@ -183,13 +183,14 @@ class Markup:
         held, self.held = self.held, ""
         if self.repeated or self.done:
             return events
-        if self.state == "call" and self.quoted is not None and self.cut_calls_are_text and not self.calls.parse(
-                (self.body + held).strip()):
+        body = self.body + held
+        cut = overlap(body, self.calls.close) if self.state == "call" and self.calls.close else 0
+        whole = body[: len(body) - cut]  # a whole call whose closing tag was begun is that call
+        called = self.state == "call" and self.calls.parse(whole.strip())
+        if self.state == "call" and self.quoted is not None and self.cut_calls_are_text and not called:
             return events + self.push(self._unquoted(held, events)) + self.flush()
-        if self.state == "call":  # cut off: a whole call whose closing tag was begun is that call
-            body = self.body + held
-            whole = body[: len(body) - overlap(body, self.calls.close)] if self.calls.close else body
-            self._end_call(whole if self.calls.parse(whole.strip()) else body, events, closed=False)
+        if self.state == "call":  # cut off
+            self._end_call(whole if called else body, events, closed=False)
         elif held and not self._cut_open_tag(held):
             self._emit(held, events)
         if self.bare and not self.bare.text.strip():
