@@ -931,6 +931,7 @@ def test_refusals_of_a_create_name_the_field_and_echo_its_request_id(url):
     assert listed.status_code == 400 and listed.json()["error"]["data"]["param"] == "limit", listed.text
     long = httpx.post(url + "/v1/tasks", json={"user_message_content": "word " * 5000, "stream": False})
     assert long.status_code == 400 and long.json()["error"]["data"]["param"] == "user_message_content", long.text
+    assert long.json()["error"]["data"]["code"] == "context_length_exceeded", long.text  # as the other routes say
     typed = httpx.post(url + "/v1/tasks", json={"user_message_content": "Hi.", "stream": "yes", "request_id": "mine"})
     assert typed.status_code == 400 and typed.json()["id"] == "mine", typed.text
 

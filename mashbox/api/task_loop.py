@@ -49,7 +49,7 @@ from mashbox.api.task_items import (
 )
 from mashbox.engine.events import Event, Finish, Queued, Usage
 from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall, ToolChoice
-from mashbox.errors import EngineClosedError, InvalidRequestError
+from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError
 
 Generate = Callable[[EngineRequest], AsyncIterator[Event]]
 Abort = Callable[[str], None]  # stop a request by its id: its events go on to a Finish with its usage
@@ -69,7 +69,9 @@ def request_param(err: InvalidRequestError, req: CreateTask) -> InvalidRequestEr
     """An engine's refusal, naming the field of the create request it comes from (a prompt too
     long for the context: the history where there is one, else the message)."""
     param = "user_message_content" if err.param == "messages" and not req.history_messages else err.param
-    return InvalidRequestError(_PARAMS.get(param, param), err.message)
+    if isinstance(err, ContextLengthError):  # still one: its code, context_length_exceeded, is what agents read
+        return ContextLengthError(_PARAMS.get(param, param), err.message, tokens=err.tokens, ctx=err.ctx)
+    return InvalidRequestError(_PARAMS.get(param, param), err.message, code=err.code)
 
 
 @dataclass(frozen=True, slots=True)
