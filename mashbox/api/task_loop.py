@@ -48,7 +48,7 @@ from mashbox.api.task_items import (
     to_messages,
 )
 from mashbox.engine.events import Event, Finish, Queued, Usage
-from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall, ToolChoice
+from mashbox.engine.request import EngineRequest, Message, Named, Tool, ToolCall, ToolChoice, repeated
 from mashbox.errors import ContextLengthError, EngineClosedError, InvalidRequestError
 
 Generate = Callable[[EngineRequest], AsyncIterator[Event]]
@@ -137,10 +137,9 @@ def _unique(req: CreateTask, server_tools: tuple[ServerTool, ...]) -> None:
     names = [t.name for t in client_tools(req)]
     given = len(names)
     names += [t.tool.name for t in server_tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            where = f"client_tools.{i}.function.name" if i < given else "client_tools"
-            raise InvalidRequestError(where, f"names {name!r} again: each tool needs a name of its own")
+    if (i := repeated(names)) is not None:
+        where = f"client_tools.{i}.function.name" if i < given else "client_tools"
+        raise InvalidRequestError(where, f"names {names[i]!r} again: each tool needs a name of its own")
 
 
 def _structured(req: CreateTask, stop: tuple[str, ...], choice: ToolChoice) -> None:

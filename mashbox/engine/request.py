@@ -136,6 +136,16 @@ ToolChoice = Literal["auto", "none", "required"] | Named | str  # any other plai
 MODES = ("auto", "none", "required")
 
 
+def repeated(names: list[str]) -> int | None:
+    """Where in ``names`` the first name that came before is (None: each comes once)."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            return i
+        seen.add(name)
+    return None
+
+
 def chosen(choice: ToolChoice) -> ToolChoice:
     """A tool choice as the engine reads it: a mode, or ``Named`` (a plain string that is no mode)."""
     return Named(choice) if isinstance(choice, str) and choice not in MODES else choice
@@ -182,8 +192,8 @@ class EngineRequest:
                 raise ValueError(f"tools: the tool {tool.name!r}: its parameters must be an object schema "
                                  f"(type 'object', not {kind!r})")
         names = [tool.name for tool in self.tools]
-        if twice := next((name for i, name in enumerate(names) if name in names[:i]), None):
-            raise ValueError(f"tools: two tools are named {twice!r}: a call could not say which one it means "
-                             "(give each tool a name of its own)")
+        if (twice := repeated(names)) is not None:
+            raise ValueError(f"tools: two tools are named {names[twice]!r}: a call could not say which one it "
+                             "means (give each tool a name of its own)")
         if isinstance(self.tool_choice, Named) and all(t.name != self.tool_choice.name for t in self.tools):
             raise ValueError(f"tool_choice: names a tool that is not in tools: {self.tool_choice.name!r}")
