@@ -507,20 +507,19 @@ def _past(text: str, at: int, separator: str) -> int:
 
 def _in_string(text: str) -> bool:
     """Whether ``text``, a call's JSON so far, ends inside one of its strings."""
-    inside = escaped = False
-    for char in text:
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = inside
-        elif char == '"':
-            inside = not inside
-    return inside
+    return _ends(text)[0]
 
 
 def _left_open(text: str) -> bool:
     """Whether JSON ``text`` ends inside a string or an unclosed object or list (and never closes more)."""
-    depth, quoted, escaped = 0, False, False
+    quoted, depth = _ends(text)
+    return depth is not None and (quoted or depth > 0)
+
+
+def _ends(text: str) -> tuple[bool, int | None]:
+    """How JSON ``text`` ends: inside a string or not, and how many objects and lists it leaves open (None
+    where it closes more than it opened)."""
+    depth, lowest, quoted, escaped = 0, 0, False, False
     for char in text:
         if quoted:
             escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
@@ -530,9 +529,8 @@ def _left_open(text: str) -> bool:
             depth += 1
         elif char in "}]":
             depth -= 1
-            if depth < 0:
-                return False
-    return quoted or depth > 0
+            lowest = min(lowest, depth)
+    return quoted, None if lowest < 0 else depth
 
 
 def _calls(body: str) -> list[tuple[str, str]] | None:
