@@ -210,6 +210,14 @@ def test_chat_usage_says_how_many_proposed_tokens_were_kept(spec_engine):
     assert details.accepted_prediction_tokens < out.usage.completion_tokens  # each step gives one of its own
 
 
+def test_completions_usage_says_how_many_proposed_tokens_were_kept(spec_engine):
+    """The plain-prompt route had no completion details: its proposals counted in /metrics only."""
+    out = spec_engine.complete(prompt=COPY, max_tokens=40)
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    assert details.accepted_prediction_tokens < out.usage.completion_tokens
+
+
 def test_a_predicted_output_is_proposed_and_changes_nothing_but_speed(plain_engine, spec_engine):
     """OpenAI's ``prediction``: the text expected back (here the answer itself, as an edit tool would
     know most of it) is a source of proposals; the answer is the greedy one with or without it."""

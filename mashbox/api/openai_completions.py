@@ -25,7 +25,7 @@ from mashbox.api.base import (
     refuse_logprobs,
 )
 from mashbox.api.blocks import BlockTracker, Change
-from mashbox.api.chat_output import PromptTokensDetails
+from mashbox.api.chat_output import ChatUsage  # OpenAI's one usage type for both routes
 from mashbox.engine.events import Event, Finish, Usage
 from mashbox.engine.request import EngineRequest
 
@@ -60,18 +60,6 @@ def to_engine(req: CompletionRequest) -> EngineRequest:
 CompletionFinishReason = Literal["stop", "length"]
 
 
-class CompletionUsage(OutModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails  # the cache hits, as every usage block tells them
-
-    @classmethod
-    def of(cls, u: Usage) -> CompletionUsage:
-        return cls(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                   total_tokens=u.total_tokens, prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
-
-
 class CompletionChoice(OutModel):
     keep_none = frozenset({"finish_reason", "logprobs"})
 
@@ -89,7 +77,7 @@ class Completion(OutModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: CompletionUsage | None = None
+    usage: ChatUsage | None = None
     system_fingerprint: str | None = None
     error: ErrorBody | None = None
 
@@ -125,7 +113,7 @@ class Translator:
 
     def response(self) -> Completion:
         finish = self._blocks.done()
-        return self._object(self._blocks.text(), finish_reason(finish), CompletionUsage.of(finish.usage))
+        return self._object(self._blocks.text(), finish_reason(finish), ChatUsage.of(finish.usage))
 
     def _on(self, change: Change) -> list[Completion]:
         if change.kind == "finish":
@@ -139,7 +127,7 @@ class Translator:
         return []
 
     def _object(
-        self, text: str, reason: CompletionFinishReason | None = None, usage: CompletionUsage | None = None
+        self, text: str, reason: CompletionFinishReason | None = None, usage: ChatUsage | None = None
     ) -> Completion:
         return Completion(
             id=self._id, created=self._created, model=self._model,
