@@ -46,8 +46,17 @@ def test_parse_error_is_invalid_request_with_readable_message():
 
 
 def test_parse_of_a_non_object_body():
-    with pytest.raises(InvalidRequestError, match="valid dictionary"):
+    with pytest.raises(InvalidRequestError, match="should be a JSON object, not an array"):
         parse(ChatRequest, ["not", "an", "object"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [("chat_template_kwargs", "x", "a string"),
+                                                    ("stream_options", 5, "a number"), ("prediction", [1], "an array")])
+def test_an_object_field_of_another_type_is_named_without_a_class_name(field, value, said):
+    """pydantic's words named mashbox's own classes: "a valid dictionary or instance of TemplateKwargs"."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatRequest, {"messages": USER, field: value})
+    assert err.value.param == field and err.value.message == f"Input should be a JSON object, not {said}"
 
 
 def test_ignored_fields_lists_extras_and_accepted_ignored_fields():

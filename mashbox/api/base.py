@@ -279,9 +279,18 @@ def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
         return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message,
                                    code=cause.code)
     message = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "union_tag_invalid":
+    if err["type"] == "model_type":  # pydantic names its class: "a valid dictionary or instance of TemplateKwargs"
+        message = f"Input should be a JSON object, not {_json_type(err['input'])}"
+    elif err["type"] == "union_tag_invalid":
         message = f"unknown type {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
     return InvalidRequestError(".".join(path), message)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _path(err: Any, data: Any) -> list[str]:
