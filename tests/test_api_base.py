@@ -159,3 +159,9 @@ def test_text_parts_become_the_same_messages_on_every_protocol():
     texts = [[(m.role, m.content) for m in r.messages] for r in (chat, responses, messages)]
     assert texts[0] == texts[1] == texts[2]
     assert texts[0][0] == ("user", "Weather in Paris\nand Rome?") and texts[0][2] == ("tool", "line1\nline2")
+
+
+def test_a_stop_string_too_long_is_named():
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatRequest, {"messages": USER, "stop": ["end", "x" * 10_001]})
+    assert err.value.param == "stop" and "at most 10000 characters (one has 10001)" in err.value.message

@@ -25,7 +25,7 @@ from pydantic import (
     model_serializer,
 )
 
-from mashbox.engine.request import MAX_STOPS, EngineRequest, SamplingParams
+from mashbox.engine.request import MAX_STOP_CHARS, MAX_STOPS, EngineRequest, SamplingParams
 from mashbox.engine.text.markup import SURROGATE, json_value
 from mashbox.errors import InvalidRequestError
 
@@ -135,6 +135,8 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(values)})")
         if not all(values):
             raise ValueError("stop strings must not be empty")
+        if (longest := max(map(len, values), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters (one has {longest})")
         return value
 
     def max_new_tokens(self) -> int | None:

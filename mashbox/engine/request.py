@@ -32,6 +32,7 @@ def _typed(owner: Any, kinds: dict[str, type | tuple[type, ...]]) -> None:
 
 
 MAX_STOPS = 64  # every stop string is looked for after every token, in the step all streams share
+MAX_STOP_CHARS = 10_000  # each is read once per request (text.stop: its table), on the way every request takes
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +72,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         _check(len(self.stop) <= MAX_STOPS, "stop", f"at most {MAX_STOPS} strings", f"{len(self.stop)} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: must be strings of at most {MAX_STOP_CHARS} characters (one has {longest})")
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 and isinstance(b, int | float)
