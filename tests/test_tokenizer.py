@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,33 @@ def test_ids_and_text_are_transformers(pair, text: str) -> None:
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_a_long_text_is_read_while_other_threads_run(pair) -> None:
+    """``encode`` held the interpreter's lock throughout: a 2M-character prompt (a second or more) froze
+    every other thread of the worker, the engine's too: every stream stalled while it was read."""
+    ours, _ = pair
+    text = "Some words, and some more: 12345 and more words.\n" * 20_000  # 1M characters
+    spins, done = [0], threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        start, t0 = spins[0], time.perf_counter()
+        time.sleep(0.2)
+        alone = (spins[0] - start) / (time.perf_counter() - t0)
+        start, t0 = spins[0], time.perf_counter()
+        ids = ours.encode(text, add_special_tokens=False)
+        beside = (spins[0] - start) / (time.perf_counter() - t0)
+    finally:
+        done.set()
+        spinner.join()
+    assert len(ids) > 100_000
+    assert beside > alone / 10, (beside, alone)  # held, the lock let the other thread run 1% of its pace
 
 
 def test_special_tokens_and_vocabulary_are_transformers(pair) -> None:
