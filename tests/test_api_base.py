@@ -165,3 +165,11 @@ def test_a_stop_string_too_long_is_named():
     with pytest.raises(InvalidRequestError) as err:
         parse(ChatRequest, {"messages": USER, "stop": ["end", "x" * 10_001]})
     assert err.value.param == "stop" and "at most 10000 characters (one has 10001)" in err.value.message
+
+
+def test_a_token_id_of_thousands_of_digits_is_refused_not_a_500():
+    """Python reads no number of over 4,300 digits (a ValueError past the validator: a 500)."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatRequest, {"messages": USER, "logit_bias": {"9" * 5000: 1}})
+    assert err.value.param == "logit_bias" and "5000 digits" in err.value.message
+    assert parse(ChatRequest, {"messages": USER, "logit_bias": {"0" * 30 + "7": 1}}).sampling().logit_bias == ((7, 1),)

@@ -171,6 +171,9 @@ class LogitBias(BaseModel):
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if (bad := next((key for key in value or {} if not (key.isascii() and key.isdigit())), None)) is not None:
             raise ValueError(f"keys are token ids (such as \"50256\"), not {bad!r}")
+        if (long := next((key for key in value or {} if len(key.lstrip("0")) > 18), None)) is not None:
+            raise ValueError(f"token id {long[:20]}... ({len(long)} digits) is in no model's vocabulary")  # nor
+            # read as a number: Python refuses past 4,300 digits (a 500)
         return value
 
     def sampling(self) -> SamplingParams:
