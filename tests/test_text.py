@@ -195,3 +195,14 @@ def test_min_p_keeps_every_token_above_it_beyond_the_candidates():
     assert len(ids) == len(logits) and len(set(ids.tolist())) == len(ids)
     ids, _ = sampler.support(torch.arange(4096.0) / 1000, SamplingParams(temperature=4.0, min_p=1e-4))
     assert len(ids) == 4096  # e^(-4.095 / 4) is far above 1e-4 of the top
+
+
+def test_a_request_s_logit_bias_is_made_into_tensors_once(tiny_engine, monkeypatch):
+    """The whole vocabulary's bias was rebuilt from its pairs at every token (60 ms a step, in the step
+    every stream shares); a request makes it once, at its first sampled token."""
+    made, real = [], sampler.bias
+    monkeypatch.setattr(sampler, "bias", lambda *args: made.append(args) or real(*args))
+    vocab = len(tiny_engine.tokenizer)
+    out = tiny_engine.complete(prompt="Hello", max_tokens=12, temperature=0.8, seed=1,
+                               logit_bias={str(i): 0.5 for i in range(vocab)})
+    assert out.usage.completion_tokens == 12 and len(made) == 1

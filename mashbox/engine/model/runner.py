@@ -105,6 +105,7 @@ class ModelRunner:
             [None if w.seq.sampling.greedy else sampler.uniform(_seed(w.seq), len(w.seq.output_ids) + j)
              for w, j in rows],
             self.ops.argmax,
+            [_bias(seq, logits) for seq in sampling],
         )
         return [self._follow(seq, token) for seq, token in zip(sampling, tokens)]
 
@@ -278,6 +279,13 @@ def _output(item: Work, row: int) -> list[int]:
     if row == 0:
         return item.seq.output_ids
     return [*item.seq.output_ids, *item.token_ids[len(item.token_ids) - item.draft :][:row]]
+
+
+def _bias(seq: Sequence, logits: torch.Tensor) -> sampler.Bias | None:
+    """A request's logit bias as the sampler adds it: made at its first sampled token, then kept."""
+    if seq.sampling.logit_bias and seq.bias is None:
+        seq.bias = sampler.bias(seq.sampling, logits.shape[-1], logits.device)
+    return seq.bias
 
 
 def _seed(seq: Sequence) -> int:

@@ -18,10 +18,24 @@ from mashbox.engine.model.ops import TorchOps
 from mashbox.engine.request import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+Bias = tuple[torch.Tensor, torch.Tensor]  # token ids and what is added to their logits
+
+
+def bias(params: SamplingParams, vocab: int, device: torch.device) -> Bias | None:
+    """``params``' logit bias as tensors: made once a request (the whole vocabulary's, rebuilt at every
+    token, cost 60 ms a step in the step all streams share)."""
+    biased = [(i, b) for i, b in params.logit_bias if i < vocab]  # the runtime checked the ids
+    if not biased:
+        return None
+    return (torch.tensor([i for i, _ in biased], device=device),
+            torch.tensor([b for _, b in biased], dtype=torch.float32, device=device))
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                    biased: Bias | None = None) -> torch.Tensor:
     """Repetition (over prompt and output), frequency and presence (over output) penalties, then the
-    logit bias; a penalty so strong that a logit overflows leaves it the largest (or smallest) finite
-    number, never inf."""
+    logit bias (``biased``: made by ``bias`` where not given); a penalty so strong that a logit overflows
+    leaves it the largest (or smallest) finite number, never inf."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
         picked = logits[seen]
@@ -30,9 +44,11 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[-1])
         counts = counts[: logits.shape[-1]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    if biased := [(i, b) for i, b in params.logit_bias if i < logits.shape[-1]]:  # the runtime checked the ids
-        ids = torch.tensor([i for i, _ in biased], device=logits.device)
-        logits[ids] += torch.tensor([b for _, b in biased], dtype=logits.dtype, device=logits.device)
+    if biased is None and params.logit_bias:
+        biased = bias(params, logits.shape[-1], logits.device)
+    if biased is not None:
+        ids, added = biased
+        logits[ids] += added.to(logits.dtype)
     return torch.nan_to_num(logits, nan=float(torch.finfo(logits.dtype).min))
 
 
@@ -117,15 +133,18 @@ def sample(
     histories: list[tuple[list[int], list[int]]],
     uniforms: list[float | None],
     argmax: Callable[[torch.Tensor], list[int]] = TorchOps().argmax,
+    biases: list[Bias | None] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` [rows, vocab]; a sampled row draws with its number of ``uniforms``.
-    ``argmax`` gives every row's greedy token at once (the runner's ops: the kernels' on CPU)."""
+    ``argmax`` gives every row's greedy token at once (the runner's ops: the kernels' on CPU); ``biases``,
+    each row's logit bias made once (``bias``), where its request keeps them."""
     logits = logits.float()
     tokens = argmax(logits)
     for i, p in enumerate(params):
         needs_penalty = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias
         if not needs_penalty and p.greedy:
             continue
-        row = apply_penalties(logits[i].clone(), p, *histories[i]) if needs_penalty else logits[i]
+        biased = biases[i] if biases else None
+        row = apply_penalties(logits[i].clone(), p, *histories[i], biased) if needs_penalty else logits[i]
         tokens[i] = int(torch.argmax(row)) if p.greedy else draw(row, p, uniforms[i])
     return tokens

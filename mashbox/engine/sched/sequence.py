@@ -55,6 +55,7 @@ class Sequence:
     forced: list[int] = field(default_factory=list)
     cache_salt: str = ""  # prefixes are shared only between requests of the same salt (a tenant)
     session: str | None = None  # whose conversation this prompt continues (PrefixCache keeps it warm)
+    bias: Any = None  # its logit bias as the sampler adds it (sampler.bias), made at its first sampled token
     seed: int | None = None  # a sampled request's seed (its own, or drawn at its first token): see sampler.uniform
     drafts: Drafts | None = None  # where it speculates: its tokens indexed for proposals (draft.py)
     drafted: int = 0  # tokens proposed and checked, and of those accepted
