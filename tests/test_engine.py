@@ -941,6 +941,15 @@ def test_an_engine_says_what_it_runs_in_a_notebooks_output(tiny_model_dir):
     assert repr(engine).endswith("closed>")
 
 
+def test_an_engine_sent_to_a_spawned_process_is_refused_in_words(smol_engine):
+    """A process pool pickles its arguments: an Engine failed on an inner part ("Can't pickle local object
+    'CDLL.__init__.<locals>._FuncPtr'"), which said nothing of what to do."""
+    import pickle
+
+    with pytest.raises(TypeError, match="cannot be sent to another process .* make one in the child"):
+        pickle.dumps(smol_engine)
+
+
 def test_an_engine_made_in_a_child_forked_from_a_working_one_answers(smol_engine):
     """As the error above advises: a new Engine in the child. The parent's OpenMP pool did not survive
     the fork, and the child's first parallel region (reading the weights) waited for it for good."""

@@ -107,6 +107,12 @@ class Runtime:
         _one_thread_after_fork()
         self._release = weakref.finalize(self, _release, self._core)  # also where the Engine is dropped unclosed
 
+    def __reduce__(self) -> Any:
+        """Refused plainly: a process pool's pickling of an Engine failed on whatever inner part came first
+        ("Can't pickle local object 'CDLL.__init__.<locals>._FuncPtr'")."""
+        raise TypeError(f"an {type(self).__name__} cannot be sent to another process (its model and thread live in "
+                        f"this one): make one in the child, with the same arguments")
+
     def __repr__(self) -> str:
         i, state = self.info, "closed" if self._core.closed else "open"
         return (f"<{type(self).__name__} {i.id} ({i.weights}, {i.weights_mode}) on {i.device}: {i.slots} slots "
