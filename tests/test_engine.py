@@ -461,6 +461,25 @@ def test_prefix_restored_from_host_memory_gives_the_cold_answer(tiny_model_dir):
     assert stats.host_cache_cap_bytes == 64 * 2**20 and stats.host_cache_evictions == 0
 
 
+def test_host_entries_dropped_give_the_heap_back_now_and_then(tiny_model_dir, monkeypatch):
+    """A busy server's memory crept past the host cache's cap (glibc keeps the holes the dropped entries
+    leave): where entries are dropped, the heap's free pages are given back, at most every 30 s."""
+    from mashbox import Engine
+    from mashbox.engine.model import memory
+
+    given = []
+    monkeypatch.setattr(memory, "give_back", lambda: given.append(threading.current_thread().name))
+    with Engine(str(tiny_model_dir), ctx=1024, slots=1, cache_ram_mib=1, quiet=True) as engine:
+        for n in range(16):  # each evicts the one before into host memory, whose 1 MiB holds ~4k tokens
+            run(engine, f"Prompt {n}: " + "word " * 700, max_tokens=2)
+        dropped = engine.stats().host_cache_evictions
+    assert dropped > 1 and given == ["mashbox-trim"]  # once: the next drops came within 30 s
+    trim = memory.HeapTrim(every=0.0)
+    trim.freed()
+    trim._thread.join()
+    assert len(given) == 2
+
+
 def test_numpy_numbers_and_tuples_are_taken_as_json_has_them(tiny_engine):
     """A notebook's ``np.int64`` max_tokens and a tuple of stops were refused ("Input should be a valid
     integer", "... a valid string"): the request types are strict, as a JSON body is."""

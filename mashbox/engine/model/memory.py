@@ -3,8 +3,12 @@ so that a context too large for the machine is one clear error, not minutes of a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +16,34 @@ import torch
 from mashbox.engine.load.checkpoint import Spec
 from mashbox.engine.model.form import Form
 from mashbox.errors import ConfigError
+
+
+class HeapTrim:
+    """Gives the C heap's free pages back to the system after the prefix cache dropped host entries: at most
+    every ``every`` s, on a thread of its own. glibc keeps the holes that entries of every size leave (its
+    moving mmap threshold puts all but the largest on the heap), and a busy server's memory crept past the
+    cache's cap: +450 MB over 2,500 requests on SmolLM2, +14 MB each 250 more; one ``malloc_trim`` (47 ms,
+    off the engine's thread) gave it all back."""
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self._last = -every
+        self._thread: threading.Thread | None = None
+
+    def freed(self) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every or self._thread is not None and self._thread.is_alive():
+            return
+        self._last = now
+        self._thread = threading.Thread(target=give_back, name="mashbox-trim", daemon=True)
+        self._thread.start()
+
+
+def give_back() -> None:
+    """glibc's ``malloc_trim(0)``: every arena's free pages back to the system (a no-op elsewhere)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
+    if trim is not None:
+        trim(0)
 
 
 def kv_bytes_per_token(spec: Spec, form: Form) -> int:

@@ -28,6 +28,7 @@ from mashbox.engine.model import ops, sampler
 from mashbox.engine.model.form import Form
 from mashbox.engine.model.graphs import DecodeGraphs
 from mashbox.engine.model.kv_cache import KVCache
+from mashbox.engine.model.memory import HeapTrim
 from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.weights import GATED, Weights
 from mashbox.engine.sched.prefix_cache import CacheOp, Copy, Load, Persist, Restore, Save
@@ -82,6 +83,7 @@ class ModelRunner:
         # one-token rows attend in one call a layer: the native kernel, or on CUDA one masked SDPA call
         self._rows_at_once = native_ops or self.device.type == "cuda"
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._trim = HeapTrim()
 
     @torch.inference_mode()
     def run(self, plan: Plan) -> list[int]:
@@ -145,6 +147,7 @@ class ModelRunner:
             self.kv.restore(op.slot, (op.keys, op.values))
         else:
             self.host.pop(op.entry, None)
+            self._trim.freed()
 
     def keep(self, pages: list[Persist], disk: PageStore) -> None:
         """Hand a copy of each page to ``disk``, which writes it in the background."""
