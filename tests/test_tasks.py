@@ -196,6 +196,18 @@ def test_structured_output(tasks):
     jsonschema.validate(json.loads(task.output[-1].message_content[0].text), PERSON)
 
 
+def test_a_schema_the_grammar_cannot_follow_mid_answer_fails_the_task_naming_it(tasks):
+    """llguidance meets its limit only once the answer enters a choice of 3,000 objects: the task failed as
+    an internal error (-32603), where its own schema was what could not be followed."""
+    schema = {"type": "object", "properties": {"v": {"anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]} for i in range(3000)]}},
+        "required": ["v"]}
+    task = tasks.create(stream=False, user_message_content="Go.", structured_output=schema,
+                        inference_args={"max_tokens": 40}).result
+    assert task.status == "failed" and task.error.code == -32602, task.error
+    assert task.error.data == {"param": "structured_output"} and "cannot be enforced" in task.error.message
+
+
 def _streamed(url: str, body: dict, on_event, timeout: float = 120) -> list[dict]:
     """Stream a create in raw HTTP, calling ``on_event(result)`` for each event as it comes."""
     out = []

@@ -58,6 +58,7 @@ DEFAULT_MAX_STEPS = 10
 STEP_LIMIT = -32010  # JSON-RPC error codes of a failed task
 OUTPUT_LIMIT = -32011
 GENERATION_FAILED = -32603
+INVALID_PARAMS = -32602  # of one whose request could not be followed after all (a schema, mid-answer)
 EXPIRED = -32002  # of an expired one
 SERVER_STOPPED = -32012  # of one that the server stopped (shutting down) while it ran
 STOP_WAIT = 5.0  # seconds an interrupted generation has to deliver its Finish (its usage)
@@ -285,7 +286,12 @@ class TaskLoop:
         finish = translator.finish
         self._count(finish.usage)
         if finish.reason in ("error", "abort"):
-            self.task.error = RpcError(code=GENERATION_FAILED, message=finish.error or "the generation stopped")
+            if finish.param:  # a schema the grammar could not follow (a limit met mid-answer): the request's
+                field = _PARAMS.get(finish.param, finish.param)
+                self.task.error = RpcError(code=INVALID_PARAMS, message=f"{field}: {finish.error}",
+                                           data={"param": field})
+            else:
+                self.task.error = RpcError(code=GENERATION_FAILED, message=finish.error or "the generation stopped")
             yield self.status("failed")
             return
         calls = [c for c in translator.calls if c.status == "completed"]  # one cut by max_tokens never runs
