@@ -3,6 +3,7 @@ and safe against files that do not read."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -105,6 +106,49 @@ def test_a_page_that_does_not_read_is_skipped_with_a_log_line_and_removed(tmp_pa
     assert k.shape[1] == 4  # the first page still serves
     assert f"skipped the cached prompt page {second}" in caplog.text and not second.exists()
     assert again.stored(keys) == 1
+
+
+def test_a_page_whose_keys_and_values_changed_on_disk_is_skipped_and_removed(tmp_path: Path, caplog):
+    """Bytes a disk lost or changed in a page's tensors (its header and tokens intact) were read back as KV:
+    answers of garbage, with no word said and the page kept for the next prompt too."""
+    prompt = list(range(8))
+    keys = kept(tmp_path, prompt)
+    second = tmp_path / f"{keys[1]}.safetensors"
+    data = bytearray(second.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8: 8 + header])["values"]["data_offsets"]
+    data[8 + header + start: 8 + header + end] = bytes(end - start)  # the values' bytes, zeroed
+    second.write_bytes(bytes(data))
+    again = PageStore(tmp_path, 2**20, "ns", page=4)
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        k, _ = again.read(keys, prompt)
+    assert k.shape[1] == 4 and "checksum differs" in caplog.text and not second.exists()
+
+
+def test_a_folder_gone_read_only_fails_no_read_and_stops_no_writer(tmp_path: Path, caplog, monkeypatch):
+    """A page read, or used from memory, is touched on disk; where the folder had gone read-only the touch
+    raised: the read crashed the engine (a 500, the worker started again), and the writer thread died, no
+    page kept again once the folder could be written. A page that cannot be written is said once."""
+    import mashbox.engine.sched.disk_cache as disk_cache
+
+    prompt = list(range(8))
+    keys = kept(tmp_path, prompt)
+    store = PageStore(tmp_path, 2**20, "ns", page=4)
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(disk_cache.os, "utime", read_only)
+    monkeypatch.setattr(disk_cache.os, "replace", read_only)
+    other = list(range(100, 112))
+    with caplog.at_level(logging.WARNING, logger="mashbox.engine"):
+        assert store.read(keys, prompt)[0].shape[1] == 8
+        store.touch(keys)  # the writer touches them: it died there
+        for i, key in enumerate(store.keys(other, "")):  # then three pages not kept: said once
+            store.save(key, other[4 * i: 4 * i + 4], *page())
+        store.close()  # the writer ends once it has taken all of them
+    assert caplog.text.count("could not keep prompt pages") == 1, caplog.text
+    assert store.stored(store.keys(other, "")) == 0
 
 
 def test_a_page_that_does_not_read_and_cannot_be_removed_is_a_miss_said_once(tmp_path: Path, caplog):

@@ -5,10 +5,10 @@ of the namespace (model, weights, numerics), the tenant salt and every token up 
 end: a page is only ever used after exactly the tokens it was computed after. Pages are written
 as they are computed (by a background thread: the engine only copies the slice), as safetensors
 files, never pickles; a file is written whole (a temp file of the writer's own, then a rename) and
-read back only if its header names the same key, its tokens are the prompt's and its tensors are of the
-model's shape. A file that does not read is skipped with a log line and removed (where it cannot be, it
-is a miss from then on). A page that cannot be written (a full or read-only disk) is not kept, and the
-engine goes on. Only files named as pages are ever counted or removed: the folder may hold others.
+read back only if its header names the same key, its tokens are the prompt's, its tensors are of the
+model's shape and their checksum is the one written. A file that does not read is skipped with a log line
+and removed (where it cannot be, it is a miss from then on). A page that cannot be written (a full or
+read-only disk) is not kept, said once until one is again, and the engine goes on. Only files named as pages are ever counted or removed: the folder may hold others.
 
 Several processes may share the folder (the replicas of a host): each sees the pages the others
 wrote (a page missing from its index is looked for on disk), a page one of them removed is a miss,
@@ -30,6 +30,7 @@ import shutil
 import threading
 import time
 import uuid
+import zlib
 from array import array
 from collections import OrderedDict
 from pathlib import Path
@@ -40,7 +41,7 @@ from mashbox.engine.load.catalog import remove_stale
 
 log = logging.getLogger("mashbox.engine")
 
-FORMAT = "mashbox-kv-page/1"
+FORMAT = "mashbox-kv-page/2"  # 2: a checksum in the header (pages of 1 are other keys: misses)
 RESCAN = 16  # a writer counts the folder again after writing cap / RESCAN bytes, whatever its index says
 STUCK = 3  # pages in a row that cannot be removed: the folder cannot be trimmed now
 ROOM = 1 << 30  # free bytes a page must leave on its disk (the cap may be more than a small disk has)
@@ -64,6 +65,7 @@ class PageStore:
         self._queued = 0  # bytes of the pages waiting for the writer
         self._broken: set[str] = set()  # pages that do not read and could not be removed: misses, said once
         self._short = False  # whether the disk has too little room for pages (said once)
+        self._failing = False  # whether the last page failed to be written (said once)
         self._touched: OrderedDict[str, float] = OrderedDict()  # key -> when last touched for a use from memory
         self._scan()
         self._writes: queue.SimpleQueue[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | list[str] | None] = \
@@ -124,6 +126,8 @@ class PageStore:
                     kv = (file.get_tensor("keys"), file.get_tensor("values"))
                     if self.form and tuple((tuple(t.shape), t.dtype) for t in kv) != self.form:
                         raise ValueError("its keys and values are not of this model's shape")
+                    if file.metadata().get("sum") != _sum(*kv):
+                        raise ValueError("its keys and values are not those written (their checksum differs)")
                     parts.append(kv)
             except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
                 if path.exists() and not isinstance(err, FileNotFoundError):
@@ -158,8 +162,9 @@ class PageStore:
         prompt's last pages before its first, which they need."""
         now = time.time_ns()
         for i, key in enumerate(reversed(keys)):
-            with contextlib.suppress(FileNotFoundError):  # another process may have trimmed it since
-                os.utime(self._path(key), ns=(now + i * 1000,) * 2)  # the clock's ticks are coarser than a read
+            with contextlib.suppress(OSError):  # trimmed by another process since, or the folder read-only now:
+                os.utime(self._path(key), ns=(now + i * 1000,) * 2)  # a touch is no reason to fail (the clock's
+                # ticks are coarser than a read)
             with self._lock:
                 if key in self._files:
                     self._files.move_to_end(key)
@@ -198,16 +203,20 @@ class PageStore:
             try:  # safetensors says a full disk as its own error, not OSError: any failure is a page not kept
                 self.folder.mkdir(parents=True, exist_ok=True)  # removed meanwhile (by hand): made again
                 save_file({"tokens": tokens, "keys": keys, "values": values}, str(tmp),
-                          metadata={"key": key, "format": FORMAT})
+                          metadata={"key": key, "format": FORMAT, "sum": _sum(keys, values)})
                 os.replace(tmp, path)
                 os.utime(path, ns=(time.time_ns(),) * 2)  # the clock reads touch pages by: the file system's
                 size = path.stat().st_size  # own may be a tick behind it, and a page just written look older
             except Exception as err:
-                log.warning("could not keep a prompt page on disk in %s (%s: %s)", self.folder, type(err).__name__, err)
+                if not self._failing:  # once, not once a page: said again after a page is kept
+                    log.warning("could not keep prompt pages on disk in %s (%s: %s)", self.folder,
+                                type(err).__name__, err)
+                self._failing = True
                 with contextlib.suppress(OSError):
                     tmp.unlink(missing_ok=True)
                 self._forget(key)
                 continue
+            self._failing = False
             with self._lock:
                 self._files[key] = size
                 self._written += size
@@ -269,6 +278,15 @@ class PageStore:
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
+
+
+def _sum(keys: torch.Tensor, values: torch.Tensor) -> str:
+    """A page's checksum (CRC-32 of its keys' and values' bytes, ~1.4 GB/s): bytes a disk lost or changed
+    after the page was written read back as another prompt's KV, answers of garbage with no word said."""
+    crc = 0
+    for t in (keys, values):
+        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 def _unlink(path: Path) -> bool:
