@@ -125,9 +125,10 @@ class TaskStore:
             try:
                 yield db
             except sqlite3.Error as err:
-                locked = "locked" in str(err) or "busy" in str(err)
-                fix = ("another program holds it locked: try again" if locked else
-                       "free space there, or start the server with --tasks-db naming another file")
+                said = str(err)
+                fix = ("another program holds it locked: try again" if "locked" in said or "busy" in said else
+                       "free space there, or start the server with --tasks-db naming another file" if "full" in said
+                       else "start the server with --tasks-db naming a file it can write")  # read-only, damaged
                 raise StorageError(f"{what} in {self.path} failed ({type(err).__name__}: {err}); {fix}") from err
 
     def save(self, tenant: str, task: dict[str, Any]) -> None:
