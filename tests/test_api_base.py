@@ -7,7 +7,8 @@ from typing import ClassVar
 import pytest
 from translation import USER
 
-from mashbox.api.base import OutModel, RequestModel, engine_request, parse
+from mashbox.api import base
+from mashbox.api.base import OutModel, RequestModel, engine_request, parse, plain
 from mashbox.api.blocks import BlockTracker
 from mashbox.api.openai_chat import ChatRequest
 from mashbox.engine.events import (
@@ -173,3 +174,31 @@ def test_a_token_id_of_thousands_of_digits_is_refused_not_a_500():
         parse(ChatRequest, {"messages": USER, "logit_bias": {"9" * 5000: 1}})
     assert err.value.param == "logit_bias" and "5000 digits" in err.value.message
     assert parse(ChatRequest, {"messages": USER, "logit_bias": {"0" * 30 + "7": 1}}).sampling().logit_bias == ((7, 1),)
+
+
+def test_a_body_of_millions_of_bad_items_is_refused_at_once():
+    """Read on the loop that streams every answer: 4.9 million items of the wrong type were validated, then each
+    one's error named (a path built for every one), for over a minute in which no stream moved."""
+    with pytest.raises(InvalidRequestError) as err:
+        plain({"max_tokens": 5, "prompt": [1] * 4_900_000})
+    assert err.value.param == "prompt" and "4900000 items" in err.value.message
+    errors_read = []
+    real = base._path
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(base, "_path", lambda err, data: errors_read.append(err) or real(err, data))
+        with pytest.raises(InvalidRequestError) as err:
+            parse(ChatRequest, {"messages": USER, "stop": [1] * 60_000})
+    assert err.value.param.startswith("stop") and len(errors_read) <= 64
+
+
+def test_a_fault_deep_in_a_body_is_named_where_it_is():
+    deep: dict = {}
+    node = deep
+    for _ in range(200):
+        node["x"] = {}
+        node = node["x"]
+    for body, param, said in [({"tools": [deep]}, "tools.0.x.x.x.x...", "nests more than 128 levels deep"),
+                              ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content", "surrogate")]:
+        with pytest.raises(InvalidRequestError) as err:
+            plain(body)
+        assert err.value.param == param and said in err.value.message

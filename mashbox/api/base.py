@@ -33,6 +33,8 @@ NO_LOGPROBS = "log probabilities are not supported"
 TEXT_ONLY = "is not supported: this server runs a text-only model; send text parts only"
 STRUCTURED = "structured output is not supported; only {'type': 'text'} is accepted"
 
+MAX_ITEMS = 100_000  # items an array of a request may hold (no context fits more); a conversation apart (TURNS):
+TURNS = frozenset({"messages", "input", "history_messages"})  # one longer than the context is refused as too long
 MAX_DEPTH = 128  # levels a request's JSON may nest: each reader after the decoder recurses (pickling to the
 # worker, pydantic's dumps, the chat template), and none of them takes a thousand as the decoder does
 M = TypeVar("M", bound=BaseModel)
@@ -190,18 +192,42 @@ class ErrorBody(OutModel):
     request_id: str | None = None
 
 
-def plain(body: Any, path: str = "", depth: int = 1) -> Any:
+def plain(body: Any) -> Any:
     """``body``, where no string holds a lone surrogate (half of a UTF-16 pair, no text: the tokenizer cannot
-    read it) and nothing nests more than ``MAX_DEPTH`` levels; else raise, naming where."""
-    if isinstance(body, str) and SURROGATE.search(body):
-        raise InvalidRequestError(path, "holds a lone surrogate (a half of a UTF-16 pair), which is not text")
+    read it), nothing nests more than ``MAX_DEPTH`` levels and no array but a conversation holds more than
+    ``MAX_ITEMS`` (one longer than the context is refused as too long for it, the error agents read to compact
+    it); else raise, naming where. Runs on the event loop that streams every answer: no path is built until a
+    fault is found (a 10 MB body of 4.9 million bad items was walked, then each one's error named, for over a
+    minute)."""
+    try:
+        _walk_plain(body, 1)
+    except _Fault as fault:
+        where = ".".join(map(str, fault.path[:6] if fault.deep else fault.path))  # deep: where it begins to
+        raise InvalidRequestError(where + "..." * fault.deep, fault.message) from None
+    return body
+
+
+class _Fault(Exception):
+    def __init__(self, message: str, deep: bool = False) -> None:
+        self.message, self.deep, self.path = message, deep, []
+
+
+def _walk_plain(body: Any, depth: int) -> None:
+    if isinstance(body, str):
+        if SURROGATE.search(body):
+            raise _Fault("holds a lone surrogate (a half of a UTF-16 pair), which is not text")
+        return
     items = body.items() if isinstance(body, Mapping) else enumerate(body) if isinstance(body, list | tuple) else ()
     for key, value in items:
-        if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
-            named = ".".join(path.split(".")[:6])  # where it begins to: the whole path is as deep
-            raise InvalidRequestError(f"{named}...", f"nests more than {MAX_DEPTH} levels deep")
-        plain(value, f"{path}.{key}" if path else str(key), depth + 1)
-    return body
+        try:
+            if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
+                raise _Fault(f"nests more than {MAX_DEPTH} levels deep", deep=True)
+            if isinstance(value, list | tuple) and len(value) > MAX_ITEMS and not (depth == 1 and key in TURNS):
+                raise _Fault(f"holds {len(value)} items: more than any request can use (at most {MAX_ITEMS})")
+            _walk_plain(value, depth + 1)
+        except _Fault as fault:
+            fault.path.insert(0, key)
+            raise
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -274,8 +300,11 @@ def parse(model_cls: type[M], data: dict[str, Any] | BaseModel) -> M:
         raise _invalid(exc, data) from None
 
 
+ERRORS_READ = 64  # of a body's validation errors, the most read for the one named (one per bad item of an array)
+
+
 def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
-    errors = exc.errors()
+    errors = exc.errors(include_url=False)[:ERRORS_READ]
     paths = [_path(err, data) for err in errors]
     best = max(range(len(errors)), key=lambda i: len(paths[i]))
     err, path = errors[best], paths[best]

@@ -20,7 +20,7 @@ from mashbox.api.task_items import STATUSES, CreateTask, Envelope
 from mashbox.errors import InvalidRequestError
 from mashbox.server import security
 from mashbox.server.context import Context
-from mashbox.server.generation import ignored_header, request_id, unless_gone
+from mashbox.server.generation import ignored_header, refuse_overlong, request_id, unless_gone
 from mashbox.server.sse import EventStream
 from mashbox.server.task_runs import Live
 
@@ -47,6 +47,7 @@ async def create_task(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
     sent = data.get("request_id") if isinstance(data, dict) else None
     if isinstance(sent, str | int) and not isinstance(sent, bool):  # a refusal of the body echoes it too
         request.scope["state"]["request_id"] = sent
+    refuse_overlong(ctx, data, "history_messages")  # before it is validated: a history past the context is cheap to tell
     req = parse(CreateTask, data)
     rid = req.request_id if req.request_id is not None else request_id(request)
     request.scope["state"]["request_id"] = rid  # an error from here on (a 429, a 409) echoes it too
