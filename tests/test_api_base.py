@@ -52,7 +52,8 @@ def test_parse_of_a_non_object_body():
 
 
 @pytest.mark.parametrize(("field", "value", "said"), [("chat_template_kwargs", "x", "a string"),
-                                                    ("stream_options", 5, "a number"), ("prediction", [1], "an array")])
+                                                    ("stream_options", 5, "a number"), ("prediction", [1], "an array"),
+                                                    ("logit_bias", "x", "a string"), ("response_format", 5, "a number")])
 def test_an_object_field_of_another_type_is_named_without_a_class_name(field, value, said):
     """pydantic's words named mashbox's own classes: "a valid dictionary or instance of TemplateKwargs"."""
     with pytest.raises(InvalidRequestError) as err:
@@ -173,7 +174,12 @@ def test_a_token_id_of_thousands_of_digits_is_refused_not_a_500():
     with pytest.raises(InvalidRequestError) as err:
         parse(ChatRequest, {"messages": USER, "logit_bias": {"9" * 5000: 1}})
     assert err.value.param == "logit_bias" and "5000 digits" in err.value.message
-    assert parse(ChatRequest, {"messages": USER, "logit_bias": {"0" * 30 + "7": 1}}).sampling().logit_bias == ((7, 1),)
+    for zeros in (30, 5000):  # a key of thousands of digits, all but one leading zeros
+        assert parse(ChatRequest, {"messages": USER, "logit_bias": {"0" * zeros + "7": 1}}).sampling().logit_bias \
+            == ((7, 1),)
+    with pytest.raises(InvalidRequestError) as err:  # a content part that is no object
+        parse(ChatRequest, {"messages": [{"role": "user", "content": [5]}]})
+    assert err.value.param == "messages.0.content.0" and err.value.message == "Input should be a JSON object, not a number"
 
 
 def test_a_body_of_millions_of_bad_items_is_refused_at_once():

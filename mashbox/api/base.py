@@ -179,7 +179,8 @@ class LogitBias(BaseModel):
         return value
 
     def sampling(self) -> SamplingParams:
-        biased = {int(key): bias for key, bias in (self.logit_bias or {}).items()}  # SamplingParams sorts them
+        biased = {int(key.lstrip("0") or "0"): bias for key, bias in (self.logit_bias or {}).items()}  # SamplingParams
+        # sorts them; Python reads no number of over 4,300 digits, leading zeros counted
         return dataclasses.replace(super().sampling(), logit_bias=biased)  # type: ignore[misc]
 
 
@@ -303,6 +304,9 @@ def parse(model_cls: type[M], data: dict[str, Any] | BaseModel) -> M:
 ERRORS_READ = 64  # of a body's validation errors, the most read for the one named (one per bad item of an array)
 
 
+OBJECT_TYPES = frozenset({"model_type", "dict_type", "model_attributes_type"})  # pydantic's "not an object"
+
+
 def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
     errors = exc.errors(include_url=False)[:ERRORS_READ]
     paths = [_path(err, data) for err in errors]
@@ -313,7 +317,7 @@ def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
         return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message,
                                    code=cause.code)
     message = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "model_type":  # pydantic names its class: "a valid dictionary or instance of TemplateKwargs"
+    if err["type"] in OBJECT_TYPES:  # pydantic's words name its class: "a valid dictionary or instance of TemplateKwargs"
         message = f"Input should be a JSON object, not {_json_type(err['input'])}"
     elif err["type"] == "union_tag_invalid":
         message = f"unknown type {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
