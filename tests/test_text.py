@@ -78,7 +78,8 @@ def test_long_stop_strings_cost_a_token_its_characters_not_the_held_text_squared
         finally:
             sys.setprofile(None)
         assert held == ""  # all held: it may yet be the first stop
-    assert max(calls) < 40, calls  # not one search per '#' held (thousands by the last token)
+    assert max(calls[1:]) <= 1.5 * calls[1] and max(calls) < 500, calls  # the same at every token, not one search
+    # per '#' held (thousands by the last token)
 
 
 def test_no_stops_passes_text_through():
