@@ -197,6 +197,16 @@ def test_a_body_of_millions_of_bad_items_is_refused_at_once():
     assert err.value.param.startswith("stop") and len(errors_read) <= 64
 
 
+def test_bad_items_spread_over_many_arrays_are_refused_before_validation():
+    """Each array under the cap, 80 of 50,000 items: validated and each error built, a 31 s stall (a verifier's
+    find). The body's values are counted: past 200,000 it is refused where the count ran out."""
+    with pytest.raises(InvalidRequestError) as err:
+        plain({"messages": [{"role": "user", "content": [1] * 50_000}] * 80})
+    assert err.value.param.startswith("messages.3.content.") and "200000th JSON value" in err.value.message
+    conversation = [{"role": "user", "content": "w"}] * 150_000  # past the context: the route refuses it as too long
+    assert plain({"messages": conversation}, turns=8192)["messages"] is conversation
+
+
 def test_a_fault_deep_in_a_body_is_named_where_it_is():
     deep: dict = {}
     node = deep

@@ -33,8 +33,11 @@ NO_LOGPROBS = "log probabilities are not supported"
 TEXT_ONLY = "is not supported: this server runs a text-only model; send text parts only"
 STRUCTURED = "structured output is not supported; only {'type': 'text'} is accepted"
 
-MAX_ITEMS = 100_000  # items an array of a request may hold (no context fits more); a conversation apart (TURNS):
-TURNS = frozenset({"messages", "input", "history_messages"})  # one longer than the context is refused as too long
+MAX_ITEMS = 100_000  # items an array of a request may hold (no context fits more)
+TURNS = frozenset({"messages", "input", "history_messages"})  # a conversation: one longer than the context is the
+# route's to refuse, as too long
+MAX_VALUES = 200_000  # JSON values in a whole body (a 32k context holds ~60k of a conversation): as many bad ones
+# take ~0.6 s to validate and name one, on the loop that streams every answer
 MAX_DEPTH = 128  # levels a request's JSON may nest: each reader after the decoder recurses (pickling to the
 # worker, pydantic's dumps, the chat template), and none of them takes a thousand as the decoder does
 M = TypeVar("M", bound=BaseModel)
@@ -193,15 +196,16 @@ class ErrorBody(OutModel):
     request_id: str | None = None
 
 
-def plain(body: Any) -> Any:
+def plain(body: Any, turns: int = MAX_ITEMS) -> Any:
     """``body``, where no string holds a lone surrogate (half of a UTF-16 pair, no text: the tokenizer cannot
-    read it), nothing nests more than ``MAX_DEPTH`` levels and no array but a conversation holds more than
-    ``MAX_ITEMS`` (one longer than the context is refused as too long for it, the error agents read to compact
-    it); else raise, naming where. Runs on the event loop that streams every answer: no path is built until a
-    fault is found (a 10 MB body of 4.9 million bad items was walked, then each one's error named, for over a
-    minute)."""
+    read it), nothing nests more than ``MAX_DEPTH`` levels, no array but a conversation holds more than
+    ``MAX_ITEMS`` and the whole holds at most ``MAX_VALUES``; else raise, naming where. A conversation of more
+    than ``turns`` items (the server's context) is not read here: the route refuses it as too long for the
+    context, the error agents read to compact it. Runs on the event loop that streams
+    every answer: no path is built until a fault is found, and what validation costs is bounded (a 10 MB body of
+    4.9 million bad items was walked, then each one's error named, for over a minute)."""
     try:
-        _walk_plain(body, 1)
+        _Walk(turns).visit(body, 1)
     except _Fault as fault:
         where = ".".join(map(str, fault.path[:6] if fault.deep else fault.path))  # deep: where it begins to
         raise InvalidRequestError(where + "..." * fault.deep, fault.message) from None
@@ -213,22 +217,31 @@ class _Fault(Exception):
         self.message, self.deep, self.path = message, deep, []
 
 
-def _walk_plain(body: Any, depth: int) -> None:
-    if isinstance(body, str):
-        if SURROGATE.search(body):
-            raise _Fault("holds a lone surrogate (a half of a UTF-16 pair), which is not text")
-        return
-    items = body.items() if isinstance(body, Mapping) else enumerate(body) if isinstance(body, list | tuple) else ()
-    for key, value in items:
-        try:
-            if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
-                raise _Fault(f"nests more than {MAX_DEPTH} levels deep", deep=True)
-            if isinstance(value, list | tuple) and len(value) > MAX_ITEMS and not (depth == 1 and key in TURNS):
-                raise _Fault(f"holds {len(value)} items: more than any request can use (at most {MAX_ITEMS})")
-            _walk_plain(value, depth + 1)
-        except _Fault as fault:
-            fault.path.insert(0, key)
-            raise
+class _Walk:
+    def __init__(self, turns: int) -> None:
+        self.values, self.turns = 0, turns
+
+    def visit(self, body: Any, depth: int) -> None:
+        self.values += 1
+        if isinstance(body, str):
+            if SURROGATE.search(body):
+                raise _Fault("holds a lone surrogate (a half of a UTF-16 pair), which is not text")
+            return
+        items = body.items() if isinstance(body, Mapping) else enumerate(body) if isinstance(body, list | tuple) else ()
+        for key, value in items:
+            try:
+                if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
+                    raise _Fault(f"nests more than {MAX_DEPTH} levels deep", deep=True)
+                if depth == 1 and key in TURNS and isinstance(value, list | tuple) and len(value) > self.turns:
+                    continue  # refused unread by the route: too long for the context
+                if isinstance(value, list | tuple) and len(value) > MAX_ITEMS:
+                    raise _Fault(f"holds {len(value)} items: more than any request can use (at most {MAX_ITEMS})")
+                if self.values >= MAX_VALUES:  # named where the count ran out
+                    raise _Fault(f"is past the {MAX_VALUES}th JSON value of the body: more than any request can use")
+                self.visit(value, depth + 1)
+            except _Fault as fault:
+                fault.path.insert(0, key)
+                raise
 
 
 def json_object(text: str) -> dict[str, Any]:

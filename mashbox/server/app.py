@@ -32,6 +32,7 @@ def create_app(backend: Backend, settings: Settings) -> Litestar:
         openapi_config=None,
         logging_config=None,
     )
+    app.state.ctx = ctx  # BodyRequest reads the context's length
     app.asgi_handler = Gate(app.asgi_handler, ctx)
     return app
 
@@ -45,7 +46,8 @@ class BodyRequest(Request):
             body = await super().json()
         except RecursionError:
             raise ApiError(400, "the JSON body is nested too deeply to decode") from None
-        return plain(body)
+        info = self.app.state.ctx.backend.info
+        return plain(body, info.ctx) if info else plain(body)  # a conversation past the context: the route's
 
 
 def _version() -> str:
