@@ -232,7 +232,7 @@ class _Walk:
             try:
                 if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
                     raise _Fault(f"nests more than {MAX_DEPTH} levels deep", deep=True)
-                if depth == 1 and key in TURNS and isinstance(value, list | tuple) and len(value) > self.turns:
+                if depth == 1 and key in TURNS and isinstance(value, list) and turns_in(value) > self.turns:
                     continue  # refused unread by the route: too long for the context
                 if isinstance(value, list | tuple) and len(value) > MAX_ITEMS:
                     raise _Fault(f"holds {len(value)} items: more than any request can use (at most {MAX_ITEMS})")
@@ -242,6 +242,11 @@ class _Walk:
             except _Fault as fault:
                 fault.path.insert(0, key)
                 raise
+
+
+def turns_in(conversation: list[Any]) -> int:
+    """A conversation's items that take at least a token each: all but reasoning items (which may take none)."""
+    return sum(not (isinstance(item, dict) and item.get("type") == "reasoning") for item in conversation)
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from litestar import Request, Response
 from litestar.types import Receive
 
-from mashbox.api.base import RequestModel
+from mashbox.api.base import RequestModel, turns_in
 from mashbox.api.frames import COMMENT
 from mashbox.api.protocols import Protocol, prepare, start_usage
 from mashbox.engine.events import Event, Finish, Queued, Started
@@ -51,8 +51,7 @@ def refuse_overlong(ctx: Context, body: dict[str, Any], turns: str | None) -> No
     items, info = body.get(turns) if turns else None, ctx.backend.info
     if not isinstance(items, list) or info is None or len(items) <= info.ctx:
         return
-    n = sum(not (isinstance(item, dict) and item.get("type") == "reasoning") for item in items)
-    if n > info.ctx:
+    if (n := turns_in(items)) > info.ctx:
         raise ContextLengthError.of(turns, n, info.ctx, bound=f"{n} items of at least one each", hint="shorten it")
 
 
