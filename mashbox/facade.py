@@ -15,6 +15,7 @@ the return type ``stream`` picks; a request passed whole (a dict or model) may s
 from __future__ import annotations
 
 import difflib
+import numbers
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal, Unpack, overload
@@ -290,13 +291,17 @@ def _as_json(value: Any, depth: int = 0) -> Any:
         return value
     if isinstance(value, BaseModel):
         return _as_json(value.model_dump(mode="json", by_alias=True, exclude_none=True), depth)
-    if isinstance(value, Mapping):
-        return {key: _as_json(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, Mapping):  # whole-number keys as strings, as JSON writes them (logit_bias={15: 100})
+        return {_json_key(key): _as_json(item, depth + 1) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_as_json(item, depth + 1) for item in value]
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         return value.item()
     return value
+
+
+def _json_key(key: Any) -> Any:
+    return str(int(key)) if isinstance(key, numbers.Integral) and not isinstance(key, bool) else key
 
 
 def _warn_ignored(ignored: list[str], stacklevel: int) -> None:

@@ -480,6 +480,17 @@ def test_host_entries_dropped_give_the_heap_back_now_and_then(tiny_model_dir, mo
     assert len(given) == 2
 
 
+def test_a_logit_bias_keyed_by_whole_numbers_is_taken_as_json_writes_it(tiny_engine):
+    """``logit_bias={15: 100}`` was refused ("logit_bias.15: Input should be a valid string"): JSON's keys are
+    strings, a notebook's need not be; json.dumps writes 15 as "15", numpy's too."""
+    import numpy as np
+
+    forced = tiny_engine.tokenizer.encode(" moon", add_special_tokens=False)[0]
+    for key in (forced, np.int64(forced), str(forced)):
+        out = tiny_engine.complete(prompt="Hello", max_tokens=3, logit_bias={key: 100})
+        assert out.choices[0].text == tiny_engine.tokenizer.decode([forced] * 3)
+
+
 def test_numpy_numbers_and_tuples_are_taken_as_json_has_them(tiny_engine):
     """A notebook's ``np.int64`` max_tokens and a tuple of stops were refused ("Input should be a valid
     integer", "... a valid string"): the request types are strict, as a JSON body is."""
