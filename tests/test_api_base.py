@@ -51,9 +51,9 @@ def test_parse_of_a_non_object_body():
         parse(ChatRequest, ["not", "an", "object"])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("field", "value", "said"), [("chat_template_kwargs", "x", "a string"),
-                                                    ("stream_options", 5, "a number"), ("prediction", [1], "an array"),
-                                                    ("logit_bias", "x", "a string"), ("response_format", 5, "a number")])
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("chat_template_kwargs", "x", "a string"), ("stream_options", 5, "a number"), ("prediction", [1], "an array"),
+    ("logit_bias", "x", "a string"), ("response_format", 5, "a number")])
 def test_an_object_field_of_another_type_is_named_without_a_class_name(field, value, said):
     """pydantic's words named mashbox's own classes: "a valid dictionary or instance of TemplateKwargs"."""
     with pytest.raises(InvalidRequestError) as err:
@@ -179,7 +179,8 @@ def test_a_token_id_of_thousands_of_digits_is_refused_not_a_500():
             == ((7, 1),)
     with pytest.raises(InvalidRequestError) as err:  # a content part that is no object
         parse(ChatRequest, {"messages": [{"role": "user", "content": [5]}]})
-    assert err.value.param == "messages.0.content.0" and err.value.message == "Input should be a JSON object, not a number"
+    assert err.value.param == "messages.0.content.0"
+    assert err.value.message == "Input should be a JSON object, not a number"
 
 
 def test_a_body_of_millions_of_bad_items_is_refused_at_once():
@@ -213,8 +214,9 @@ def test_a_fault_deep_in_a_body_is_named_where_it_is():
     for _ in range(200):
         node["x"] = {}
         node = node["x"]
+    surrogate = {"messages": [{"role": "user", "content": "a\ud800"}]}
     for body, param, said in [({"tools": [deep]}, "tools.0.x.x.x.x...", "nests more than 128 levels deep"),
-                              ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content", "surrogate")]:
+                              (surrogate, "messages.0.content", "surrogate")]:
         with pytest.raises(InvalidRequestError) as err:
             plain(body)
         assert err.value.param == param and said in err.value.message

@@ -335,7 +335,7 @@ def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
         return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message,
                                    code=cause.code)
     message = err["msg"].removeprefix("Value error, ")
-    if err["type"] in OBJECT_TYPES:  # pydantic's words name its class: "a valid dictionary or instance of TemplateKwargs"
+    if err["type"] in OBJECT_TYPES:  # pydantic's words name its class ("... or instance of TemplateKwargs")
         message = f"Input should be a JSON object, not {_json_type(err['input'])}"
     elif err["type"] == "union_tag_invalid":
         message = f"unknown type {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"

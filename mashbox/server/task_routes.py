@@ -47,7 +47,7 @@ async def create_task(ctx: Ctx, request: Request, data: Body) -> Response[Any]:
     sent = data.get("request_id") if isinstance(data, dict) else None
     if isinstance(sent, str | int) and not isinstance(sent, bool):  # a refusal of the body echoes it too
         request.scope["state"]["request_id"] = sent
-    refuse_overlong(ctx, data, "history_messages")  # before it is validated: a history past the context is cheap to tell
+    refuse_overlong(ctx, data, "history_messages")  # before it is validated: a history past the context is cheap
     req = parse(CreateTask, data)
     rid = req.request_id if req.request_id is not None else request_id(request)
     request.scope["state"]["request_id"] = rid  # an error from here on (a 429, a 409) echoes it too

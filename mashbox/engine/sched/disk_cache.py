@@ -8,7 +8,8 @@ files, never pickles; a file is written whole (a temp file of the writer's own, 
 read back only if its header names the same key, its tokens are the prompt's, its tensors are of the
 model's shape and their checksum is the one written. A file that does not read is skipped with a log line
 and removed (where it cannot be, it is a miss from then on). A page that cannot be written (a full or
-read-only disk) is not kept, said once until one is again, and the engine goes on. Only files named as pages are ever counted or removed: the folder may hold others.
+read-only disk) is not kept, said once until one is again, and the engine goes on. Only files named as
+pages are ever counted or removed: the folder may hold others.
 
 Several processes may share the folder (the replicas of a host): each sees the pages the others
 wrote (a page missing from its index is looked for on disk), a page one of them removed is a miss,
