@@ -201,9 +201,9 @@ def plain(body: Any, turns: int = MAX_ITEMS) -> Any:
     read it), nothing nests more than ``MAX_DEPTH`` levels, no array but a conversation holds more than
     ``MAX_ITEMS`` and the whole holds at most ``MAX_VALUES``; else raise, naming where. A conversation of more
     than ``turns`` items (the server's context) is not read here: the route refuses it as too long for the
-    context, the error agents read to compact it. Runs on the event loop that streams
-    every answer: no path is built until a fault is found, and what validation costs is bounded (a 10 MB body of
-    4.9 million bad items was walked, then each one's error named, for over a minute)."""
+    context, the error agents read to compact it. Runs on the event loop that streams every answer: no path is
+    built until a fault is found, and what validation costs is bounded (a 10 MB body of 4.9 million bad items
+    was walked, then each one's error named, for over a minute)."""
     try:
         _Walk(turns).visit(body, 1)
     except _Fault as fault:
@@ -232,7 +232,8 @@ class _Walk:
             try:
                 if depth >= MAX_DEPTH and isinstance(value, Mapping | list | tuple):
                     raise _Fault(f"nests more than {MAX_DEPTH} levels deep", deep=True)
-                if depth == 1 and key in TURNS and isinstance(value, list) and turns_in(value) > self.turns:
+                if depth == 1 and key in TURNS and isinstance(value, list) and len(value) > self.turns \
+                        and turns_in(value) > self.turns:  # counted only where it may be past the context
                     continue  # refused unread by the route: too long for the context
                 if isinstance(value, list | tuple) and len(value) > MAX_ITEMS:
                     raise _Fault(f"holds {len(value)} items: more than any request can use (at most {MAX_ITEMS})")

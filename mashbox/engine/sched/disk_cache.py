@@ -119,7 +119,8 @@ class PageStore:
                 break
             try:
                 with safe_open(str(path), framework="pt") as file:
-                    if file.metadata().get("key") != key:
+                    header = file.metadata()
+                    if header.get("key") != key:
                         raise ValueError("its header names another key")
                     tokens = file.get_tensor("tokens").tolist()
                     if tokens != list(prompt[i * self.page: (i + 1) * self.page]):
@@ -127,7 +128,7 @@ class PageStore:
                     kv = (file.get_tensor("keys"), file.get_tensor("values"))
                     if self.form and tuple((tuple(t.shape), t.dtype) for t in kv) != self.form:
                         raise ValueError("its keys and values are not of this model's shape")
-                    if file.metadata().get("sum") != _sum(*kv):
+                    if header.get("sum") != _sum(*kv):
                         raise ValueError("its keys and values are not those written (their checksum differs)")
                     parts.append(kv)
             except Exception as err:  # a file cut short, overwritten, foreign; or removed meanwhile
