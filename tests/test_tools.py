@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from scripted import MaskedScriptRunner, ScriptedRunner, scripted_events
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from mashbox import (
     ContextLengthError,
@@ -25,7 +25,7 @@ from mashbox import (
 from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
 from mashbox.engine.request import Named, ToolCall
 from mashbox.engine.text.grammar import Grammars
-from mashbox.engine.text.markup import Markup, looping_call
+from mashbox.engine.text.markup import LOOP_NOTE, Markup, looping_call
 from mashbox.engine.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -380,35 +380,85 @@ def _turns(*results: str, call=ToolCall("c", "read", '{"path": "secret.txt"}')) 
     return tuple(turns)
 
 
-def test_a_call_made_and_answered_alike_three_turns_running_is_a_loop():
+def test_a_call_made_and_answered_alike_two_turns_running_is_a_loop():
     key = ("read", json.dumps({"path": "secret.txt"}))
+    assert looping_call(_turns("walrus", "walrus")) == key
     assert looping_call(_turns("walrus", "walrus", "walrus")) == key
-    assert looping_call(_turns("walrus", "walrus", "walrus", "walrus")) == key
-    assert looping_call(_turns("walrus", "walrus")) is None, "two turns are not yet a loop"
-    assert looping_call(_turns("old", "new", "new")) is None, "a file that changed is read again rightly"
-    answered = (*_turns("walrus", "walrus", "walrus"), Message("assistant", "It is walrus."))
+    assert looping_call(_turns("walrus")) is None, "one turn is not yet a loop"
+    assert looping_call(_turns("old", "new")) is None, "a file that changed is read again rightly"
+    answered = (*_turns("walrus", "walrus"), Message("assistant", "It is walrus."))
     assert looping_call((*answered, Message("user", "Read it again"))) is None, "a new ask after an answer"
-    nudged = (*_turns("walrus", "walrus", "walrus"), Message("assistant", ""),  # the loop's empty answer
+    nudged = (*_turns("walrus", "walrus"), Message("assistant", ""),  # the loop's empty answer
               Message("user", "[Your previous response had no visible output. Please continue and produce a "
                               "user-visible response.]"))
     assert looping_call(nudged) == key, "Claude Code asks again: its model called again, and on and on"
     assert looping_call(nudged[:-2] + nudged[-1:]) == key  # it sends the words with the result, no empty answer
     other = ToolCall("c", "read", '{"path": "other.txt"}')
-    assert looping_call((*_turns("walrus", "walrus"), *_turns("walrus", call=other)[1:])) is None
+    assert looping_call((*_turns("walrus"), *_turns("walrus", call=other)[1:])) is None
 
 
 def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_tokenizer):
-    """The fourth identical read after three identical results ends the answer with no call (the
-    agent gets an empty answer and stops); with tool_choice required the grammar still rules."""
+    """The third identical read after two identical results ends the answer with no call (the agent gets
+    an empty answer); with tool_choice required the grammar still rules."""
     tools = (Tool("read", "", {"type": "object", "properties": {"path": {"type": "string"}}}),)
-    looping = EngineRequest(messages=_turns("walrus", "walrus", "walrus"), tools=tools)
+    looping = EngineRequest(messages=_turns("walrus", "walrus"), tools=tools)
     markup = tiny_engine._job(looping).markup
     call = '<tool_call>\n{"name": "read", "arguments": {"path": "secret.txt"}}\n</tool_call>'
     assert markup.push(call) + markup.flush() == [] and markup.repeated
-    fresh = tiny_engine._job(EngineRequest(messages=_turns("walrus", "walrus"), tools=tools)).markup
+    fresh = tiny_engine._job(EngineRequest(messages=_turns("walrus"), tools=tools)).markup
     assert [type(e) for e in fresh.push(call) + fresh.flush()] == [ToolCallStart, ToolCallDelta, ToolCallEnd]
-    required = tiny_engine._job(EngineRequest(messages=looping.messages, tools=tools, tool_choice="required"))
-    assert not required.markup.made
+    required = EngineRequest(messages=looping.messages, tools=tools, tool_choice="required")
+    assert not tiny_engine._job(required).markup.made and tiny_engine._out_of_loop(required) is required
+    prefill = EngineRequest(messages=(*looping.messages, Message("assistant", "")), tools=tools, continue_final=True)
+    assert tiny_engine._out_of_loop(prefill) is prefill, "the text of a prefill goes on: no turn after it"
+    assert tiny_engine._out_of_loop(looping) is not looping
+
+
+CHATML_CALLS = ("{% for m in messages %}{% if m.role != 'system' or loop.first or late %}<|im_start|>{{ m['role'] }}\n"
+                "{{ m['content'] }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+                "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_a_model_in_a_loop_is_told_so_and_answers_in_words(tmp_path, smol_tokenizer, late):
+    """After two identical calls with identical results, the prompt says that a third would return the same,
+    after the results (in a system turn where the template keeps a late one in place, else the user's), the
+    prompt before them unchanged (cached); and the answer cannot open a call: a scripted model that opens one
+    after every prompt, with words its second choice, writes words there, and a call elsewhere."""
+    from tiny import scripted
+
+    source = tmp_path / "source"
+    hf = copy.deepcopy(smol_tokenizer)
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    hf.save_pretrained(source)
+    template = CHATML_CALLS.replace(" or late", " or true" if late else "")
+    model = scripted(tmp_path / "model", source, template, ["\n", "<tool_call>", "The"], think_tokens=False)
+    llama = LlamaForCausalLM.from_pretrained(model)
+    with torch.no_grad():  # after the new line, "The" is its second choice
+        head, new_line = llama.lm_head.weight, int(llama.model.embed_tokens.weight[hf.encode("\n")[0]].argmax())
+        head[hf.encode("The")[0], new_line] = 40.0
+    llama.save_pretrained(model)
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "read", "arguments": '{"path": "secret.txt"}'}}
+    with Engine(str(model), ctx=1024, slots=1, quiet=True) as engine:
+        def answer(results: list[str]) -> tuple[str, str, list]:
+            messages = [{"role": "user", "content": "What is the secret word?"}]
+            for result in results:
+                messages += [{"role": "assistant", "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "c", "content": result}]
+            request = EngineRequest(messages=_turns(*results), tools=(Tool("read"),))
+            plain, told = (engine.tokenizer.decode(engine.encode(r)) for r in (request, engine._out_of_loop(request)))
+            chosen = engine.chat(messages=messages, tools=tools, max_tokens=4).choices[0]
+            return plain, told, [chosen.message.content, chosen.finish_reason]
+        plain, told, fresh = answer(["walrus"])
+        assert told == plain and fresh == ["", "length"]  # a call begun (the guard holds it to JSON)
+        plain, told, looping = answer(["walrus", "walrus"])
+        results = plain[: plain.rindex("</tool_response>") + len("</tool_response>")]
+        assert told.startswith(results) and told.endswith("<|im_start|>assistant\n"), told[-300:]
+        note = f"<|im_start|>{'system' if late else 'user'}\n{LOOP_NOTE}<|im_end|>"
+        assert note in told[len(results):], told[-300:]
+        assert looping == ["The", "stop"]
 
 
 @pytest.mark.parametrize(("schema", "said"), [({"type": "foo"}, "Invalid type: foo"),

@@ -32,14 +32,15 @@ from mashbox.engine.model.memory import check_fits, kv_bytes_per_token, room
 from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Weights
-from mashbox.engine.request import EngineRequest
+from mashbox.engine.request import EngineRequest, Message
 from mashbox.engine.sched.disk_cache import PageStore
 from mashbox.engine.sched.draft import Drafts
 from mashbox.engine.sched.scheduler import Scheduler
 from mashbox.engine.sched.sequence import Sequence
 from mashbox.engine.stats import EngineStats
 from mashbox.engine.text.grammar import CallGuard, Grammars
-from mashbox.engine.text.markup import THINK_CLOSE, THINK_OPEN, Markup, call_format, json_value, looping_call
+from mashbox.engine.text.markup import (LOOP_NOTE, THINK_CLOSE, THINK_OPEN, Markup, call_format, json_value,
+                                        looping_call)
 from mashbox.engine.text.template import ChatTemplate, part_at, turn_ends, unreadable
 from mashbox.engine.text.tokenizer import Quotes, Tokenizer
 from mashbox.errors import ConfigError, ContextLengthError, EngineClosedError, InvalidRequestError
@@ -201,6 +202,7 @@ class Runtime:
         self._core.abort(request_id)
 
     def _job(self, request: EngineRequest) -> Job:
+        request = self._out_of_loop(request)
         ids = self.encode(request)  # a closed engine and a request that is no EngineRequest raise there
         self._core.check_new(request.id)  # here, at the call; submit checks it again under its lock
         field = "prompt" if request.prompt is not None else "messages"
@@ -227,6 +229,21 @@ class Runtime:
         if request.tools and request.tool_choice == "auto" and seq.constraint is None and self.config.constrain_calls:
             guard = self.grammars.guard(request.tools)
         return Job(seq, self._markup(request, ids, seq.constraint is not None), self._budget(request), guard)
+
+    def _out_of_loop(self, request: EngineRequest) -> EngineRequest:
+        """``request``, where its model made the same call ``LOOP_TURNS`` turns in a row and got the same result:
+        told so after the results (a late system turn where the template keeps one in place, else the user's), and
+        kept from opening a call with its tag in this answer (a small model otherwise reads one file again and
+        again, its loop is cut, and the agent's task ends with no answer); else as it is."""
+        answer = request.messages and not request.continue_final  # a prefill's text goes on where it stops
+        if not (answer and request.tools and request.tool_choice == "auto" and looping_call(request.messages)):
+            return request
+        role = "system" if self._template_for(True).system_in_place else "user"
+        sampling = request.sampling
+        if (opener := self.tokenizer.token_id(self.calls.open)) is not None:
+            bias = dict(sampling.logit_bias) | {opener: -100.0}
+            sampling = replace(sampling, logit_bias=tuple(sorted(bias.items())))
+        return replace(request, messages=(*request.messages, Message(role, LOOP_NOTE)), sampling=sampling)
 
     def _markup(self, request: EngineRequest, ids: list[int], constrained: bool) -> Markup:
         calls = self.calls if request.tools and request.tool_choice != "none" else None

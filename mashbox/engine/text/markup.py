@@ -14,7 +14,9 @@ such a line) that differs from ``SAME_SHAPE`` earlier ones only in its numbers (
 up: edit 195 -> 196, write 196, edit 196 -> 197, ...), and a run of more than ``BLANK_LINES``
 blank lines. Across turns: a conversation whose last ``LOOP_TURNS`` assistant turns each made the
 same one call and got the same result back (an agent's model reading one file again and again)
-has that call counted as made, so writing it once more ends the answer.
+has that call counted as made, so writing it once more ends the answer; and the runtime tells the
+model so (``LOOP_NOTE``, after the results) and keeps it from opening a call with its tag, so that
+the answer is words.
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ CALL_LIKE = '{"name"'  # a line that begins so and repeats an earlier one is a l
 CALL_STARTS = tuple(fence + bracket + CALL_LIKE for fence in ("", "```json") for bracket in ("", "["))
 BLANK_LINES = 32  # more blank lines in a row than this is a loop too
 SAME_SHAPE = 4  # calls an answer may make that differ only in their numbers; one more is a loop
-LOOP_TURNS = 3  # turns in a row of one call with one result, after which that call is a loop
+LOOP_TURNS = 2  # turns in a row of one call with one result, after which that call is a loop
+LOOP_NOTE = ("The result above is what that call returns; calling it again would return the same. Now answer the "
+             "user's request with it, in words.")  # said to a model in a loop, after the results
 NUMBERS = re.compile(r"\d+")
 CALL_BEGUN = re.compile(r'\s*(?:```json\s*)?\[?\s*\{\s*"name"\s*(?::\s*(?:"((?:[^"\\]|\\.)*)("?))?)?')  # its name so far
 BARE_START = re.compile(r'\s*(```json\s*)?((\[\s*)?\{\s*"name")')  # held text that is a call (or a list of
