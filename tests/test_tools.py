@@ -1,6 +1,7 @@
 """Tool calls and thinking through the Engine on the tiny random model:
 constrained decoding makes even random weights produce valid calls."""
 
+import asyncio
 import copy
 import json
 import shutil
@@ -412,6 +413,60 @@ def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_to
     prefill = EngineRequest(messages=(*looping.messages, Message("assistant", "")), tools=tools, continue_final=True)
     assert tiny_engine._out_of_loop(prefill) is prefill, "the text of a prefill goes on: no turn after it"
     assert tiny_engine._out_of_loop(looping) is not looping
+
+
+class Overruled:
+    """The engine's runner, its sampled tokens overruled by a script's (``MaskedScriptRunner``: masked by each
+    request's constraint as a model's would be)."""
+
+    def __init__(self, runner, script: MaskedScriptRunner) -> None:
+        self.runner, self.script = runner, script
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def run(self, plan) -> list[int]:
+        return self.script.run(plan)
+
+
+@pytest.mark.parametrize("opening, closing", [("```json\n", "\n```"), ("", "")])
+def test_an_answer_that_opens_with_a_call_to_a_tool_the_request_lacks_is_written_again_as_a_call(
+        tiny_model_dir, smol_tokenizer, opening, closing):
+    """qwen2.5-coder-0.5b answered Codex with a fenced {"name": "read_file_secret", "arguments": {...}}: a call by
+    its keys, to no tool of the request's, where the model leant to no declared tool (so the guard let it go), and
+    the agent took it for the answer. Such an answer, before any of it is given, is written again as a call to one
+    of the request's tools (as tool_choice required); the tokens of both are counted. JSON that is no call by its
+    keys, or a call after words, stays text."""
+    tok = smol_tokenizer
+    with Engine(str(tiny_model_dir), ctx=512, slots=2, speculation=False, quiet=True) as engine:  # a token a step
+        def answer(written: str, again: str = "", twin: bool = False, tools=(WEATHER, TIME)):
+            first = tok.encode(written, add_special_tokens=False)
+            script = MaskedScriptRunner([*first, *tok.encode(again, add_special_tokens=False), tok.eos_token_id],
+                                        len(tok))
+            core = engine._core
+            core.runner = Overruled(runner := core.runner, script)
+            try:
+                fields = {"messages": ASK, "tools": list(tools), "max_tokens": 60}
+                return (asyncio.run(engine.achat(**fields)) if twin else engine.chat(**fields)), len(first), script
+            finally:
+                core.runner = runner
+        invented = f'{opening}{{"name": "read_weather", "arguments": {{"city": "Oslo"}}}}{closing}'
+        again = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","days":2}}\n</tool_call>'  # as held
+        for twin in (False, True):  # the engine's event stream and its async twin
+            completion, spent, script = answer(invented, again, twin)
+            choice = completion.choices[0]
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+            assert calls == [("get_weather", {"city": "Oslo", "days": 2})]
+            assert all(a is not None for a in script.allowed[spent:]), "held from its first token"
+            assert completion.usage.completion_tokens == script.sampled > spent  # both answers
+        for text in (f'{opening}{{"name": "Alice", "age": 30}}{closing}', f"Here: {invented}"):
+            choice = answer(text)[0].choices[0]
+            assert choice.finish_reason == "stop" and choice.message.content == text and not choice.message.tool_calls
+        lookahead = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "pattern": "(?=O)"}}}}}
+        choice = answer(invented, tools=[lookahead])[0].choices[0]  # no grammar holds it: the answer as written
+        assert choice.finish_reason == "stop" and choice.message.content == invented
 
 
 CHATML_CALLS = ("{% for m in messages %}{% if m.role != 'system' or loop.first or late %}<|im_start|>{{ m['role'] }}\n"

@@ -21,7 +21,7 @@ import torch
 
 from mashbox.engine.config import EngineConfig
 from mashbox.engine.core import EngineCore, ThinkBudget
-from mashbox.engine.events import Event, Finish, Queued, Started
+from mashbox.engine.events import Event, Finish, Queued, Started, TextDelta
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.load.catalog import cache_dir, readable, stamps
 from mashbox.engine.load.loader import LoadedModel, load, pick_device
@@ -201,8 +201,11 @@ class Runtime:
         a ``Finish`` of reason ``abort`` with what it used. An id not running is ignored."""
         self._core.abort(request_id)
 
-    def _job(self, request: EngineRequest) -> Job:
+    def _job(self, request: EngineRequest, again: bool = False) -> Job:
+        """``request`` ready for the engine; ``again``: its answer written again, because the first began with a
+        call to a tool it lacks (``Markup.invented``): a call to one of its tools, as ``tool_choice: required``."""
         request = self._out_of_loop(request)
+        request = replace(request, tool_choice="required") if again else request
         ids = self.encode(request)  # a closed engine and a request that is no EngineRequest raise there
         self._core.check_new(request.id)  # here, at the call; submit checks it again under its lock
         field = "prompt" if request.prompt is not None else "messages"
@@ -228,14 +231,16 @@ class Runtime:
         guard = None
         if request.tools and request.tool_choice == "auto" and seq.constraint is None and self.config.constrain_calls:
             guard = self.grammars.guard(request.tools)
-        return Job(seq, self._markup(request, ids, seq.constraint is not None), self._budget(request), guard)
+        markup = self._markup(request, ids, seq.constraint is not None, ends_invented=guard is not None)
+        return Job(seq, markup, self._budget(request), guard)
 
     def _out_of_loop(self, request: EngineRequest) -> EngineRequest:
         """``request``, where its model made the same call ``LOOP_TURNS`` turns in a row and got the same result:
         told so after the results (a late system turn where the template keeps one in place, else the user's), and
         kept from opening a call with its tag in this answer (a small model otherwise reads one file again and
         again, its loop is cut, and the agent's task ends with no answer); else as it is."""
-        answer = request.messages and not request.continue_final  # a prefill's text goes on where it stops
+        answer = isinstance(request, EngineRequest) and request.messages and not request.continue_final  # a
+        # prefill's text goes on where it stops; what is no EngineRequest, ``encode`` refuses
         if not (answer and request.tools and request.tool_choice == "auto" and looping_call(request.messages)):
             return request
         role = "system" if self._template_for(True).system_in_place else "user"
@@ -245,7 +250,7 @@ class Runtime:
             sampling = replace(sampling, logit_bias=tuple(sorted(bias.items())))
         return replace(request, messages=(*request.messages, Message(role, LOOP_NOTE)), sampling=sampling)
 
-    def _markup(self, request: EngineRequest, ids: list[int], constrained: bool) -> Markup:
+    def _markup(self, request: EngineRequest, ids: list[int], constrained: bool, ends_invented: bool) -> Markup:
         calls = self.calls if request.tools and request.tool_choice != "none" else None
         think = self.template.knows_thinking and request.enable_thinking is not False
         # a grammar that writes the answer from its first token leaves no thinking, whatever the prompt opened
@@ -255,7 +260,7 @@ class Runtime:
         loop = looping_call(request.messages) if calls and request.tool_choice == "auto" else None
         made = frozenset([loop] if loop else [])
         return Markup(calls=calls, think=think, in_think=in_think, names=names, cut_calls_are_text=not forced,
-                      made=made, one_call=not request.parallel_tool_calls)
+                      made=made, one_call=not request.parallel_tool_calls, ends_invented=ends_invented)
 
     def _opens_thinking(self, request: EngineRequest, ids: list[int]) -> bool:
         """Whether the answer begins inside thinking: the prompt ends with ``<think>`` (a template that opens it
@@ -287,29 +292,58 @@ class Runtime:
 
     def _events(self, job: Job, request: EngineRequest) -> Iterator[Event]:
         channel = self._core.submit(*job)
-        finished = False
+        finished, spent = False, 0
         try:
             yield Queued(len(job.seq.prompt_ids))
             while not finished:
                 event = channel.get()
-                finished = isinstance(event, Finish)
-                yield self._located(event, request, job.seq.prompt_ids)
+                if (again := self._again(job, request, event)) is not None:
+                    job, spent, channel = again, event.usage.completion_tokens, self._core.submit(*again)
+                    continue
+                for relayed in self._relayed(event, job, request, spent):
+                    finished = isinstance(relayed, Finish)
+                    yield relayed
         finally:
             if not finished:
                 self._core.abort(job.seq.id)
 
     async def _aevents(self, job: Job, request: EngineRequest) -> AsyncIterator[Event]:
         channel = self._core.submit(*job)
-        finished = False
+        finished, spent = False, 0
         try:
             yield Queued(len(job.seq.prompt_ids))
             while not finished:
                 event = await channel.aget()
-                finished = isinstance(event, Finish)
-                yield self._located(event, request, job.seq.prompt_ids)
+                if (again := self._again(job, request, event)) is not None:
+                    job, spent, channel = again, event.usage.completion_tokens, self._core.submit(*again)
+                    continue
+                for relayed in self._relayed(event, job, request, spent):
+                    finished = isinstance(relayed, Finish)
+                    yield relayed
         finally:
             if not finished:
                 self._core.abort(job.seq.id)
+
+    def _again(self, job: Job, request: EngineRequest, event: Event) -> Job | None:
+        """The answer to write again, where ``event`` ends one that began with a call, by its keys, to a tool the
+        request lacks (none of it given: ``Markup.invented``), now a call to one of its tools; else None."""
+        if not (isinstance(event, Finish) and job.markup.invented):
+            return None
+        try:
+            return self._job(request, again=True)
+        except InvalidRequestError:  # a tool llguidance cannot hold to its schema: the answer stays as written
+            return None
+
+    def _relayed(self, event: Event, job: Job, request: EngineRequest, spent: int) -> list[Event]:
+        """``event`` as the caller sees it: where the answer was written again (``spent`` tokens given up), no second
+        ``Started``, and its ``Finish`` counts the tokens given up too; an answer held back and not written again
+        given before its ``Finish``."""
+        if spent and isinstance(event, Started):
+            return []
+        if spent and isinstance(event, Finish):
+            event = replace(event, usage=replace(event.usage, completion_tokens=event.usage.completion_tokens + spent))
+        held = [TextDelta(job.markup.invented)] if isinstance(event, Finish) and job.markup.invented else []
+        return [*held, self._located(event, request, job.seq.prompt_ids)]
 
     def stats(self) -> EngineStats:
         """Requests running and waiting, KV use and token counters, as of the engine's last step."""

@@ -16,7 +16,9 @@ blank lines. Across turns: a conversation whose last ``LOOP_TURNS`` assistant tu
 same one call and got the same result back (an agent's model reading one file again and again)
 has that call counted as made, so writing it once more ends the answer; and the runtime tells the
 model so (``LOOP_NOTE``, after the results) and keeps it from opening a call with its tag, so that
-the answer is words.
+the answer is words. With ``ends_invented``, an answer that opens with a call by its keys alone
+(``{"name": ..., "arguments": ...}``, bare or fenced) to a tool the request lacks ends there, none of
+it given (``invented``): the runtime has it written again as a call to one of the request's tools.
 """
 
 from __future__ import annotations
@@ -130,8 +132,10 @@ class Markup:
 
     def __init__(self, calls: CallFormat | None = HERMES, think: bool = False, in_think: bool = False,
                  names: frozenset[str] = frozenset(), cut_calls_are_text: bool = True,
-                 made: frozenset[tuple[str, str]] = frozenset(), one_call: bool = False) -> None:
+                 made: frozenset[tuple[str, str]] = frozenset(), one_call: bool = False,
+                 ends_invented: bool = False) -> None:
         self.calls = calls
+        self.ends_invented = ends_invented  # a call to a tool the request lacks, the answer's first words, ends it
         self.one_call = one_call  # parallel calls off: the answer ends with its first call
         self.cut_calls_are_text = cut_calls_are_text  # False: a call cut off unparsed is dropped (either way, one
         # cut off mid-way to a declared tool is: it is no text, and it never runs)
@@ -151,6 +155,8 @@ class Markup:
         self.shapes: Counter[tuple[str, str]] = Counter()  # the calls made, their numbers left out
         self.repeated = False
         self.done = False  # its one call made (one_call): nothing after it is the answer's
+        self.invented = ""  # the answer, ended at its call to a tool the request lacks (``ends_invented``), held back
+        self.said = False  # some event came out
         self.line = ""
         self.bare = BareCall(names) if calls and names else None
         self.after = ""
@@ -161,6 +167,7 @@ class Markup:
         self.held = ""
         while buf and not self.repeated and not self.done:
             buf = self._step(buf, events)
+        self.said = self.said or bool(events)
         return events
 
     @property
@@ -340,6 +347,9 @@ class Markup:
         if decision is None:
             return
         released, calls, rest = decision
+        if calls is None and self.bare.invented and self.ends_invented and not (self.said or events):
+            self.invented, self.done = released, True  # nothing of it out: the runtime has it written again, as a call
+            return
         if calls is None:
             released = self._watched(released)
             events += [TextDelta(released)] if released else []
@@ -434,6 +444,7 @@ class BareCall:
         self.names = names
         self.text = ""
         self.open = True
+        self.invented = False
 
     def offer(self, text: str) -> str | None:
         """None when ``text`` is held as a possible call; else all held text, to emit as text."""
@@ -457,7 +468,7 @@ class BareCall:
             return "", None, ""
         calls = _calls(body) if body is not None else None
         if not calls or any(name not in self.names for name, _ in calls):
-            self.open = False
+            self.open, self.invented = False, bool(calls) and _shaped(body)  # calls, to tools the request lacks
             return held, None, ""
         return held, calls, rest
 
@@ -542,6 +553,15 @@ def _calls(body: str) -> list[tuple[str, str]] | None:
     value = _loads(body)
     calls = [call(item) for item in (value if isinstance(value, list) else [value])]
     return calls if calls and all(calls) else None
+
+
+def _shaped(body: str) -> bool:
+    """Whether JSON ``body`` is calls by its keys alone: each object a name and its arguments (or parameters), no
+    other key (``{"name": "Alice", "age": 30}`` is none)."""
+    value = _loads(body)
+    items = value if isinstance(value, list) else [value]
+    return bool(items) and all(isinstance(item, dict) and set(item) in ({"name", "arguments"}, {"name", "parameters"})
+                               for item in items)
 
 
 def looping_call(messages: tuple[Message, ...]) -> tuple[str, str] | None:
