@@ -412,7 +412,11 @@ def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_to
     assert not tiny_engine._job(required).markup.made and tiny_engine._out_of_loop(required) is required
     prefill = EngineRequest(messages=(*looping.messages, Message("assistant", "")), tools=tools, continue_final=True)
     assert tiny_engine._out_of_loop(prefill) is prefill, "the text of a prefill goes on: no turn after it"
+    asked = EngineRequest(messages=(*looping.messages, Message("user", "Now read other.txt.")), tools=tools)
+    assert tiny_engine._out_of_loop(asked) is asked, "a user's words after the results may ask for a call"
     assert tiny_engine._out_of_loop(looping) is not looping
+    assert not tiny_engine._job(looping).markup.ends_invented, "told to answer in words: no call written for it"
+    assert tiny_engine._job(EngineRequest(messages=_turns("walrus"), tools=tools)).markup.ends_invented
 
 
 class Overruled:
@@ -439,14 +443,14 @@ def test_an_answer_that_opens_with_a_call_to_a_tool_the_request_lacks_is_written
     keys, or a call after words, stays text."""
     tok = smol_tokenizer
     with Engine(str(tiny_model_dir), ctx=512, slots=2, speculation=False, quiet=True) as engine:  # a token a step
-        def answer(written: str, again: str = "", twin: bool = False, tools=(WEATHER, TIME)):
+        def answer(written: str, again: str = "", twin: bool = False, tools=(WEATHER, TIME), most: int = 60):
             first = tok.encode(written, add_special_tokens=False)
             script = MaskedScriptRunner([*first, *tok.encode(again, add_special_tokens=False), tok.eos_token_id],
                                         len(tok))
             core = engine._core
             core.runner = Overruled(runner := core.runner, script)
             try:
-                fields = {"messages": ASK, "tools": list(tools), "max_tokens": 60}
+                fields = {"messages": ASK, "tools": list(tools), "max_tokens": most}
                 return (asyncio.run(engine.achat(**fields)) if twin else engine.chat(**fields)), len(first), script
             finally:
                 core.runner = runner
@@ -460,6 +464,10 @@ def test_an_answer_that_opens_with_a_call_to_a_tool_the_request_lacks_is_written
             assert calls == [("get_weather", {"city": "Oslo", "days": 2})]
             assert all(a is not None for a in script.allowed[spent:]), "held from its first token"
             assert completion.usage.completion_tokens == script.sampled > spent  # both answers
+            if not twin:  # the engine's first request: its prompt read whole, the second answer's from the cache
+                assert completion.usage.prompt_tokens_details.cached_tokens == completion.timings.cache_n == 0
+        completion, spent, _ = answer(invented, again, most=len(tok.encode(invented, add_special_tokens=False)) + 5)
+        assert completion.usage.completion_tokens == spent + 5 and completion.choices[0].finish_reason == "length"
         for text in (f'{opening}{{"name": "Alice", "age": 30}}{closing}', f"Here: {invented}"):
             choice = answer(text)[0].choices[0]
             assert choice.finish_reason == "stop" and choice.message.content == text and not choice.message.tool_calls
@@ -502,9 +510,12 @@ def test_a_model_in_a_loop_is_told_so_and_answers_in_words(tmp_path, smol_tokeni
             for result in results:
                 messages += [{"role": "assistant", "tool_calls": [call]},
                              {"role": "tool", "tool_call_id": "c", "content": result}]
-            request = EngineRequest(messages=_turns(*results), tools=(Tool("read"),))
-            plain, told = (engine.tokenizer.decode(engine.encode(r)) for r in (request, engine._out_of_loop(request)))
-            chosen = engine.chat(messages=messages, tools=tools, max_tokens=4).choices[0]
+            request = EngineRequest(messages=_turns(*results), tools=(Tool("read", "", {"type": "object"}),))
+            plain = engine.tokenizer.decode(engine.tokenizer.encode(engine._rendered(request), add_special_tokens=False))
+            told = engine.tokenizer.decode(engine.encode(request))
+            completion = engine.chat(messages=messages, tools=tools, max_tokens=4)
+            assert completion.usage.prompt_tokens == len(engine.encode(request)), "the count is of what is read"
+            chosen = completion.choices[0]
             return plain, told, [chosen.message.content, chosen.finish_reason]
         plain, told, fresh = answer(["walrus"])
         assert told == plain and fresh == ["", "length"]  # a call begun (the guard holds it to JSON)

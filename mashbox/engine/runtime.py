@@ -153,6 +153,7 @@ class Runtime:
         if not isinstance(request, EngineRequest):
             raise InvalidRequestError("request", f"must be an EngineRequest (got {type(request).__name__}); "
                                                  "a dict is a request of chat(), complete(), respond() or message()")
+        request = self._out_of_loop(request)  # the note a model in a loop reads is counted as read
         words, tools = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
         if (floor := words + tools) > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
             field = "prompt" if request.prompt is not None else "tools" if tools > self.ctx else "messages"
@@ -201,12 +202,13 @@ class Runtime:
         a ``Finish`` of reason ``abort`` with what it used. An id not running is ignored."""
         self._core.abort(request_id)
 
-    def _job(self, request: EngineRequest, again: bool = False) -> Job:
-        """``request`` ready for the engine; ``again``: its answer written again, because the first began with a
-        call to a tool it lacks (``Markup.invented``): a call to one of its tools, as ``tool_choice: required``."""
-        request = self._out_of_loop(request)
-        request = replace(request, tool_choice="required") if again else request
+    def _job(self, request: EngineRequest, first: Finish | None = None) -> Job:
+        """``request`` ready for the engine; after ``first``, the end of an answer that began with a call to a tool
+        the request lacks (``Markup.invented``), that answer written again as a call to one of its tools (as
+        ``tool_choice: required``), in the tokens the first left of ``max_tokens``."""
         ids = self.encode(request)  # a closed engine and a request that is no EngineRequest raise there
+        told = self._out_of_loop(request)
+        looped, request = told is not request, replace(told, tool_choice="required") if first else told
         self._core.check_new(request.id)  # here, at the call; submit checks it again under its lock
         field = "prompt" if request.prompt is not None else "messages"
         if not ids:
@@ -217,7 +219,7 @@ class Runtime:
         room = self.ctx - len(ids)
         if room < 1:
             raise ContextLengthError.of(self._overflowing(request, field, len(ids)), len(ids), self.ctx)
-        max_new = min(request.sampling.max_tokens or room, room)
+        max_new = min(request.sampling.max_tokens or room, room) - (first.usage.completion_tokens if first else 0)
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)
         if self._speculate:  # indexed here, not on the engine's thread
@@ -231,17 +233,18 @@ class Runtime:
         guard = None
         if request.tools and request.tool_choice == "auto" and seq.constraint is None and self.config.constrain_calls:
             guard = self.grammars.guard(request.tools)
-        markup = self._markup(request, ids, seq.constraint is not None, ends_invented=guard is not None)
-        return Job(seq, markup, self._budget(request), guard)
+        ends_invented = guard is not None and not looped  # a model told of its loop answers in words
+        return Job(seq, self._markup(request, ids, seq.constraint is not None, ends_invented), self._budget(request),
+                   guard)
 
     def _out_of_loop(self, request: EngineRequest) -> EngineRequest:
         """``request``, where its model made the same call ``LOOP_TURNS`` turns in a row and got the same result:
         told so after the results (a late system turn where the template keeps one in place, else the user's), and
         kept from opening a call with its tag in this answer (a small model otherwise reads one file again and
         again, its loop is cut, and the agent's task ends with no answer); else as it is."""
-        answer = isinstance(request, EngineRequest) and request.messages and not request.continue_final  # a
-        # prefill's text goes on where it stops; what is no EngineRequest, ``encode`` refuses
-        if not (answer and request.tools and request.tool_choice == "auto" and looping_call(request.messages)):
+        results = request.messages and request.messages[-1].role == "tool"  # not a user's words after them: a
+        # new ask may need the call (a prefill's text goes on where it stops)
+        if not (results and request.tools and request.tool_choice == "auto" and looping_call(request.messages)):
             return request
         role = "system" if self._template_for(True).system_in_place else "user"
         sampling = request.sampling
@@ -292,15 +295,15 @@ class Runtime:
 
     def _events(self, job: Job, request: EngineRequest) -> Iterator[Event]:
         channel = self._core.submit(*job)
-        finished, spent = False, 0
+        finished, first = False, None
         try:
             yield Queued(len(job.seq.prompt_ids))
             while not finished:
                 event = channel.get()
                 if (again := self._again(job, request, event)) is not None:
-                    job, spent, channel = again, event.usage.completion_tokens, self._core.submit(*again)
+                    job, first, channel = again, event, self._core.submit(*again)
                     continue
-                for relayed in self._relayed(event, job, request, spent):
+                for relayed in self._relayed(event, job, request, first):
                     finished = isinstance(relayed, Finish)
                     yield relayed
         finally:
@@ -309,15 +312,15 @@ class Runtime:
 
     async def _aevents(self, job: Job, request: EngineRequest) -> AsyncIterator[Event]:
         channel = self._core.submit(*job)
-        finished, spent = False, 0
+        finished, first = False, None
         try:
             yield Queued(len(job.seq.prompt_ids))
             while not finished:
                 event = await channel.aget()
                 if (again := self._again(job, request, event)) is not None:
-                    job, spent, channel = again, event.usage.completion_tokens, self._core.submit(*again)
+                    job, first, channel = again, event, self._core.submit(*again)
                     continue
-                for relayed in self._relayed(event, job, request, spent):
+                for relayed in self._relayed(event, job, request, first):
                     finished = isinstance(relayed, Finish)
                     yield relayed
         finally:
@@ -329,19 +332,21 @@ class Runtime:
         request lacks (none of it given: ``Markup.invented``), now a call to one of its tools; else None."""
         if not (isinstance(event, Finish) and job.markup.invented):
             return None
+        if event.usage.completion_tokens >= job.seq.max_new_tokens:  # nothing left of max_tokens
+            return None
         try:
-            return self._job(request, again=True)
+            return self._job(request, first=event)
         except InvalidRequestError:  # a tool llguidance cannot hold to its schema: the answer stays as written
             return None
 
-    def _relayed(self, event: Event, job: Job, request: EngineRequest, spent: int) -> list[Event]:
-        """``event`` as the caller sees it: where the answer was written again (``spent`` tokens given up), no second
-        ``Started``, and its ``Finish`` counts the tokens given up too; an answer held back and not written again
-        given before its ``Finish``."""
-        if spent and isinstance(event, Started):
+    def _relayed(self, event: Event, job: Job, request: EngineRequest, first: Finish | None) -> list[Event]:
+        """``event`` as the caller sees it: where the answer was written again after ``first``, no second
+        ``Started``, and one ``Finish`` for both (``_joined``); an answer held back and not written again given
+        before its ``Finish``."""
+        if first and isinstance(event, Started):
             return []
-        if spent and isinstance(event, Finish):
-            event = replace(event, usage=replace(event.usage, completion_tokens=event.usage.completion_tokens + spent))
+        if first and isinstance(event, Finish):
+            event = _joined(first, event)
         held = [TextDelta(job.markup.invented)] if isinstance(event, Finish) and job.markup.invented else []
         return [*held, self._located(event, request, job.seq.prompt_ids)]
 
@@ -508,3 +513,16 @@ def _info(loaded: LoadedModel, ctx: int, slots: int, form: Form, weights: Weight
     source = json.dumps([str(loaded.weights), stamps(Path(loaded.weights))])
     return ModelInfo(loaded.id, ctx, slots, readable(PurePath(loaded.weights).name), loaded.bpw, weights.nbytes / 1e9,
                      str(loaded.device), what, mode, form.kv_name, hashlib.sha256(source.encode()).hexdigest()[:16])
+
+
+def _joined(first: Finish, last: Finish) -> Finish:
+    """The end of an answer written twice (``Runtime._again``): its prompt as the first read it (the second's came
+    from the cache the first filled), the tokens of both."""
+    a, b, t, u = first.usage, last.usage, first.timings, last.timings
+    usage = replace(a, completion_tokens=a.completion_tokens + b.completion_tokens,
+                    reasoning_tokens=a.reasoning_tokens + b.reasoning_tokens,
+                    accepted_tokens=a.accepted_tokens + b.accepted_tokens,
+                    rejected_tokens=a.rejected_tokens + b.rejected_tokens)
+    timings = replace(t, predicted_n=t.predicted_n + u.predicted_n,
+                      predicted_ms=t.predicted_ms + u.prompt_ms + u.predicted_ms)
+    return replace(last, usage=usage, timings=timings)
