@@ -11,7 +11,9 @@ prints the two side by side: how many tasks each solved. ``--url`` runs against 
 already up instead. Each agent gets a fresh folder holding ``secret.txt`` with a random word (the
 same word on both servers; ``/tmp/mashbox-agents/AGENT/work``, the same path every run and
 outside any git repository), a fresh home beside it (its own config, nothing from ``~``), and one
-prompt: read the file, say the word.
+prompt: read the file, say the word. ``--task config`` asks for the port a ``config.json`` sets,
+``--task find`` which of three modules defines a function named by the word: the same checks, other
+files and words.
 Claude Code speaks Anthropic Messages, Codex Responses, Pi each of the three protocols.
 
 Every request goes through a logging proxy (bench/agent_proxy.py), which times the first turn's
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -41,12 +44,55 @@ from agent_proxy import Proxy, summary
 from compare import ROOT, amx_without_support, free_port, wait_ready
 
 MODEL = "qwen2.5-coder-0.5b"
-PROMPT = "Read the file secret.txt in the current folder and tell me the secret word written in it."
+MODULES = {"billing.py": "def total(prices):\n    return sum(prices)\n",
+           "shapes.py": "def area(width, height):\n    return width * height\n",
+           "words.py": "def shout(text):\n    return text.upper() + '!'\n"}
 WORDS = ("marmalade", "quokka", "tangerine", "zeppelin", "walrus", "obsidian", "pelican", "saffron",
          "gondola", "juniper", "kumquat", "narwhal", "paprika", "lantern", "meringue", "falcon")
 AGENTS = ("pi-openai-completions", "pi-openai-responses", "pi-anthropic-messages", "codex", "claude-code")
 SERVERS = ["mashbox", "llama-server"]
 WATCHDOG_MS = "1800000"  # Claude Code's stream watchdog and request timeout: a cold prefill may pass 5 min
+
+
+@dataclass(frozen=True)
+class Task:
+    """What each agent is asked, in a folder of the files it needs; ``key`` is the run's random word."""
+
+    prompt: str
+    files: Callable[[str], dict[str, str]]
+    answer: Callable[[str], str]  # what a right answer says
+    others: Callable[[str], tuple[str, ...]] = lambda key: ()  # what it does not (the wrong files)
+
+    def solved(self, key: str, text: str) -> bool:
+        text = text.lower()
+        return self.answer(key).lower() in text and not any(o.lower() in text for o in self.others(key))
+
+
+def _port(key: str) -> str:
+    return str(8000 + int(key[-3:]))
+
+
+def _config(key: str) -> dict[str, str]:
+    return {"config.json": json.dumps({"name": key[:-3], "port": int(_port(key)), "debug": False}, indent=2) + "\n"}
+
+
+def _home(key: str) -> str:
+    """The module that defines the function named ``key``."""
+    return sorted(MODULES)[int(key[-3:]) % len(MODULES)]
+
+
+def _modules(key: str) -> dict[str, str]:
+    defined = f"\n\ndef {key}(value):\n    return value * 2\n"
+    return {name: code + (defined if name == _home(key) else "") for name, code in MODULES.items()}
+
+
+TASKS = {
+    "secret": Task("Read the file secret.txt in the current folder and tell me the secret word written in it.",
+                   lambda key: {"secret.txt": f"{key}\n"}, lambda key: key),
+    "config": Task("Read the file config.json in the current folder and tell me which port it sets.", _config, _port),
+    "find": Task("Search the Python files in the current folder and tell me which file defines the function {key}.",
+                 _modules, _home, lambda key: tuple(name for name in MODULES if name != _home(key))),
+}
 
 
 @dataclass
@@ -66,8 +112,9 @@ def secret_word(rng: random.Random) -> str:
     return f"{rng.choice(WORDS)}{rng.randrange(100, 1000)}"
 
 
-def command(agent: str, binaries: Path, proxy_url: str, home: Path) -> tuple[list[str], dict[str, str]]:
-    """The command line and the environment that run ``agent`` once, non-interactively."""
+def command(agent: str, binaries: Path, proxy_url: str, home: Path,
+            prompt: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and the environment that run ``agent`` once, non-interactively, asked ``prompt``."""
     env = {"HOME": str(home), "NO_COLOR": "1"}
     if agent == "claude-code":
         env |= {"ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_AUTH_TOKEN": "mashbox", "ANTHROPIC_MODEL": MODEL,
@@ -75,21 +122,21 @@ def command(agent: str, binaries: Path, proxy_url: str, home: Path) -> tuple[lis
                 "CLAUDE_STREAM_IDLE_TIMEOUT_MS": WATCHDOG_MS, "API_TIMEOUT_MS": WATCHDOG_MS,
                 "DISABLE_AUTOUPDATER": "1"}
         # As root Claude Code refuses --dangerously-skip-permissions; allowing Read is all this needs.
-        return [str(binaries / "claude"), "-p", PROMPT, "--allowedTools", "Read", "--model", MODEL], env
+        return [str(binaries / "claude"), "-p", prompt, "--allowedTools", "Read", "--model", MODEL], env
     if agent == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
         (codex_home / "config.toml").write_text(codex_config(proxy_url))
         env["CODEX_HOME"] = str(codex_home)
         return [str(binaries / "codex"), "exec", "--skip-git-repo-check", "--color", "never",
-                "-s", "read-only", "-o", str(home / "answer.txt"), PROMPT], env
+                "-s", "read-only", "-o", str(home / "answer.txt"), prompt], env
     api = agent.removeprefix("pi-")
     pi_dir = home / ".pi" / "agent"
     pi_dir.mkdir(parents=True, exist_ok=True)
     (pi_dir / "models.json").write_text(json.dumps(pi_models(proxy_url, api), indent=2))
     env |= {"PI_CODING_AGENT_DIR": str(pi_dir), "PI_OFFLINE": "1", "PI_TELEMETRY": "0"}
     return [str(binaries / "pi"), "-p", "--provider", "mashbox", "--model", MODEL, "--no-session",
-            "--no-extensions", "--no-skills", "--no-context-files", PROMPT], env
+            "--no-extensions", "--no-skills", "--no-context-files", prompt], env
 
 
 def codex_config(proxy_url: str) -> str:
@@ -113,12 +160,14 @@ def pi_models(proxy_url: str, api: str) -> dict:
     return {"providers": {"mashbox": {"baseUrl": base, "api": api, "apiKey": "mashbox", "models": [model]}}}
 
 
-def run_agent(agent: str, binaries: Path, proxy: Proxy, scratch: Path, word: str, timeout: float) -> Run:
+def run_agent(agent: str, binaries: Path, proxy: Proxy, scratch: Path, task: Task, word: str,
+              timeout: float) -> Run:
     folder = scratch / agent
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "work").mkdir(parents=True)
-    (folder / "work" / "secret.txt").write_text(f"{word}\n")
-    argv, env = command(agent, binaries, proxy.url, folder / "home")
+    for name, text in task.files(word).items():
+        (folder / "work" / name).write_text(text)
+    argv, env = command(agent, binaries, proxy.url, folder / "home", task.prompt.format(key=word))
     run, proxy.label, started = Run(agent, word, folder), agent, time.monotonic()
     print(f"[{time.strftime('%H:%M:%S')}] {agent}: {' '.join(argv[:2])} ... (word {word})", flush=True)
     try:
@@ -137,7 +186,7 @@ def _text(value: bytes | str | None) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
 
 
-def row(run: Run, proxy: Proxy) -> dict:
+def row(run: Run, proxy: Proxy, task: Task) -> dict:
     exchanges = proxy.of(run.agent)
     turns = [x for x in exchanges if x.is_turn]
     summaries = [summary(x) for x in turns]
@@ -147,7 +196,7 @@ def row(run: Run, proxy: Proxy) -> dict:
     return {"agent": run.agent, "rc": "timeout" if run.rc is None else run.rc, "seconds": round(run.seconds),
             "ttft_s": None if first is None else round(first, 1), "turns": len(turns),
             "tool_calls": sum(len(s.calls) for s in summaries), "calls": [c for s in summaries for c in s.calls],
-            "solved": run.word.lower() in run.answer.lower(), "word": run.word,
+            "solved": task.solved(run.word, run.answer), "word": run.word, "expected": task.answer(run.word),
             "answer": run.answer.strip()[:400], "protocol_errors": errors}
 
 
@@ -212,9 +261,11 @@ def run_all(args: argparse.Namespace, server: str, words: dict[str, str], log_di
     try:
         with Proxy(url) as proxy:
             for agent in args.agents:
-                run = run_agent(agent, args.bin.resolve(), proxy, args.work.resolve(), words[agent], args.timeout)
+                task = TASKS[args.task]
+                run = run_agent(agent, args.bin.resolve(), proxy, args.work.resolve(), task, words[agent],
+                                args.timeout)
                 write_log(log_dir, run, proxy)
-                rows.append(row(run, proxy))
+                rows.append(row(run, proxy, task))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if proc is not None:
@@ -257,6 +308,8 @@ def main() -> int:
     parser.add_argument("--log-dir", type=Path, help="default: a new folder under /tmp")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--seed", type=int, help="for the secret words (default: random)")
+    parser.add_argument("--task", default="secret", choices=TASKS, help="secret (default): say the word secret.txt "
+                        "holds; config: the port config.json sets; find: which of three modules defines a function")
     args = parser.parse_args()
     servers = ["url"] if args.url else args.servers
     if "llama-server" in servers and not Path(args.llama_server).exists():
