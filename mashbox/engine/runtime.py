@@ -57,6 +57,31 @@ class Job(NamedTuple):
     guard: CallGuard | None = None
 
 
+class Relay:
+    """One request's events from the engine thread, as its caller sees them: where its answer is written again
+    (``Runtime._again``), read on from the new job's channel, with one ``Started`` and one ``Finish`` for both."""
+
+    def __init__(self, runtime: Runtime, job: Job, request: EngineRequest) -> None:
+        self.runtime, self.job, self.request = runtime, job, request
+        self.channel = runtime._core.submit(*job)
+        self.first: Finish | None = None  # the end of the answer given up, where it was written again
+        self.finished = False
+
+    def take(self, event: Event) -> list[Event]:
+        """What ``event`` from the channel gives the caller."""
+        if (again := self.runtime._again(self.job, self.request, event)) is not None:
+            self.job, self.first, self.channel = again, event, self.runtime._core.submit(*again)
+            return []
+        events = self.runtime._relayed(event, self.job, self.request, self.first)
+        self.finished = any(isinstance(e, Finish) for e in events)
+        return events
+
+    def close(self) -> None:
+        """Stop the request where the caller left before its end."""
+        if not self.finished:
+            self.runtime._core.abort(self.job.seq.id)
+
+
 class Runtime:
     """One model, answering many requests at once.
 
@@ -294,38 +319,23 @@ class Runtime:
         return replace(event, part=part_at(rendered, at, request.messages, tools))
 
     def _events(self, job: Job, request: EngineRequest) -> Iterator[Event]:
-        channel = self._core.submit(*job)
-        finished, first = False, None
+        relay = Relay(self, job, request)
         try:
             yield Queued(len(job.seq.prompt_ids))
-            while not finished:
-                event = channel.get()
-                if (again := self._again(job, request, event)) is not None:
-                    job, first, channel = again, event, self._core.submit(*again)
-                    continue
-                for relayed in self._relayed(event, job, request, first):
-                    finished = isinstance(relayed, Finish)
-                    yield relayed
+            while not relay.finished:
+                yield from relay.take(relay.channel.get())
         finally:
-            if not finished:
-                self._core.abort(job.seq.id)
+            relay.close()
 
     async def _aevents(self, job: Job, request: EngineRequest) -> AsyncIterator[Event]:
-        channel = self._core.submit(*job)
-        finished, first = False, None
+        relay = Relay(self, job, request)
         try:
             yield Queued(len(job.seq.prompt_ids))
-            while not finished:
-                event = await channel.aget()
-                if (again := self._again(job, request, event)) is not None:
-                    job, first, channel = again, event, self._core.submit(*again)
-                    continue
-                for relayed in self._relayed(event, job, request, first):
-                    finished = isinstance(relayed, Finish)
-                    yield relayed
+            while not relay.finished:
+                for event in relay.take(await relay.channel.aget()):
+                    yield event
         finally:
-            if not finished:
-                self._core.abort(job.seq.id)
+            relay.close()
 
     def _again(self, job: Job, request: EngineRequest, event: Event) -> Job | None:
         """The answer to write again, where ``event`` ends one that began with a call, by its keys, to a tool the
