@@ -117,7 +117,9 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                           "system text (folder, date) changes (default: off)")
     run.add_argument("--free-calls", action="store_true",
                      help="in tool_choice auto, leave a tool call the model begins unconstrained; by default "
-                          "the rest of it is held to the declared tools' names and parameter schemas (default: off)")
+                          "the rest of it is held to the declared tools' names and parameter schemas, a call to a "
+                          "tool the request lacks is written again, and a model looping on one call is told so "
+                          "(default: off)")
     run.add_argument("--no-speculation", action="store_true",
                      help="turn off speculation: by default answers propose their next tokens from the prompt and "
                           "their own text (where their last tokens occurred before) and check them in one step: "

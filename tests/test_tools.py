@@ -5,6 +5,7 @@ import asyncio
 import copy
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -398,7 +399,7 @@ def test_a_call_made_and_answered_alike_two_turns_running_is_a_loop():
     assert looping_call((*_turns("walrus"), *_turns("walrus", call=other)[1:])) is None
 
 
-def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_tokenizer):
+def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_tokenizer, monkeypatch):
     """The third identical read after two identical results ends the answer with no call (the agent gets
     an empty answer); with tool_choice required the grammar still rules."""
     tools = (Tool("read", "", {"type": "object", "properties": {"path": {"type": "string"}}}),)
@@ -417,6 +418,8 @@ def test_the_looping_call_ends_the_answer_in_auto_mode_only(tiny_engine, smol_to
     assert tiny_engine._out_of_loop(looping) is not looping
     assert not tiny_engine._job(looping).markup.ends_invented, "told to answer in words: no call written for it"
     assert tiny_engine._job(EngineRequest(messages=_turns("walrus"), tools=tools)).markup.ends_invented
+    monkeypatch.setattr(tiny_engine, "config", replace(tiny_engine.config, constrain_calls=False))
+    assert tiny_engine._out_of_loop(looping) is looping, "--free-calls: calls as the model writes them, no note"
 
 
 class Overruled:

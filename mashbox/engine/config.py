@@ -47,7 +47,9 @@ class EngineConfig:
     template puts the tools right after the system text in the system turn (Qwen, Hermes), the tools
     come first, so that an agent's tools stay a cached prefix when its system text changes.
     ``constrain_calls``: in ``tool_choice`` ``auto``, once the model begins a tool call, the rest of it
-    is held to the declared tools' names and parameter schemas (text answers stay free).
+    is held to the declared tools' names and parameter schemas (text answers stay free); an answer that
+    opens with a call to a tool the request lacks is written again as a call to one of its tools, and a
+    model that made one call twice with one result is told so (see ``Runtime._out_of_loop``).
     ``speculation``: a request's answer proposes its next tokens from its own prompt and text
     (where its last tokens occurred before), checked together in its next step: the same tokens
     (greedy, or sampled with the same seed), several a step where the answer copies (an agent

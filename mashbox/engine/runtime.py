@@ -227,11 +227,12 @@ class Runtime:
         a ``Finish`` of reason ``abort`` with what it used. An id not running is ignored."""
         self._core.abort(request_id)
 
-    def _job(self, request: EngineRequest, first: Finish | None = None) -> Job:
-        """``request`` ready for the engine; after ``first``, the end of an answer that began with a call to a tool
-        the request lacks (``Markup.invented``), that answer written again as a call to one of its tools (as
-        ``tool_choice: required``), in the tokens the first left of ``max_tokens``."""
-        ids = self.encode(request)  # a closed engine and a request that is no EngineRequest raise there
+    def _job(self, request: EngineRequest, first: Job | None = None, spent: int = 0) -> Job:
+        """``request`` ready for the engine; after ``first``, whose answer began with a call to a tool the request
+        lacks (``Markup.invented``), that answer written again as a call to one of its tools (as ``tool_choice:
+        required``), on the same prompt, in what the ``spent`` tokens left of ``max_tokens``."""
+        ids = list(first.seq.prompt_ids) if first else self.encode(request)  # a closed engine and a request that
+        # is no EngineRequest raise there
         told = self._out_of_loop(request)
         looped, request = told is not request, replace(told, tool_choice="required") if first else told
         self._core.check_new(request.id)  # here, at the call; submit checks it again under its lock
@@ -244,7 +245,7 @@ class Runtime:
         room = self.ctx - len(ids)
         if room < 1:
             raise ContextLengthError.of(self._overflowing(request, field, len(ids)), len(ids), self.ctx)
-        max_new = min(request.sampling.max_tokens or room, room) - (first.usage.completion_tokens if first else 0)
+        max_new = min(request.sampling.max_tokens or room, room) - spent
         seq = Sequence(request.id, ids, request.sampling, max_new, self.eos_ids, cache_salt=request.cache_salt,
                        session=request.session)
         if self._speculate:  # indexed here, not on the engine's thread
@@ -269,7 +270,8 @@ class Runtime:
         again, its loop is cut, and the agent's task ends with no answer); else as it is."""
         results = request.messages and request.messages[-1].role == "tool"  # not a user's words after them: a
         # new ask may need the call (a prefill's text goes on where it stops)
-        if not (results and request.tools and request.tool_choice == "auto" and looping_call(request.messages)):
+        steered = results and request.tools and request.tool_choice == "auto" and self.config.constrain_calls
+        if not (steered and looping_call(request.messages)):
             return request
         role = "system" if self._template_for(True).system_in_place else "user"
         sampling = request.sampling
@@ -345,7 +347,7 @@ class Runtime:
         if event.usage.completion_tokens >= job.seq.max_new_tokens:  # nothing left of max_tokens
             return None
         try:
-            return self._job(request, first=event)
+            return self._job(request, job, event.usage.completion_tokens)
         except InvalidRequestError:  # a tool llguidance cannot hold to its schema: the answer stays as written
             return None
 
