@@ -173,12 +173,20 @@ class Runtime:
 
         A prompt of more than ``COUNTED_CHARS`` characters that cannot fit the context whatever its
         tokens is refused first, from a cheap lower bound, so that a huge request costs no rendering or
-        tokenizing; a shorter one is counted (an agent reads the count to know how much to cut)."""
+        tokenizing; a shorter one is counted (an agent reads the count to know how much to cut). The note a
+        model in a loop reads (``_out_of_loop``) is counted as read."""
+        return self._prompt(self._out_of_loop(self._checked(request)))
+
+    def _checked(self, request: EngineRequest) -> EngineRequest:
+        """``request``, where the engine is open and it is an EngineRequest; else raise."""
         self._check_open()
         if not isinstance(request, EngineRequest):
             raise InvalidRequestError("request", f"must be an EngineRequest (got {type(request).__name__}); "
                                                  "a dict is a request of chat(), complete(), respond() or message()")
-        request = self._out_of_loop(request)  # the note a model in a loop reads is counted as read
+        return request
+
+    def _prompt(self, request: EngineRequest) -> list[int]:
+        """The prompt tokens of ``request`` as it stands (``encode``)."""
         words, tools = _fewest_tokens(request, self.tokenizer.most_chars_per_token)
         if (floor := words + tools) > self.ctx and floor * self.tokenizer.most_chars_per_token > COUNTED_CHARS:
             field = "prompt" if request.prompt is not None else "tools" if tools > self.ctx else "messages"
@@ -231,9 +239,8 @@ class Runtime:
         """``request`` ready for the engine; after ``first``, whose answer began with a call to a tool the request
         lacks (``Markup.invented``), that answer written again as a call to one of its tools (as ``tool_choice:
         required``), on the same prompt, in what the ``spent`` tokens left of ``max_tokens``."""
-        ids = list(first.seq.prompt_ids) if first else self.encode(request)  # a closed engine and a request that
-        # is no EngineRequest raise there
-        told = self._out_of_loop(request)
+        told = self._out_of_loop(self._checked(request))
+        ids = list(first.seq.prompt_ids) if first else self._prompt(told)
         looped, request = told is not request, replace(told, tool_choice="required") if first else told
         self._core.check_new(request.id)  # here, at the call; submit checks it again under its lock
         field = "prompt" if request.prompt is not None else "messages"
