@@ -67,6 +67,21 @@ def test_completions(oai, smol_server):
     streamed = list(lenient.completions.create(model="smollm2-135m", prompt="The largest planet is", max_tokens=6,
                                                stream=True))
     assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+    assert all(c.usage is None for c in streamed)
+
+
+def test_completions_stream_with_usage(smol_server):
+    """``stream_options.include_usage`` on Completions (it was ignored): a last object of no choices with the
+    usage, which the text's objects do not carry, and the same usage as the whole answer's."""
+    lenient = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
+    ask = {"model": "smollm2-135m", "prompt": "The largest planet is", "max_tokens": 7}
+    whole = lenient.completions.create(**ask)
+    streamed = list(lenient.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    *text, last = streamed
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    assert last.usage.completion_tokens == 7 and last.id == text[0].id
+    assert text[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in text)
+    assert "".join(c.choices[0].text for c in text) == whole.choices[0].text
 
 
 def test_responses(oai, schemas):

@@ -50,6 +50,13 @@ class Part(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class StreamOptions(Part):
+    """OpenAI's ``stream_options`` (Chat and Completions): ``include_usage`` adds a last object with the usage
+    and no choices."""
+
+    include_usage: bool | None = None
+
+
 class RequestModel(Part):
     """A whole request body. Unknown top-level keys are reported by ``ignored_fields``."""
 

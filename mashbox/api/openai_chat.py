@@ -19,6 +19,7 @@ from mashbox.api.base import (
     RequestModel,
     SamplingFields,
     Stream,
+    StreamOptions,
     UnsupportedPart,
     engine_request,
     new_id,
@@ -123,10 +124,6 @@ class NamedFunction(Part):
 class NamedToolChoice(Part):
     type: Literal["function"] = "function"
     function: NamedFunction
-
-
-class StreamOptions(Part):
-    include_usage: bool | None = None
 
 
 class Prediction(Part):

@@ -18,6 +18,7 @@ from mashbox.api.base import (
     RequestModel,
     SamplingFields,
     Stream,
+    StreamOptions,
     at_a_glance,
     engine_request,
     new_id,
@@ -36,6 +37,7 @@ class CompletionRequest(RequestModel, LogitBias, SamplingFields):
     model: str | None = None
     prompt: str | list[str]
     stream: Stream = False
+    stream_options: StreamOptions | None = None
     merge: bool | None = None
     prompt_cache_key: str | None = None
     logprobs: int | None = None
@@ -70,7 +72,8 @@ class CompletionChoice(OutModel):
 
 
 class Completion(OutModel):
-    """The whole answer, or one object of a stream (then without usage)."""
+    """The whole answer, or one object of a stream (then without usage, but for the last one where the request's
+    ``stream_options.include_usage`` asks for it: no choices, the usage)."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -99,6 +102,7 @@ class Translator:
         self._id = new_id("cmpl-")
         self._created = now()
         self._fingerprint = None if request.seed is None else f"seed-{request.seed}"
+        self._usage = bool(request.stream_options and request.stream_options.include_usage)
         self._blocks = BlockTracker()
 
     def start(self, prompt: Usage | None = None) -> list[Completion]:
@@ -120,7 +124,10 @@ class Translator:
             finish = self._blocks.done()
             if finish.reason == "error":
                 return self.error(finish.error or "generation failed")
-            return [self._object("", finish_reason(finish))]
+            last = self._object("", finish_reason(finish))
+            if not self._usage:
+                return [last]
+            return [last, last.model_copy(update={"choices": [], "usage": ChatUsage.of(finish.usage)})]
         block = change.block
         if change.kind == "delta" and block is not None and block.kind == "text":
             return [self._object(change.text)]

@@ -59,6 +59,7 @@ class CompletionParams(SamplingKeywords, total=False):
 
     model: str | None
     prompt: Required[str | list[str]]
+    stream_options: Object | None
     merge: bool | None
     prompt_cache_key: str | None
     logprobs: int | None
