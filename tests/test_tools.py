@@ -331,6 +331,61 @@ def test_a_list_of_calls_is_guarded_to_its_end(tiny_engine, smol_tokenizer):
     assert all(a is not None and script[i] in a for i, a in enumerate(runner.allowed[first_masked:-1], first_masked))
 
 
+def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_matcher_at_its_start(smol_tokenizer, monkeypatch):
+    """Auto mode's guard compiled a call's grammar on the engine's thread at every call (0.15-0.4 s for 100
+    tools, every stream waiting); an agent sends the same tools at every turn, so a grammar met before is now a
+    copy of the first's matcher, kept at its start: the second request's call and its forced call compile
+    nothing, and follow their own tokens from the start, whatever the first's did. Other tools, or a schema
+    llguidance cannot hold (the same 400 again), compile; past the kept characters the oldest go."""
+    import llguidance
+
+    from mashbox.engine.text import grammar
+
+    compiled = []
+    real = llguidance.LLMatcher
+
+    def counted(*args, **kwargs):
+        compiled.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar.llguidance, "LLMatcher", counted)
+    tok = Tokenizer.of(smol_tokenizer)
+    grammars = Grammars(tok, [tok.eos_token_id])
+    tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+    ids = tok.encode(call, add_special_tokens=False)
+
+    def guarded(tokens, begun=3):  # the call begun: its first tokens
+        constraint = grammars.guard(tools).follow(("bare", tok.decode(ids[:begun])), ids[:begun])
+        for token in tokens[begun:]:
+            row = torch.zeros(len(tok))
+            row[token] = 1  # the model's pick
+            constraint.mask(row)
+            assert row[token] == 1 and row.isinf().any(), f"{tok.decode([token])!r} refused, or no mask"
+            constraint.accept(token)
+        return constraint
+
+    assert guarded(ids).matcher.is_accepting()
+    assert len(compiled) == 1
+    assert guarded(ids).matcher.is_accepting(), "the second request's matcher starts where the first's did"
+    assert not guarded(ids[:-3]).matcher.is_accepting()
+    assert len(compiled) == 1, "the same tools: nothing compiled again"
+    forced = [grammars.for_tools(tools, "required") for _ in range(3)]
+    assert len(compiled) == 2 and len({id(f.matcher) for f in forced}) == 3
+    assert grammars.guard(tools[:1]).follow(("bare", tok.decode(ids[:3])), ids[:3]) is not None
+    assert len(compiled) == 3, "other tools, another grammar"
+    bad = (Tool("f", "", {"type": "object", "properties": {"x": {"type": "string", "pattern": "a(b"}}}),)
+    for _ in range(2):  # the call's grammar, then its parameters' alone for the message: each compiled once
+        with pytest.raises(InvalidRequestError, match="regex") as refused:
+            grammars.for_tools(bad, "required")
+        assert refused.value.param == "tools" and "the tool 'f'" in refused.value.message
+    assert len(compiled) == 5
+    small = grammar.Matchers(grammars.matchers.tokenizer, chars=len(compiled[1]) + 10)
+    for text in (compiled[1], compiled[1], compiled[2], compiled[1]):
+        small.get(text)
+    assert compiled[5:] == [compiled[1], compiled[2], compiled[1]], "one kept: the first compiled again after the other"
+
+
 def test_a_call_that_cannot_name_a_declared_tool_stays_free_and_ends_as_text(tiny_engine, smol_tokenizer):
     """A call whose written start no declared tool fits (the name already wrong when the markup
     sees the call) is left free until it ends (then ends as text, as before)."""

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import llguidance
@@ -32,6 +34,8 @@ TOOL_JSON = {**STRICT_JSON, "lenient": True}  # keywords llguidance lacks (prope
 FLEXIBLE_JSON = {**TOOL_JSON, "whitespace_flexible": True}  # a call the model began, as it lays it out
 KEYS = ("arguments", "parameters")  # where a call the model began holds its arguments (Llama 3's: parameters)
 NAMED = re.compile(r'"name"\s*:\s*"(?:[^"\\]|\\.)*"')  # a call's name, written whole
+KEPT_CHARS = 1_000_000  # the grammars ``Matchers`` keeps compiled, in characters of their text (each ~50 bytes
+# compiled: 100 tools of 20 parameters write 232k characters, 11.5 MB; Claude Code's 24 tools 40k)
 
 
 def arguments_schema(tool: Tool) -> dict[str, Any]:
@@ -219,13 +223,14 @@ class Grammars:
         self._source = tokenizer
         self.calls = calls
         self._eos = sorted(eos_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._matchers: Matchers | None = None
 
     @property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._source.backend_tokenizer.to_str(), eos_token=self._eos)
-        return self._tokenizer
+    def matchers(self) -> Matchers:
+        if self._matchers is None:
+            tokenizer = llguidance.LLTokenizer(self._source.backend_tokenizer.to_str(), eos_token=self._eos)
+            self._matchers = Matchers(tokenizer)
+        return self._matchers
 
     def for_tools(self, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = True) -> Constraint | None:
         """The constraint of a forced call: ``required`` (one call, or one or more when
@@ -249,19 +254,20 @@ class Grammars:
         """Why ``tool``'s call cannot be enforced: in the words of its parameters alone where they fail too
         (a call's error may only say that its ``arguments`` cannot be written, a key of mashbox's wrapping)."""
         try:
-            Constraint(self.tokenizer, f"start: %json {json.dumps({**arguments_schema(tool), 'x-guidance': TOOL_JSON})}\n")
+            schema = {**arguments_schema(tool), "x-guidance": TOOL_JSON}
+            Constraint(self.matchers, f"start: %json {json.dumps(schema)}\n")
         except InvalidRequestError as alone:
             return alone.message
         return error.message
 
     def _calls(self, tools: tuple[Tool, ...], many: bool, tags: tuple[str, str, str, str]) -> Constraint:
         if self._source.token_id(self.calls.args or None) is not None:
-            return Constraint(self.tokenizer, named_grammar(tools, many, tags))  # the model's own form
-        return Constraint(self.tokenizer, tool_grammar(tools, many, tags[:2], self.calls.listed))
+            return Constraint(self.matchers, named_grammar(tools, many, tags))  # the model's own form
+        return Constraint(self.matchers, tool_grammar(tools, many, tags[:2], self.calls.listed))
 
     def guard(self, tools: tuple[Tool, ...]) -> CallGuard:
         """Auto mode's guard of the calls the model begins (see ``CallGuard``)."""
-        return CallGuard(self.tokenizer, tools, self.calls, self.tags())
+        return CallGuard(self.matchers, tools, self.calls, self.tags())
 
     def tags(self) -> tuple[str, str, str, str]:
         """The open, close, arguments and call id tags of the model's calls in a grammar (see ``tag``; ""
@@ -274,7 +280,7 @@ class Grammars:
         if schema is None:
             return None
         grammar = f"start: %json {json.dumps({**schema, 'x-guidance': STRICT_JSON})}\n"
-        return Constraint(self.tokenizer, grammar, "response_schema")
+        return Constraint(self.matchers, grammar, "response_schema")
 
 
 class CallGuard:
@@ -285,7 +291,7 @@ class CallGuard:
     character, and drops it once the markup has the call (or gives up on a call whose start no
     declared tool fits: that one stays free, and ends as text)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, tools: tuple[Tool, ...], calls: CallFormat = HERMES,
+    def __init__(self, matchers: Matchers, tools: tuple[Tool, ...], calls: CallFormat = HERMES,
                  tags: tuple[str, str, str, str] = ('"<tool_call>"', '"</tool_call>"', "", "")) -> None:
         blank = "BLANK: /[ \\t\\r\\n]+/\n"
         listed = 'list: "[" BLANK? body (BLANK? "," BLANK? body)* BLANK? "]"\n' + blank  # Mistral's calls
@@ -302,7 +308,7 @@ class CallGuard:
             "bare list": f"start: list\n{listed}",
         }
         self.tools = tools
-        self.tokenizer = tokenizer
+        self.matchers = matchers
         self.active: Constraint | None = None
         self.given_up = False
 
@@ -316,7 +322,7 @@ class CallGuard:
             self.active, self.given_up = None, call is not None
             return None
         if active is None:
-            self.active = active = self._begin(*call, self.tokenizer.decode_bytes(output_ids))
+            self.active = active = self._begin(*call, self.matchers.tokenizer.decode_bytes(output_ids))
             self.given_up = active is None
             if active is not None and call[0] != "tag":
                 active.tentative = True
@@ -328,12 +334,13 @@ class CallGuard:
         at = written.rfind(text.encode())
         if at < 0:
             return None
+        tools = json.dumps([(t.name, t.parameters) for t in self.tools])  # what the grammar is made of, but its form
         try:
-            constraint = Constraint(self.tokenizer, self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON, KEYS),
-                                    strict=False)
+            constraint = Constraint(self.matchers, (form, tools), strict=False,
+                                    grammar=lambda: self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON, KEYS))
         except InvalidRequestError:  # a schema llguidance cannot enforce: the call stays free
             return None
-        ids = self.tokenizer.tokenize_bytes(written[at:])
+        ids = self.matchers.tokenizer.tokenize_bytes(written[at:])
         return constraint if constraint.matcher.try_consume_tokens(ids) == len(ids) else None
 
 
@@ -350,12 +357,45 @@ def _said(error: str) -> str:
     return re.sub(r"/\$defs/tool\d+", "", text)  # where mashbox keeps a tool's schema: the tool's own root
 
 
+class Matchers:
+    """llguidance matchers for one tokenizer, each grammar compiled once: a grammar met before is a copy of its
+    first matcher, kept at its start (``deep_copy``: 1-4 ms for the calls of 100 tools of 20 parameters each,
+    where compiling them takes ~150 ms). An agent sends the same tools at every turn, so auto mode's guard,
+    which compiles a call's grammar on the engine's thread as the call begins (every stream waits), does so
+    once for a set of tools, not at each call; a forced call's grammar is compiled once at a request's intake
+    the same way. The grammars used last are kept, up to ``chars`` of their text in all; any thread may ask."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, chars: int = KEPT_CHARS) -> None:
+        self.tokenizer = tokenizer
+        self._kept: OrderedDict[Hashable, tuple[llguidance.LLMatcher, int]] = OrderedDict()
+        self._chars, self._room = 0, chars
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, grammar: Callable[[], str] | None = None) -> llguidance.LLMatcher:
+        """A new matcher of the grammar ``grammar`` writes, kept as ``key`` (the grammar itself where no
+        ``grammar`` is given); in error where llguidance cannot compile it, as its first was."""
+        with self._lock:
+            if (kept := self._kept.get(key)) is not None:
+                self._kept.move_to_end(key)
+                return kept[0].deep_copy()
+        text = grammar() if grammar else key
+        first = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        with self._lock:
+            if key not in self._kept:  # another thread's, meanwhile
+                self._kept[key] = first, len(text)
+                self._chars += len(text)
+            while self._chars > self._room and len(self._kept) > 1:
+                self._chars -= self._kept.popitem(last=False)[1][1]
+            return first.deep_copy()
+
+
 class Constraint:
     """One request's grammar state: masks its logits, follows its tokens."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str = "tools",
-                 strict: bool = True) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    def __init__(self, matchers: Matchers, key: Hashable, field: str = "tools", strict: bool = True,
+                 grammar: Callable[[], str] | None = None) -> None:
+        tokenizer = matchers.tokenizer
+        self.matcher = matchers.get(key, grammar)  # ``key`` is the grammar, or ``grammar`` writes it
         self.field, self.strict = field, strict  # strict: a grammar that cannot go on fails the request, else lets go
         self.failed: str | None = None  # why the grammar could not go on, where it stopped mid-answer
         if self.matcher.is_error():
