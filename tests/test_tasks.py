@@ -600,6 +600,43 @@ def test_a_task_another_server_runs_is_not_canceled_here_and_says_so(backend, tm
     elsewhere.close()
 
 
+def test_a_tasks_file_deleted_while_the_server_runs_is_made_again_with_its_tasks(backend, tmp_path):
+    """A cache cleared under a running server (``rm ~/.cache/mashbox/tasks.sqlite3``): SQLite refuses every write
+    to a file deleted under it, so each task after that was a 500 until a restart. The file is made again where
+    it was, with the tasks it held (read from the file still open), and new ones are kept."""
+    db = tmp_path / "cache" / "t.sqlite3"
+    ask = {"user_message_content": "Hi.", "stream": False, "inference_args": {"max_tokens": 3}}  # cut: failed
+    for url in serve(backend, Settings(tasks_db=str(db))):
+        before = httpx.post(url + "/v1/tasks", json={**ask, "task_id": "before"}, timeout=60)
+        assert before.json()["result"]["error"]["code"] == -32011, before.text
+        db.unlink()
+        answer = httpx.post(url + "/v1/tasks", json={**ask, "task_id": "after"}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["result"]["error"]["code"] == -32011, answer.text
+        listed = httpx.get(url + "/v1/tasks", timeout=60).json()["result"]
+        assert [t["id"] for t in listed] == ["after", "before"]
+        with sqlite3.connect(db) as file:
+            assert sorted(file.execute("SELECT id, status FROM tasks")) == [("after", "failed"), ("before", "failed")]
+
+
+def test_a_tasks_file_moved_away_is_made_again_and_one_put_in_its_place_is_used(tmp_path):
+    path = tmp_path / "t.sqlite3"
+    store = TaskStore(path, ttl_s=60)
+    store.save("t", {"id": "kept", "status": "working"})
+    path.rename(tmp_path / "elsewhere.sqlite3")
+    store.save("t", {"id": "new", "status": "working"})
+    assert store.get("t", "kept")["status"] == "working", "a task running here is not failed on the new file"
+    other = TaskStore(tmp_path / "other.sqlite3", ttl_s=60)
+    other.save("t", {"id": "theirs", "status": "completed"})
+    other.close()
+    (tmp_path / "other.sqlite3").replace(path)
+    assert store.get("t", "theirs") == {"id": "theirs", "status": "completed"}
+    assert store.get("t", "kept") is None, "a file put in its place is used as it is"
+    store.save("t", {"id": "more", "status": "completed"})
+    store.close()
+    with sqlite3.connect(path) as file:
+        assert sorted(file.execute("SELECT id FROM tasks")) == [("more",), ("theirs",)]
+
+
 def test_a_tasks_file_overwritten_while_in_use_is_said(tmp_path):
     """A read of a file that is no longer a database was a 500 "internal error: DatabaseError"."""
     path = tmp_path / "tasks.sqlite3"

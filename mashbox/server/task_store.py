@@ -4,7 +4,8 @@ The file is opened on first use (a server that never sees a task never creates i
 that were running when the server stopped become ``failed``, unless another server has the file open
 (a lock beside it, shared while each runs, tells): those may be its tasks, running. ``sweep`` ends
 tasks left untouched for ``ttl_s``: unfinished ones become ``expired``, finished ones are deleted, so
-the file stays bounded.
+the file stays bounded. A file deleted or moved away while the server runs (a cache cleared) is made
+again where it was, with the tasks it held, read from the file still open.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -25,6 +27,8 @@ from mashbox.api.task_loop import EXPIRED as EXPIRED_CODE
 from mashbox.api.task_loop import SERVER_STOPPED
 from mashbox.engine.load.catalog import cache_dir
 from mashbox.errors import InvalidRequestError, StorageError
+
+log = logging.getLogger("mashbox.server")
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, id TEXT NOT NULL, status TEXT NOT NULL,
@@ -54,6 +58,15 @@ def check(path: Path) -> None:
         raise ValueError(f"tasks_db: {path} cannot hold the tasks ({err})") from None
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file ``path`` names now (its device and inode), or None where none."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def _private(path: Path) -> int:
     """``path`` opened (a descriptor), made readable by its owner only: the tasks hold every tenant's answers
     (SQLite gives its journal the file's mode). One an earlier mashbox made 0644 is made 0600 too."""
@@ -67,6 +80,7 @@ class TaskStore:
     def __init__(self, path: Path, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
         self.path, self.ttl_s, self._clock = path, ttl_s, clock
         self._db: sqlite3.Connection | None = None
+        self._file: tuple[int, int] | None = None  # the device and inode of the file ``_db`` has open
         self._holder: Any = None  # the lock file, held open (``_share``)
         self._lock = threading.RLock()
 
@@ -79,20 +93,48 @@ class TaskStore:
             self._db = self._holder = None
 
     def _conn(self) -> sqlite3.Connection:
+        if self._db is not None and self._file != _identity(self.path):
+            self._made_again(self._db)
         if self._db is None:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                os.close(_private(self.path))
-                db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-                db.executescript(SCHEMA)
-                alone = self._share()
-            except (OSError, sqlite3.Error) as err:
-                raise StorageError(f"the agent tasks cannot be kept in {self.path} ({type(err).__name__}: {err}); "
-                                   "start the server with --tasks-db naming a file it can write") from err
-            self._db = db
+            self._db, alone = self._open()
             if alone:
                 self._fail_running()
         return self._db
+
+    def _open(self) -> tuple[sqlite3.Connection, bool]:
+        """A connection to the file at ``path`` (made, with its table, where there is none), and whether no other
+        server has it open."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(_private(self.path))
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.executescript(SCHEMA)
+            self._file = _identity(self.path)
+            return db, self._share()
+        except (OSError, sqlite3.Error) as err:
+            raise StorageError(f"the agent tasks cannot be kept in {self.path} ({type(err).__name__}: {err}); "
+                               "start the server with --tasks-db naming a file it can write") from err
+
+    def _made_again(self, old: sqlite3.Connection) -> None:
+        """The file was deleted or moved away under the open connection ``old`` (SQLite then refuses every
+        write): a new one at ``path`` gets the tasks the old one holds, read through ``old``, still open to it.
+        Where another file took its place, that one is used as it is (someone put it there)."""
+        self._db, gone = None, _identity(self.path) is None
+        self._holder.close()
+        try:
+            new, _ = self._open()  # its tasks running are this server's: not failed
+            try:
+                if gone:
+                    old.backup(new)
+            except sqlite3.Error as err:
+                new.close()
+                raise StorageError(f"{self.path} was deleted or moved away, and copying its tasks to a new one "
+                                   f"failed ({type(err).__name__}: {err})") from err
+        finally:
+            old.close()
+        log.warning("%s was %s while the server ran: %s", self.path, "deleted or moved away" if gone else "replaced",
+                    "made again, with its tasks" if gone else "the new file is used")
+        self._db = new
 
     def _share(self) -> bool:
         """Hold the file's lock, shared with the other servers using it, for as long as this one runs;
