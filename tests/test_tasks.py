@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -619,10 +620,23 @@ def test_a_tasks_file_deleted_while_the_server_runs_is_made_again_with_its_tasks
 
 
 def test_a_tasks_file_moved_away_is_made_again_and_one_put_in_its_place_is_used(tmp_path):
-    path = tmp_path / "t.sqlite3"
+    """Where no file can be made there yet (no folder, a file that is no database in its place) the calls fail
+    naming the file, and the tasks stay held by the old file, still open, until one can: they were lost."""
+    path = tmp_path / "tasks" / "t.sqlite3"
     store = TaskStore(path, ttl_s=60)
     store.save("t", {"id": "kept", "status": "working"})
     path.rename(tmp_path / "elsewhere.sqlite3")
+    shutil.rmtree(path.parent)
+    path.parent.write_text("a file where the folder was")
+    with pytest.raises(StorageError, match="cannot be kept in"):
+        store.get("t", "kept")
+    path.parent.unlink()
+    path.parent.mkdir()
+    path.write_text("no database" * 100)
+    for _ in range(2):
+        with pytest.raises(StorageError, match="cannot be kept in"):
+            store.save("t", {"id": "new", "status": "working"})
+    path.unlink()
     store.save("t", {"id": "new", "status": "working"})
     assert store.get("t", "kept")["status"] == "working", "a task running here is not failed on the new file"
     other = TaskStore(tmp_path / "other.sqlite3", ttl_s=60)

@@ -96,57 +96,63 @@ class TaskStore:
         if self._db is not None and self._file != _identity(self.path):
             self._made_again(self._db)
         if self._db is None:
-            self._db, alone = self._open()
+            self._db, self._holder, self._file, alone = self._open()
             if alone:
                 self._fail_running()
         return self._db
 
-    def _open(self) -> tuple[sqlite3.Connection, bool]:
-        """A connection to the file at ``path`` (made, with its table, where there is none), and whether no other
-        server has it open."""
+    def _open(self) -> tuple[sqlite3.Connection, Any, tuple[int, int] | None, bool]:
+        """A connection to the file at ``path`` (made, with its table, where there is none), its lock held shared
+        (``_share``), which file it is (``_identity``), and whether no other server had it open."""
+        db = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             os.close(_private(self.path))
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             db.executescript(SCHEMA)
-            self._file = _identity(self.path)
-            return db, self._share()
+            found = _identity(self.path)
+            holder, alone = self._share()
         except (OSError, sqlite3.Error) as err:
+            if db is not None:
+                db.close()
             raise StorageError(f"the agent tasks cannot be kept in {self.path} ({type(err).__name__}: {err}); "
                                "start the server with --tasks-db naming a file it can write") from err
+        return db, holder, found, alone
 
     def _made_again(self, old: sqlite3.Connection) -> None:
         """The file was deleted or moved away under the open connection ``old`` (SQLite then refuses every
         write): a new one at ``path`` gets the tasks the old one holds, read through ``old``, still open to it.
-        Where another file took its place, that one is used as it is (someone put it there)."""
-        self._db, gone = None, _identity(self.path) is None
-        self._holder.close()
-        try:
-            new, _ = self._open()  # its tasks running are this server's: not failed
+        Where another file took its place, that one is used as it is (someone put it there). Where no file can
+        be made there yet, ``old`` stays, and the next call tries again."""
+        gone = _identity(self.path) is None
+        new, holder, found, _ = self._open()  # its tasks running are this server's: not failed
+        if gone:
             try:
-                if gone:
-                    old.backup(new)
+                old.backup(new)
             except sqlite3.Error as err:
                 new.close()
+                holder.close()
+                self.path.unlink(missing_ok=True)  # an empty file left there would be taken for one put there
                 raise StorageError(f"{self.path} was deleted or moved away, and copying its tasks to a new one "
                                    f"failed ({type(err).__name__}: {err})") from err
-        finally:
-            old.close()
+        old.close()
+        self._holder.close()
+        self._db, self._holder, self._file = new, holder, found
         log.warning("%s was %s while the server ran: %s", self.path, "deleted or moved away" if gone else "replaced",
                     "made again, with its tasks" if gone else "the new file is used")
-        self._db = new
 
-    def _share(self) -> bool:
-        """Hold the file's lock, shared with the other servers using it, for as long as this one runs;
-        whether no other held it (then the tasks left running are those of servers that stopped)."""
-        self._holder = os.fdopen(_private(self.path.with_name(self.path.name + ".lock")), "a+b")  # held open
+    def _share(self) -> tuple[Any, bool]:
+        """The file's lock, held shared with the other servers using it for as long as this one runs (the
+        file it returns, held open); whether no other held it (then the tasks left running are those of
+        servers that stopped)."""
+        holder = os.fdopen(_private(self.path.with_name(self.path.name + ".lock")), "a+b")
         try:
-            fcntl.flock(self._holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
         except BlockingIOError:
             alone = False
-        fcntl.flock(self._holder, fcntl.LOCK_SH)
-        return alone
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        return holder, alone
 
     def _fail_running(self) -> None:
         marks = ",".join("?" * len(RUNNING))
