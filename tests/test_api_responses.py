@@ -186,6 +186,15 @@ def test_tool_choice(choice, expected):
     assert to_engine(_request(tools=TOOLS, tool_choice=choice)).tool_choice == expected
 
 
+@pytest.mark.parametrize("choice", [{"type": "function"}, {"type": "function", "name": ""}, {"type": "custom"},
+                                    {"type": "function", "name": None}, {"type": "function", "function": {}}])
+def test_a_function_tool_choice_without_a_name_is_refused_naming_it(choice):
+    """It forced no tool and was taken for ``auto`` (200) where Chat and Messages refuse it (400)."""
+    with pytest.raises(InvalidRequestError) as refused:
+        to_engine(_request(tools=TOOLS, tool_choice=choice))
+    assert refused.value.param == "tool_choice.name" and choice["type"] in refused.value.message
+
+
 def test_a_tool_choice_of_a_hosted_tool_is_said_to_be_ignored_and_local_shell_is_forced():
     hosted = _request(tools=[{"type": "web_search"}, *TOOLS], tool_choice={"type": "web_search"})
     assert to_engine(hosted).tool_choice == "auto"

@@ -220,8 +220,10 @@ def engine_tool_choice(choice: ToolChoice | None, tools: ToolMap) -> EngineToolC
         return choice or "auto"
     if choice.type == "local_shell":
         return Named(LOCAL_SHELL)
-    name = choice.named() if choice.type in ("function", "custom") else None  # an mcp choice's name is its server's
-    if name is not None:
+    if choice.type in ("function", "custom"):  # an mcp choice's name is its server's
+        if not (name := choice.named()):
+            raise InvalidRequestError("tool_choice.name", f"a {choice.type} tool_choice names the tool it forces: "
+                                                          "give its name (or use \"required\" for any tool)")
         return Named(tools.visible(name, choice.namespace))
     return choice.mode or "auto"
 
