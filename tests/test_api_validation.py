@@ -115,6 +115,9 @@ ROWS = [
     ("responses", {"input": [{"type": "function_call", "name": "f"}]}, "input.0.call_id"),
     ("responses", {"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input.0.role"),
     ("responses", {"tools": [{"type": "function"}]}, "tools.0.name"),
+    # a Chat tool sent to Responses: its "function" key is no step to the name it lacks (was tools.0.function.name)
+    ("responses", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.name"),
+    ("chat", {"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
     ("responses", {"reasoning": {"effort": 3}}, "reasoning.effort"),
     ("responses", {"reasoning": {"effort": "ultra"}}, "reasoning.effort"),
     ("messages", {"tools": [{"name": "f"}]}, "tools.0.input_schema"),

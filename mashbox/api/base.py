@@ -360,24 +360,27 @@ def _json_type(value: Any) -> str:
 def _path(err: Any, data: Any) -> list[str]:
     """The error's location, keeping only the keys that are really in the body."""
     loc = err["loc"]
-    if err["type"] == "missing" and loc:
-        return [*_walk(loc[:-1], data), str(loc[-1])]
-    parts = _walk(loc, data)
+    if err["type"] == "missing" and loc:  # to where the key lacks: a union's tag that is also a key of the body
+        # (a Chat tool's "function" sent to Responses) is no step of the path
+        found = _walk(loc[:-1], data, loc[-1])
+        return [*(_walk(loc[:-1], data) or [] if found is None else found), str(loc[-1])]
+    parts = _walk(loc, data) or []
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
         name = str(err["ctx"]["discriminator"]).strip("'")
         parts.append("type" if name.endswith("()") else name)
     return parts
 
 
-def _walk(loc: tuple[Any, ...], node: Any) -> list[str]:
-    """Longest path of body keys along ``loc``; pydantic's union tags are skipped."""
+def _walk(loc: tuple[Any, ...], node: Any, lacking: Any = None) -> list[str] | None:
+    """Longest path of body keys along ``loc``; pydantic's union tags are skipped. With ``lacking``, only a
+    path to an object without that key (else None)."""
     if not loc:
-        return []
-    skip = _walk(loc[1:], node)
-    if not _holds(node, loc[0]):
-        return skip
-    take = [str(loc[0]), *_walk(loc[1:], node[loc[0]])]
-    return take if len(take) > len(skip) else skip
+        return None if lacking is not None and _holds(node, lacking) else []
+    skip = _walk(loc[1:], node, lacking)
+    rest = _walk(loc[1:], node[loc[0]], lacking) if _holds(node, loc[0]) else None
+    if rest is not None and (skip is None or len(rest) + 1 > len(skip)):
+        return [str(loc[0]), *rest]
+    return skip
 
 
 def _holds(node: Any, key: Any) -> bool:
