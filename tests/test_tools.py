@@ -8,6 +8,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import llguidance
 import pytest
 import torch
 from scripted import MaskedScriptRunner, ScriptedRunner, scripted_events
@@ -26,7 +27,7 @@ from mashbox import (
 )
 from mashbox.engine.events import ToolCallDelta, ToolCallEnd, ToolCallStart
 from mashbox.engine.request import Named, ToolCall
-from mashbox.engine.text.grammar import Grammars
+from mashbox.engine.text.grammar import Grammars, Matchers
 from mashbox.engine.text.markup import LOOP_NOTE, Markup, looping_call
 from mashbox.engine.text.tokenizer import Tokenizer
 
@@ -337,10 +338,6 @@ def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_matcher_at_its
     copy of the first's matcher, kept at its start: the second request's call and its forced call compile
     nothing, and follow their own tokens from the start, whatever the first's did. Other tools, or a schema
     llguidance cannot hold (the same 400 again), compile; past the kept characters the oldest go."""
-    import llguidance
-
-    from mashbox.engine.text import grammar
-
     compiled = []
     real = llguidance.LLMatcher
 
@@ -348,7 +345,7 @@ def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_matcher_at_its
         compiled.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(grammar.llguidance, "LLMatcher", counted)
+    monkeypatch.setattr(llguidance, "LLMatcher", counted)
     tok = Tokenizer.of(smol_tokenizer)
     grammars = Grammars(tok, [tok.eos_token_id])
     tools = tuple(Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in (WEATHER, TIME))
@@ -380,7 +377,7 @@ def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_matcher_at_its
             grammars.for_tools(bad, "required")
         assert refused.value.param == "tools" and "the tool 'f'" in refused.value.message
     assert len(compiled) == 5
-    small = grammar.Matchers(grammars.matchers.tokenizer, chars=len(compiled[1]) + 10)
+    small = Matchers(grammars.matchers.tokenizer, chars=len(compiled[1]) + 10)
     for text in (compiled[1], compiled[1], compiled[2], compiled[1]):
         small.get(text)
     assert compiled[5:] == [compiled[1], compiled[2], compiled[1]], "one kept: the first compiled again after the other"

@@ -363,7 +363,9 @@ def _path(err: Any, data: Any) -> list[str]:
     if err["type"] == "missing" and loc:  # to where the key lacks: a union's tag that is also a key of the body
         # (a Chat tool's "function" sent to Responses) is no step of the path
         found = _walk(loc[:-1], data, loc[-1])
-        return [*(_walk(loc[:-1], data) or [] if found is None else found), str(loc[-1])]
+        if found is None:
+            found = _walk(loc[:-1], data) or []
+        return [*found, str(loc[-1])]
     parts = _walk(loc, data) or []
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
         name = str(err["ctx"]["discriminator"]).strip("'")
