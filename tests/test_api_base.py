@@ -11,6 +11,7 @@ from mashbox.api import base
 from mashbox.api.base import OutModel, RequestModel, engine_request, parse, plain
 from mashbox.api.blocks import BlockTracker
 from mashbox.api.openai_chat import ChatRequest
+from mashbox.api.openai_completions import CompletionRequest
 from mashbox.engine.events import (
     Finish,
     ReasoningDelta,
@@ -64,6 +65,16 @@ def test_an_object_field_of_another_type_is_named_without_a_class_name(field, va
 def test_ignored_fields_lists_extras_and_accepted_ignored_fields():
     request = parse(ChatRequest, {"messages": USER, "store": False, "merge": True, "user": "u", "zeta": 1})
     assert request.ignored_fields() == ["merge", "store", "user", "zeta"]
+
+
+@pytest.mark.parametrize("request_class, body", [(ChatRequest, {"messages": USER}), (CompletionRequest, {"prompt": "a"})])
+def test_stream_options_not_read_are_reported(request_class, body):
+    """Unstreamed, the options are not read (OpenAI: a 400); streamed, a key they do not know is not either."""
+    options = {"include_usage": True, "include_obfuscation": False}
+    assert parse(request_class, {**body, "stream_options": options}).ignored_fields() == ["stream_options"]
+    streamed = parse(request_class, {**body, "stream": True, "stream_options": options})
+    assert streamed.ignored_fields() == ["stream_options.include_obfuscation"]
+    assert parse(request_class, {**body, "stream": True, "stream_options": {"include_usage": True}}).ignored_fields() == []
 
 
 def test_ignored_fields_skips_nested_extras():

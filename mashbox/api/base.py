@@ -57,6 +57,16 @@ class StreamOptions(Part):
     include_usage: bool | None = None
 
 
+def unread_stream_options(stream: bool, options: StreamOptions | None) -> list[str]:
+    """What of ``stream_options`` an answer does not read: all of it when it is not streamed, else the keys it
+    does not know (OpenAI refuses the first with a 400; it is reported here, as any field not acted on)."""
+    if options is None:
+        return []
+    if not stream:
+        return ["stream_options"]
+    return [f"stream_options.{key}" for key in options.model_extra or {}]
+
+
 class RequestModel(Part):
     """A whole request body. Unknown top-level keys are reported by ``ignored_fields``."""
 

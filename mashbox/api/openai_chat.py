@@ -28,6 +28,7 @@ from mashbox.api.base import (
     prefixed,
     refuse_logprobs,
     unread_fields,
+    unread_stream_options,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.api.chat_output import (
@@ -180,7 +181,8 @@ class ChatRequest(RequestModel, LogitBias, SamplingFields):
     def _more_ignored(self) -> list[str]:
         kwargs = self.chat_template_kwargs.model_extra or {} if self.chat_template_kwargs else {}
         skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
-        return skipped + unread_fields("messages", self.messages) + [f"chat_template_kwargs.{k}" for k in kwargs]
+        return (skipped + unread_fields("messages", self.messages) + [f"chat_template_kwargs.{k}" for k in kwargs]
+                + unread_stream_options(self.stream, self.stream_options))
 
     def thinking(self) -> bool | None:
         kwargs = self.chat_template_kwargs

@@ -24,6 +24,7 @@ from mashbox.api.base import (
     new_id,
     now,
     refuse_logprobs,
+    unread_stream_options,
 )
 from mashbox.api.blocks import BlockTracker, Change
 from mashbox.api.chat_output import ChatUsage  # OpenAI's one usage type for both routes
@@ -50,6 +51,9 @@ class CompletionRequest(RequestModel, LogitBias, SamplingFields):
         if isinstance(value, list) and len(value) != 1:
             raise ValueError("give one prompt: a string, or a list of one string")
         return value
+
+    def _more_ignored(self) -> list[str]:
+        return unread_stream_options(self.stream, self.stream_options)
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
