@@ -221,6 +221,22 @@ def test_evicted_prefix_goes_to_host_memory_and_comes_back():
     s.cache.check_integrity()
 
 
+def test_host_memory_counts_its_bytes_through_supersedes_evictions_and_forgets():
+    """The tier keeps a running count (summing its entries at each eviction made a store quadratic)."""
+    import random
+
+    from mashbox.engine.sched.prefix_cache import HostTier
+
+    rng, host = random.Random(0), HostTier(cap=4000, bytes_per_token=10)
+    for n in range(300):
+        tokens = tuple(rng.randrange(4) for _ in range(rng.randrange(1, 120)))
+        host.store(0, tokens, None, rng.choice("ab"))
+        if n % 7 == 0:
+            host.forget({e for e, _, _ in host.entries() if rng.random() < 0.3} | {10**6})
+        assert host.bytes == 10 * sum(len(t) for _, _, t in host.entries()) <= 4000
+    assert host.evictions > 0
+
+
 def test_host_memory_cap_evicts_least_recently_used_but_never_the_prefix_being_restored():
     from mashbox.engine.sched.prefix_cache import Drop, Restore, Save
 

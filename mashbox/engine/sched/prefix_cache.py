@@ -311,11 +311,12 @@ class HostTier:
         self.bytes_per_token = bytes_per_token
         self.evictions = 0
         self._entries: OrderedDict[int, tuple[str, tuple[int, ...]]] = OrderedDict()  # entry -> (salt, tokens)
+        self._tokens = 0  # of all entries: summing them at each entry a store drops made storing quadratic
         self._ids = itertools.count()
 
     @property
     def bytes(self) -> int:
-        return sum(len(t) for _, t in self._entries.values()) * self.bytes_per_token
+        return self._tokens * self.bytes_per_token
 
     def entries(self) -> list[tuple[int, str, tuple[int, ...]]]:
         """(entry, salt, tokens), least recently used first."""
@@ -326,7 +327,7 @@ class HostTier:
 
     def forget(self, entries: set[int]) -> None:
         for entry in entries:
-            self._entries.pop(entry, None)
+            self._drop(entry)
 
     def store(self, slot: int, tokens: tuple[int, ...], keep: int | None = None, salt: str = "",
               warm: Callable[[str, tuple[int, ...]], bool] = lambda salt, tokens: False) -> list[CacheOp]:
@@ -339,13 +340,17 @@ class HostTier:
             return []
         ops: list[CacheOp] = [Drop(e) for e, s, t in self.entries() if e != keep and s == salt and tokens[: len(t)] == t]
         for op in ops:
-            del self._entries[op.entry]
+            self._drop(op.entry)
         for entry in sorted((e for e in self._entries if e != keep), key=lambda e: warm(*self._entries[e])):
             if self.bytes + size <= self.cap:
                 break
-            del self._entries[entry]
+            self._drop(entry)
             self.evictions += 1
             ops.append(Drop(entry))
         entry = next(self._ids)
         self._entries[entry] = (salt, tokens)
+        self._tokens += len(tokens)
         return [Save(slot, entry, len(tokens)), *ops]
+
+    def _drop(self, entry: int) -> None:
+        self._tokens -= len(self._entries.pop(entry, ("", ()))[1])
