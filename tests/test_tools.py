@@ -519,6 +519,7 @@ def test_an_answer_that_opens_with_a_call_to_a_tool_the_request_lacks_is_written
             assert calls == [("get_weather", {"city": "Oslo", "days": 2})]
             assert all(a is not None for a in script.allowed[spent:]), "held from its first token"
             assert completion.usage.completion_tokens == script.sampled > spent  # both answers
+            assert engine.stats().finished == {"stop": 1 + twin}, "one request, one finish"
             if not twin:  # the engine's first request: its prompt read whole, the second answer's from the cache
                 assert completion.usage.prompt_tokens_details.cached_tokens == completion.timings.cache_n == 0
         completion, spent, _ = answer(invented, again, most=len(tok.encode(invented, add_special_tokens=False)) + 5)

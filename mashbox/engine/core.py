@@ -65,6 +65,7 @@ class Stream:
     reasoning_tokens: int = 0  # the thought with both its tags (the usage's)
     thought: int = 0  # the thought and its close, not an opening the model wrote (the budget's)
     channel: Channel[Event] = field(default_factory=Channel)
+    replaces: Sequence | None = None  # the answer this one writes again (one request, one finish counted)
 
     def push(self, token: int) -> None:
         thinking = self.markup.state == "think"
@@ -121,10 +122,10 @@ class EngineCore:
         self._thread.start()
 
     def submit(self, seq: Sequence, markup: Markup | None = None, budget: ThinkBudget | None = None,
-               guard: CallGuard | None = None) -> Channel[Event]:
+               guard: CallGuard | None = None, replaces: Sequence | None = None) -> Channel[Event]:
         markup = markup or Markup(calls=None)
         detok = Detokenizer(self.tokenizer, seq.prompt_ids[-4:], markup.tags)
-        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup, budget, guard)
+        stream = Stream(seq, detok, StopMatcher(seq.sampling.stop), markup, budget, guard, replaces=replaces)
         with self._closing, self._live_lock:
             if self.closed:
                 raise EngineClosedError(self.why_closed)
@@ -239,13 +240,15 @@ class EngineCore:
             host_cache_cap_bytes=s.cache.host.cap, host_cache_evictions=s.cache.host.evictions,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
             prefix_lookup_tokens=s.lookup_tokens, prefix_hit_tokens=s.hit_tokens, prefix_diverged=s.diverged,
-            preemptions=c.preemptions, finished=dict(c.finished), draft_tokens=s.drafted, accepted_tokens=s.accepted,
+            preemptions=c.preemptions, finished=dict(+c.finished), draft_tokens=s.drafted, accepted_tokens=s.accepted,
         )
 
     def _close(self, stream: Stream, error: str | None = None) -> None:
         with self._live_lock:
             self._live.discard(stream.seq.id)
         self.counters.finished[stream.seq.finish_reason or "error"] += 1
+        if stream.replaces is not None:  # the answer given up was counted when it ended
+            self.counters.finished[stream.replaces.finish_reason or "error"] -= 1
         self.snapshot = self._stats()  # counted before its client can see the end
         stream.finish(error)
 

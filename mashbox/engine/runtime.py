@@ -70,7 +70,8 @@ class Relay:
     def take(self, event: Event) -> list[Event]:
         """What ``event`` from the channel gives the caller."""
         if (again := self.runtime._again(self.job, self.request, event)) is not None:
-            self.job, self.first, self.channel = again, event, self.runtime._core.submit(*again)
+            given_up, self.job, self.first = self.job.seq, again, event
+            self.channel = self.runtime._core.submit(*again, replaces=given_up)
             return []
         events = self.runtime._relayed(event, self.job, self.request, self.first)
         self.finished = any(isinstance(e, Finish) for e in events)
