@@ -161,24 +161,34 @@ def _cut(written: int, most: int | None) -> str:
 
 def _fitting(engine: Any, conversation: Conversation, options: dict[str, Any]) -> Iterator[Any] | None:
     """The answer's stream, once the conversation fits the context with room for the answer (oldest turns
-    dropped first)."""
+    dropped first); a question that gets no answer leaves the conversation as it was before it."""
+    before = conversation.turns[:-1]
     room = min(options.get("max_tokens") or engine.ctx // 4, engine.ctx // 2)
+    dropped = 0
     while _tokens(engine, conversation) + room > engine.ctx and conversation.drop_oldest():
-        _say("the conversation outgrew the context: dropped its oldest turn")
+        dropped += 1
     while True:
         try:
-            return engine.chat(messages=conversation.messages, stream=True, stream_options={"include_usage": True},
-                               **options)
+            stream = engine.chat(messages=conversation.messages, stream=True, stream_options={"include_usage": True},
+                                 **options)
         except ContextLengthError as err:
-            if not conversation.drop_oldest():
-                conversation.turns.pop()
-                _say(f"this question does not fit the context: {err.message}")
-                return None
-            _say("the conversation outgrew the context: dropped its oldest turn")
+            if conversation.drop_oldest():
+                dropped += 1
+                continue
+            refusal = f"this question does not fit the context: {err.message}"
         except MashboxError as err:  # refused (the template's rules, say): said, and the chat goes on
-            conversation.turns.pop()
-            _say(f"this question was refused: {err}")
-            return None
+            refusal = f"this question was refused: {err}"
+        else:
+            if dropped:
+                _say(f"the conversation outgrew the context: dropped its {_oldest(dropped)}")
+            return stream
+        conversation.turns[:] = before
+        _say(refusal)
+        return None
+
+
+def _oldest(turns: int) -> str:
+    return "oldest turn" if turns == 1 else f"{turns} oldest turns"
 
 
 def _tokens(engine: Any, conversation: Conversation) -> int:

@@ -84,6 +84,23 @@ def test_a_question_too_long_alone_is_said_and_the_chat_goes_on(tiny_engine, mon
     assert "mashbox: this question does not fit the context" in err and out.count(chat.SEPARATOR) == 2
 
 
+def test_a_question_that_gets_no_answer_leaves_the_conversation_as_it_was(tiny_engine, monkeypatch, capsys):
+    """Turns were dropped to make room before the question was found too long alone, or refused: the history
+    was lost for no answer."""
+    sent, chat_of = [], tiny_engine.chat
+    monkeypatch.setattr(tiny_engine, "chat", lambda **kw: sent.append([m["content"] for m in kw["messages"]])
+                        or chat_of(**kw))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n" + "word " * 2000 + "\nbye\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4, "temperature": 0}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "this question does not fit the context" in err and "dropped" not in err
+    assert sent[-1][0] == "hi" and sent[-1][2] == "bye" and len(sent[-1]) == 3, sent[-1]
+    sent.clear()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nthere\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4, "temperature": 9}, interactive=False) == 0
+    assert [len(m) for m in sent] == [1, 1], "a refused question leaves no turn behind"
+
+
 def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkeypatch, capsys):
     """A question the engine refuses (here a temperature the protocol does not take) does not end the
     chat; an answer that ran out of max_tokens is marked."""
