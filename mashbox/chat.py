@@ -6,7 +6,8 @@ answer being written (not the program), Ctrl-D or ``/exit`` quits, ``/reset`` st
 less than its room (``--max-tokens``, else a quarter of the context; at most half), its oldest turns are
 dropped, with a notice; an answer cut by ``--max-tokens`` says so, and a question the
 engine refuses is said and the chat goes on. A model's thinking is shown dimmed before its answer.
-Piped in, each line is one question; its answer (without the thinking) is followed by a separator line.
+A question of many lines (pasted code) goes between two ``\"\"\"``, as in Ollama's chat. Piped in, each line (or
+such a block) is one question; its answer (without the thinking) is followed by a separator line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 
 from mashbox.errors import ContextLengthError, MashboxError
 
-HELP = "/reset starts over, /system TEXT sets the system prompt, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
+HELP = ('/reset starts over, /system TEXT sets the system prompt, /help says this, /exit quits (or Ctrl-D); '
+        'Ctrl-C stops an answer; """ begins and ends a question of many lines')
+QUOTES = '"""'
 SEPARATOR = "---"
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # thinking's look, and back
 
@@ -73,19 +76,39 @@ def _tolerant_streams() -> None:
 
 
 def _lines(interactive: bool) -> Iterator[str]:
+    """The questions: a line each, or the lines between two QUOTES as one (pasted code, say)."""
+    block: list[str] | None = None  # the lines of a question begun with QUOTES, until a line ends with them
     while True:
         try:
-            line = input("> " if interactive else "")
+            line = input(("... " if block is not None else "> ") if interactive else "")
         except EOFError:
             if interactive:
                 print()  # the prompt's line ends cleanly
+            if block is not None and (question := _joined(block)):
+                yield question  # a block left open at the end is still a question
             return
-        except KeyboardInterrupt:  # at the prompt: a new prompt, as in a shell
+        except KeyboardInterrupt:  # at the prompt: a new prompt, as in a shell (a block begun is dropped)
             print()
+            block = None
             continue
         text = _decoded(line.encode("utf-8", "surrogateescape"))  # UTF-8 bytes read in a narrower encoding
-        if text.strip():
-            yield text.strip()
+        if block is None and text.lstrip().startswith(QUOTES):
+            block, text = [], text.lstrip()[len(QUOTES):]
+        if block is None:
+            if text.strip():
+                yield text.strip()
+            continue
+        ends = text.rstrip().endswith(QUOTES)
+        block.append(text.rstrip()[: -len(QUOTES)] if ends else text)
+        if ends:
+            question, block = _joined(block), None
+            if question:
+                yield question
+
+
+def _joined(lines: list[str]) -> str:
+    """A block's question: its lines, their indents kept, without blank lines around them ("" if all are)."""
+    return "\n".join(line.rstrip() for line in lines).strip("\n")
 
 
 def _decoded(data: bytes) -> str:
@@ -111,6 +134,8 @@ def _command(line: str, conversation: Conversation) -> str | None:
     elif name == "/system":
         conversation.system = rest.strip() or None
         _say("system prompt set" if conversation.system else "system prompt removed")
+    elif name == "/help":
+        _say(HELP)
     else:
         _say(f"unknown command {name}: {HELP}")
     return None

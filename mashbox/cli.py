@@ -12,6 +12,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from mashbox.chat import HELP
 from mashbox.engine.config import MOST_CACHE_GIB
 from mashbox.engine.load.catalog import catalog, looks_like_path
 from mashbox.errors import ConfigError, MashboxError
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mashbox {version('mashbox')}")
     commands = parser.add_subparsers(dest="command", parser_class=Parser)
     chat = commands.add_parser("chat", help="chat with a model in the terminal (the default command: "
-                               "`mashbox [MODEL] [flags]` is `mashbox chat ...`)")
+                               "`mashbox [MODEL] [flags]` is `mashbox chat ...`)",
+                               description=textwrap.fill(f"Chat with a model in the terminal. In the chat: {HELP}. "
+                                                         "Piped in, each line (or block) gets one answer.", 78))
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                       help="catalog id, HF model directory or .gguf file (default: %(default)s)")
     chat.add_argument("--ctx", type=int, default=None, help="context length per slot (default: the model's)")

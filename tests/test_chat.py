@@ -101,6 +101,19 @@ def test_a_question_that_gets_no_answer_leaves_the_conversation_as_it_was(tiny_e
     assert [len(m) for m in sent] == [1, 1], "a refused question leaves no turn behind"
 
 
+def test_lines_between_triple_quotes_are_one_question(tiny_engine, monkeypatch, capsys):
+    """Pasted code was a question a line (Ollama's chat takes a block between \"\"\" too); /help is a command."""
+    sent, chat_of = [], tiny_engine.chat
+    monkeypatch.setattr(tiny_engine, "chat", lambda **kw: sent.append(kw["messages"][-1]["content"]) or chat_of(**kw))
+    lines = ['"""', "Fix this:", "", "def f(x):", "    return x+  ", '"""', "/help", "hi", '  """one"""',
+             '"""  two', "lines", 'x"""', '"""', "   ", '"""', '"""', "  left open"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 2, "temperature": 0}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert sent == ["Fix this:\n\ndef f(x):\n    return x+", "hi", "one", "  two\nlines\nx", "  left open"]
+    assert out.count(chat.SEPARATOR + "\n") == 5 and f"mashbox: {chat.HELP}" in err and "unknown" not in err
+
+
 def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkeypatch, capsys):
     """A question the engine refuses (here a temperature the protocol does not take) does not end the
     chat; an answer that ran out of max_tokens is marked."""
