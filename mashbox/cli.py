@@ -16,6 +16,7 @@ from mashbox.chat import HELP
 from mashbox.engine.config import MOST_CACHE_GIB
 from mashbox.engine.load.catalog import catalog, looks_like_path
 from mashbox.errors import ConfigError, MashboxError
+from mashbox.server.settings import HANG_S
 
 if TYPE_CHECKING:
     from mashbox.server.launch import Launch
@@ -164,6 +165,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--allow-long-context", action="store_true",
                      help="let --ctx exceed the context the model was trained on, where answers degrade "
                           "(default: off: such a --ctx is refused)")
+    run.add_argument("--hang-timeout", type=_seconds, default=HANG_S, metavar="SECONDS",
+                     help="a worker that says nothing this long while it has requests to answer (stopped, or "
+                          "deadlocked; it reports after every step) is killed and started again, and requests whose "
+                          "clients have received nothing are sent again; 0 = never (default: %(default)s)")
     run.add_argument("--in-process", action="store_true",
                      help="run the engine in the server process instead of a worker process that is "
                           "started again if it dies (default: off)")
@@ -301,6 +306,16 @@ def _hours(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more (got {text!r})")
+    return value
+
+
 def _folder(name: str, path: Path) -> None:
     """Make ``path`` a folder this process can write in, or raise ValueError naming ``name``."""
     try:
@@ -371,7 +386,7 @@ def _settings(args: argparse.Namespace):
                     allow_origins=tuple(o.strip().rstrip("/") for o in origins if o.strip()),
                     cache_ram_mib=args.cache_ram, max_waiting=args.max_waiting,
                     max_waiting_per_tenant=args.max_waiting_per_tenant, tasks_db=args.tasks_db, tasks_ttl_s=args.tasks_ttl * 3600,
-                    sampling=args.sampling)
+                    sampling=args.sampling, hang_s=args.hang_timeout)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:

@@ -19,7 +19,8 @@ from mashbox.server import task_store
 
 FLAGS = ("--host", "--port", "--ctx", "--slots", "--cache-ram", "--cache-disk", "--cache-dir", "--api-key-file", "--ui",
          "--allow-origin", "--tasks-db", "--tasks-ttl", "--allow-long-context", "--in-process", "--kv-dtype",
-         "--verbatim-template", "--free-calls", "--sampling", "--max-waiting", "--max-waiting-per-tenant")
+         "--verbatim-template", "--free-calls", "--sampling", "--max-waiting", "--max-waiting-per-tenant",
+         "--hang-timeout")
 
 
 def free_port():
@@ -298,6 +299,7 @@ def _worker_pid_if_loading(port):
     (["--slots", "abc"], "mashbox run: argument --slots: invalid int value: 'abc' (see mashbox run --help)"),
     (["--sampling", "top_p=2"], "mashbox run: argument --sampling: top_p: must be in (0, 1]"),
     (["--tasks-ttl", "inf"], "mashbox run: argument --tasks-ttl: must be a number of hours, more than 0"),
+    (["--hang-timeout", "-1"], "mashbox run: argument --hang-timeout: must be a number of seconds, 0 or more"),
     (["--allow-origin", "notanorigin"], "mashbox: allow_origin: 'notanorigin' is no origin"),
     (["--allow-origin", "http://localhost:3000/app"], "mashbox: allow_origin: 'http://localhost:3000/app' is no origin"),
 ])

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -221,6 +222,48 @@ def test_request_in_flight_when_the_worker_dies_is_answered_over_http(worker, ti
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == expected
     assert worker.worker_pid != old_pid and worker.state == "ready"
+
+
+def test_a_worker_silent_with_requests_to_answer_is_killed_and_started_again(tiny_model_dir, tiny_engine):
+    """A stopped or deadlocked worker (its process alive) was never found out: /health said ready, and every
+    request waited for the hour's timeout. Silent for ``hang_s`` with requests to answer, it is killed: its
+    streams end in an error, a request whose client had nothing is answered by the new worker; an idle worker,
+    silent as long, is not touched."""
+    from server import serve
+
+    from mashbox.server.settings import Settings
+
+    body = {"messages": [{"role": "user", "content": "Am I answered?"}], "max_tokens": 24}
+    expected = tiny_engine.chat(body).choices[0].message.content
+    backend = WorkerBackend(str(tiny_model_dir), {"ctx": 512, "slots": 4, "quiet": True}, hang_s=2.0)
+    try:
+        assert backend.wait(60) == "ready", backend.error
+        first = backend.worker_pid
+        time.sleep(2.5)  # idle: nothing to say; then a second of silence on a request is no hang
+        os.kill(first, signal.SIGSTOP)
+        threading.Timer(1.0, os.kill, (first, signal.SIGCONT)).start()
+        assert asyncio.run(collect(backend.astream(chat("Hi.", max_tokens=4))))[-1].reason == "length"
+        assert backend.worker_restarts == 0 and backend.worker_pid == first
+
+        async def stopped_mid_stream():
+            streamed = backend.astream(chat("Tell me everything.", max_tokens=400))
+            await anext(streamed)
+            os.kill(first, signal.SIGSTOP)
+            return await asyncio.wait_for(collect(streamed), 30)
+
+        began = time.monotonic()
+        rest = asyncio.run(stopped_mid_stream())
+        assert isinstance(rest[-1], Finish) and rest[-1].error == "worker restarted" and time.monotonic() - began > 2
+        assert backend.worker_restarts == 1 and backend.worker_pid != first
+        assert backend.wait(60) == "ready", backend.error
+        for url in serve(backend, Settings()):
+            second = backend.worker_pid
+            os.kill(second, signal.SIGSTOP)  # stopped before the request: its client gets nothing until it is killed
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == expected
+        assert backend.worker_restarts == 2 and backend.worker_pid not in (first, second)
+    finally:
+        backend.close()
 
 
 def test_metrics_count_an_answer_before_its_client_has_it(worker):

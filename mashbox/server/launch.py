@@ -221,7 +221,7 @@ def _backend(launch: Launch) -> Backend:
     if not launch.in_process:
         # the HTTP layer re-sends a request lost before its client got output (once), so the
         # backend does not retry too
-        return WorkerBackend(launch.model, launch.engine_options)
+        return WorkerBackend(launch.model, launch.engine_options, hang_s=launch.settings.hang_s)
     from mashbox.facade import Engine  # torch loads in this process only with --in-process
 
     return InProcessBackend(served_id(launch.model), lambda: Engine(launch.model, **launch.engine_options))

@@ -43,6 +43,9 @@ class KeyRing(Mapping[str, str]):
         return len(self._keys)
 
 
+HANG_S = 120.0  # a worker silent this long with requests to answer is hung (a step of a 7B model on 2 cores: ~20 s)
+
+
 @dataclass(slots=True, frozen=True)
 class Settings:
     """How the server answers. ``api_keys`` maps each key to its tenant; ``key_file`` is where
@@ -63,6 +66,7 @@ class Settings:
     tasks_db: str | None = None  # the agent tasks' SQLite file (default: tasks.sqlite3 in the mashbox cache)
     tasks_ttl_s: float = 24 * 3600  # a task untouched this long expires (unfinished) or is deleted (finished)
     sampling: Mapping[str, float] = field(default_factory=dict)  # what a request that leaves a field out gets
+    hang_s: float = HANG_S  # a worker's silence with requests to answer that has it killed and started again; 0: never
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host", self.host.strip().removeprefix("[").removesuffix("]"))  # [::1] as in a URL
@@ -78,6 +82,8 @@ class Settings:
         for origin in self.allow_origins:
             if origin != "*" and not ORIGIN.fullmatch(origin):
                 raise ValueError(f"allow_origin: {origin!r} is no origin: give scheme://host[:port], or * for any")
+        if not 0 <= self.hang_s < math.inf:
+            raise ValueError(f"hang_timeout: must be 0 (never) or a number of seconds (got {self.hang_s})")
         if not 0 < self.port < 65536:
             raise ValueError(f"port: must be between 1 and 65535 (got {self.port})")
 

@@ -11,6 +11,10 @@ ends). Every stream it was answering ends with ``Finish(reason="error")``: the
 HTTP layer re-sends, once, a request whose client has received nothing (commands
 sent meanwhile wait for the new worker). A token count, which nothing above
 re-sends, is sent again once.
+
+A worker that says nothing for ``hang_s`` while it has requests to answer is taken
+as hung (a deadlock, a stopped process: it sends the engine's stats after every
+step, and each step's events) and killed, so that it is started again as above.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -36,6 +41,7 @@ from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
 from mashbox.errors import EngineClosedError
 from mashbox.server.backend import Change, State
+from mashbox.server.settings import HANG_S
 from mashbox.server.worker_child import serve
 from mashbox.server.worker_messages import (
     Abort,
@@ -90,11 +96,14 @@ class Pending:
 class WorkerBackend:
     """A ``Backend`` whose ``Engine(model, **engine_options)`` runs in a child process."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any], *, stop_timeout: float = 10.0) -> None:
+    def __init__(self, model: str, engine_options: dict[str, Any], *, stop_timeout: float = 10.0,
+                 hang_s: float = HANG_S) -> None:
         self._model = model
         self._served = served_id(model)  # its id before it loads
         self._options = dict(engine_options)
         self._stop_timeout = stop_timeout
+        self._hang_s = hang_s  # 0: never taken as hung
+        self._heard = time.monotonic()  # the worker's last reply, or the first request it was sent while it had none
         self.changes: queue.SimpleQueue[Change] = queue.SimpleQueue()
         self._spawn = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
@@ -113,6 +122,8 @@ class WorkerBackend:
         self._lost: EngineStats | None = None  # the totals of the workers before this one
         with self._lock:
             self._worker = self._start()
+        if hang_s:
+            threading.Thread(target=self._watch, name="mashbox-worker-watch", daemon=True).start()
 
     # -- the Backend protocol ----------------------------------------------
 
@@ -210,6 +221,8 @@ class WorkerBackend:
         with self._lock:
             if self._closed or self._state == "failed":  # no worker will answer: 503, as while loading
                 raise EngineClosedError(self._error or "the server is shutting down")
+            if not self._pending:  # an idle worker says nothing: its silence counts from here
+                self._heard = time.monotonic()
             pending = self._pending[command.request_id] = Pending(command)
             self._worker.outbox.put(command)
         return pending
@@ -289,6 +302,7 @@ class WorkerBackend:
         self._exited(worker)
 
     def _dispatch(self, worker: Incarnation, reply: Reply) -> None:
+        self._heard = time.monotonic()
         match reply:
             case Ready(info, threads):
                 self._ready(worker, info, threads)
@@ -347,6 +361,21 @@ class WorkerBackend:
                 self._lose_all("worker restarted", final=False)
             self._changed.notify_all()
             self._announce()
+
+    def _watch(self) -> None:
+        """Kill a ready worker that has said nothing for ``hang_s`` with requests to answer (its reader then
+        sees it gone, and a new one starts); checked ten times in that span."""
+        while not self._closed:
+            time.sleep(self._hang_s / 10)
+            with self._lock:
+                worker, silent = self._worker, time.monotonic() - self._heard
+                hung = worker.ready and self._pending and silent > self._hang_s and not self._closed
+            if hung and worker.process.is_alive():
+                log.error("worker %s has said nothing for %.0f s with %d requests to answer: taken as hung (stopped, "
+                          "or deadlocked), killed and started again (--hang-timeout)", worker.process.pid, silent,
+                          len(self._pending))
+                worker.process.kill()
+                self._heard = time.monotonic()  # said once; the new worker's silence counts anew
 
     def _announce(self) -> None:
         """Queue the state as it is now (lock held): every change reaches the terminal."""
