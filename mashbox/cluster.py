@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import http.client
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -398,6 +400,26 @@ def check(host: str, port: int, first: int, count: int, run_args: Sequence[str])
     taken = {"--port", "--host", "--tasks-db"} & {arg.partition("=")[0] for arg in run_args}
     if taken:
         raise ValueError(f"run_args: {', '.join(sorted(taken))} is set by the cluster, not per replica")
+    if _in_use(host, port):  # else HAProxy fails seconds later, after every replica has started
+        raise ValueError(f"port: {port} is in use on {host} (stop what listens there, or pick another --port)")
+    for member in replicas(count, first):  # else that replica's own refusal names its --port, which is not to set
+        if _in_use("127.0.0.1", member.port):
+            raise ValueError(f"first_port: replica {member.name}'s port {member.port} is in use (stop what listens "
+                             "there, or give the replicas other ports with --first-port)")
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``host``:``port`` (a bind as the servers make it fails: with SO_REUSEADDR,
+    so a closed connection's TIME_WAIT is no use)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
 
 
 def replica_args(run_args: list[str], member: Replica) -> list[str]:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -610,6 +611,25 @@ def test_bad_cluster_flags_are_one_line_and_exit_2(flags, words):
                              capture_output=True, text=True, timeout=60)
     assert process.returncode == 2, process.stderr
     assert words in process.stderr and "Traceback" not in process.stderr
+
+
+@pytest.mark.parametrize("held", ["balancer", "replica"])
+def test_a_port_in_use_is_one_line_and_exit_2_before_anything_starts(held):
+    """HAProxy's port taken stopped the cluster seconds later, after every replica had started (exit 1); a replica's
+    told the user to pick another --port, which the cluster refuses after --."""
+    port, first = free_port(), free_port()
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port if held == "balancer" else first + 1))
+        holder.listen()
+        began = time.monotonic()
+        process = subprocess.run([sys.executable, "-m", "mashbox", "cluster", "--port", str(port), "--first-port",
+                                  str(first), "--replicas", "2"], capture_output=True, text=True, timeout=60)
+    words = (f"port: {port} is in use on 127.0.0.1" if held == "balancer"
+             else f"first_port: replica r2's port {first + 1} is in use")
+    assert process.returncode == 2 and words in process.stderr and len(process.stderr.splitlines()) == 1, process.stderr
+    assert "--first-port" in process.stderr or held == "balancer"
+    assert time.monotonic() - began < 20, "refused before any replica started"
 
 
 def test_stopping_the_cluster_ends_its_streams_with_the_error_event(cluster):
