@@ -14,6 +14,7 @@ const TAB = uid(); // this tab, as the writer of the answers it asks for
 // An answer being written is saved this often (other tabs show it, and hold their composer); one that its tab has
 // not saved for this long was left by a tab that was closed or killed mid-answer, and is stopped.
 const ANSWER_MS = { saved: 2000, stale: 10000 };
+const TOUCH = matchMedia("(pointer: coarse)"); // a phone's or tablet's screen, whose keyboard has no Shift+Enter
 const PANELS = { settings: ["settings", "settings-toggle", "system"], sidebar: ["sidebar", "menu", "new-chat"] };
 
 // -- small helpers ------------------------------------------------------------------------------
@@ -511,6 +512,7 @@ class ChatPage {
       if (event.key !== STORE.chats && event.key !== STORE.removed) return;
       const shown = this.chat;
       this.merge(load(STORE.chats, []));
+      if (this.running && !this.chats.includes(this.answering)) this.running.abort(); // deleted there: it stops
       if (this.running) this.renderList();
       else if (this.chat.messages.length && !this.chats.includes(this.chat)) this.open(this.chats[0] ?? this.fresh());
       else if (this.chat !== shown) this.render(); // this conversation went on in the other tab
@@ -716,7 +718,9 @@ class ChatPage {
 
   request(chat) {
     const s = this.settings;
-    const turns = chat.messages.filter((m) => m.role === "user" || m.content)
+    const messages = chat.messages; // a question that got no answer (refused, failed, stopped at once) is left out
+    const answered = (m, i) => m.role !== "user" || i === messages.length - 1 || messages[i + 1].content;
+    const turns = messages.filter((m, i) => m.content && answered(m, i))
       .map((m) => ({ role: m.role, content: m.content }));
     const body = {
       messages: s.system?.trim() ? [{ role: "system", content: s.system }, ...turns] : turns,
@@ -909,8 +913,8 @@ function titled(text) { // a chat's title: its first words, cut between characte
   return [...text.trim()].slice(0, 60).join("");
 }
 
-function enterSends(event, send) {
-  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+function enterSends(event, send) { // on a touch screen (no Shift) Enter starts a new line: the button sends
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing && !TOUCH.matches) {
     event.preventDefault();
     send();
   }
