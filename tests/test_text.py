@@ -82,6 +82,14 @@ def test_long_stop_strings_cost_a_token_its_characters_not_the_held_text_squared
     # per '#' held (thousands by the last token)
 
 
+def test_release_gives_up_the_held_tail_and_follows_the_stops_afresh():
+    """A call began after a partial match: the held text is the call's, and no match spans the call."""
+    matcher = StopMatcher(("ab",))
+    assert matcher.push("xa") == "x" and matcher.release() == "a" and matcher.held == ""
+    assert matcher.push("b") == "b" and matcher.matched is None
+    assert matcher.push("ab") == "" and matcher.matched == "ab"
+
+
 def test_no_stops_passes_text_through():
     assert run_stop([], ["a", "b"]) == ("ab", None)
 

@@ -537,6 +537,34 @@ def test_an_answer_that_opens_with_a_call_to_a_tool_the_request_lacks_is_written
         assert choice.finish_reason == "stop" and choice.message.content == invented
 
 
+def test_stop_strings_end_the_text_and_never_a_call_inside_its_tags(tiny_model_dir, smol_tokenizer):
+    """A stop string met inside a call's arguments ("}", a word of them) ended the answer mid-call, and the cut
+    call was dropped: stops are read in the text only. The text still ends before one; one held back as the call
+    begins is given to the call, and none matches across a call."""
+    tok = smol_tokenizer
+    with Engine(str(tiny_model_dir), ctx=512, slots=2, speculation=False, quiet=True) as engine:
+        def answer(written: str, stop: list[str]):
+            script = MaskedScriptRunner([*tok.encode(written, add_special_tokens=False), tok.eos_token_id], len(tok))
+            core = engine._core
+            core.runner = Overruled(runner := core.runner, script)
+            try:
+                return engine.chat(messages=ASK, tools=[WEATHER, TIME], stop=stop, max_tokens=80).choices[0]
+            finally:
+                core.runner = runner
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+        for stop in (["}"], ["Paris"], ['"days"'], ["\n"], ["\n{"]):
+            choice = answer(f"Let me look.{call}", stop)
+            assert choice.finish_reason == "tool_calls", (stop, choice)
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+                ("get_weather", {"city": "Paris", "days": 2})], stop
+            assert choice.message.content == "Let me look.", stop
+        choice = answer(f"It is sunny in Paris. {call}", ["Paris"])
+        assert choice.finish_reason == "stop" and choice.message.content == "It is sunny in "
+        assert not choice.message.tool_calls
+        choice = answer(f"Look{call}ed up.", ["Looked"])  # not across the call
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Looked up."
+
+
 CHATML_CALLS = ("{% for m in messages %}{% if m.role != 'system' or loop.first or late %}<|im_start|>{{ m['role'] }}\n"
                 "{{ m['content'] }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
                 "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"

@@ -48,7 +48,7 @@ class ThinkBudget:
 class Stream:
     """One request's way out: its text state machines and its channel.
 
-    Tokens pass the detokenizer, then stop strings, then the markup machine
+    Tokens pass the detokenizer, then stop strings (not inside a call's tags), then the markup machine
     (reasoning and tool calls), and leave as events, held in the channel until
     the engine wakes the readers of all of a step's streams at once. In auto mode the
     guard then constrains the rest of a call that the markup sees begun.
@@ -70,7 +70,7 @@ class Stream:
     def push(self, token: int) -> None:
         thinking = self.markup.state == "think"
         self.pushed += 1
-        self._put(self.markup.push(self.stop.push(self.detok.push(token))))
+        self._put(self._marked(self.detok.push(token)))
         if self.guard is not None:  # the answer up to this token (a step may have appended more)
             self.seq.constraint = self.guard.follow(self.markup.open_call(), self.seq.output_ids[: self.pushed])
         self.reasoning_tokens += thinking or self.markup.state == "think"
@@ -78,6 +78,16 @@ class Stream:
         budget = self.budget  # spent with thinking still open after this token (which may have closed it)
         if budget and self.markup.state == "think" and self.thought >= budget.tokens and not self.seq.forced:
             self.seq.forced.extend(budget.close_ids(self.markup.held))  # held: what of </think> came (</)
+
+    def _marked(self, text: str) -> list[Event]:
+        """``text`` through the stop strings, then the markup; a call's text (inside its tags) is no text, so no
+        stop string applies to it (a stop such as "}" ended answers mid-call, and the call was dropped)."""
+        if self.markup.state == "call":
+            return self.markup.push(text)
+        events = self.markup.push(self.stop.push(text))
+        if self.markup.state == "call":  # a call began: what the stops held back after its tag is the call's
+            events += self.markup.push(self.stop.release())
+        return events
 
     @property
     def ended(self) -> bool:
@@ -87,7 +97,8 @@ class Stream:
 
     def finish(self, error: str | None = None) -> None:
         if self.stop.matched is None:
-            self._put(self.markup.push(self.stop.push(self.detok.flush()) + self.stop.flush()))
+            self._put(self._marked(self.detok.flush()))
+            self._put(self.markup.push(self.stop.flush()))
         self._put(self.markup.flush())
         seq = self.seq
         reason = seq.finish_reason or "error"

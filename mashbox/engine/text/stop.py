@@ -45,6 +45,12 @@ class StopMatcher:
         self._depths[i] = depth
         return None
 
+    def release(self) -> str:
+        """The held-back tail, given up as no longer text (a call began in it); stops are followed afresh after."""
+        out, self.held = self.held, ""
+        self._depths = [0] * len(self.stops)
+        return out
+
     def flush(self) -> str:
         """The held-back tail, when the stream ends without a match."""
         out, self.held = self.held, ""
