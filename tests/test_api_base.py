@@ -12,6 +12,8 @@ from mashbox.api.base import OutModel, RequestModel, engine_request, parse, plai
 from mashbox.api.blocks import BlockTracker
 from mashbox.api.openai_chat import ChatRequest
 from mashbox.api.openai_completions import CompletionRequest
+from mashbox.api.openai_responses import ResponsesRequest
+from mashbox.api.task_items import CreateTask
 from mashbox.engine.events import (
     Finish,
     ReasoningDelta,
@@ -62,19 +64,35 @@ def test_an_object_field_of_another_type_is_named_without_a_class_name(field, va
     assert err.value.param == field and err.value.message == f"Input should be a JSON object, not {said}"
 
 
+@pytest.mark.parametrize(("request_class", "body", "param", "said"), [
+    (ChatRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "a string or an array, not a number"),
+    (ChatRequest, {"messages": USER, "stop": {"a": 1}}, "stop", "a string or an array, not a JSON object"),
+    (ResponsesRequest, {"input": None}, "input", "a string or an array, not null"),
+    (CreateTask, {"stream": False, "user_message_content": [5]}, "user_message_content.0",
+     "a string or a JSON object, not a number")])
+def test_a_value_no_branch_of_a_union_takes_is_told_every_branch(request_class, body, param, said):
+    """pydantic's first branch spoke alone: "Input should be a valid string" for a field that takes an array too."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse(request_class, body)
+    assert err.value.param == param and err.value.message == f"Input should be {said}"
+
+
 def test_ignored_fields_lists_extras_and_accepted_ignored_fields():
     request = parse(ChatRequest, {"messages": USER, "store": False, "merge": True, "user": "u", "zeta": 1})
     assert request.ignored_fields() == ["merge", "store", "user", "zeta"]
 
 
-@pytest.mark.parametrize("request_class, body", [(ChatRequest, {"messages": USER}), (CompletionRequest, {"prompt": "a"})])
+@pytest.mark.parametrize("request_class, body",
+                         [(ChatRequest, {"messages": USER}), (CompletionRequest, {"prompt": "a"})])
 def test_stream_options_not_read_are_reported(request_class, body):
     """Unstreamed, the options are not read (OpenAI: a 400); streamed, a key they do not know is not either."""
     options = {"include_usage": True, "include_obfuscation": False}
     assert parse(request_class, {**body, "stream_options": options}).ignored_fields() == ["stream_options"]
     streamed = parse(request_class, {**body, "stream": True, "stream_options": options})
     assert streamed.ignored_fields() == ["stream_options.include_obfuscation"]
-    assert parse(request_class, {**body, "stream": True, "stream_options": {"include_usage": True}}).ignored_fields() == []
+    asked = parse(request_class, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert asked.ignored_fields() == []
 
 
 def test_ignored_fields_skips_nested_extras():

@@ -341,6 +341,8 @@ ERRORS_READ = 64  # of a body's validation errors, the most read for the one nam
 
 
 OBJECT_TYPES = frozenset({"model_type", "dict_type", "model_attributes_type"})  # pydantic's "not an object"
+KINDS = {"string_type": "a string", "list_type": "an array", "int_type": "an integer", "float_type": "a number",
+         "bool_type": "a boolean", **dict.fromkeys(OBJECT_TYPES, "a JSON object")}  # what a type error asked for
 
 
 def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
@@ -353,7 +355,10 @@ def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
         return InvalidRequestError(".".join([*path, cause.param] if cause.param else path), cause.message,
                                    code=cause.code)
     message = err["msg"].removeprefix("Value error, ")
-    if err["type"] in OBJECT_TYPES:  # pydantic's words name its class ("... or instance of TemplateKwargs")
+    kinds = list(dict.fromkeys(KINDS[e["type"]] for e, p in zip(errors, paths) if p == path and e["type"] in KINDS))
+    if len(kinds) > 1:  # a union's branches, each of another type: all of them, not the first one's words
+        message = f"Input should be {' or '.join(kinds)}, not {_json_type(err['input'])}"
+    elif err["type"] in OBJECT_TYPES:  # pydantic's words name its class ("... or instance of TemplateKwargs")
         message = f"Input should be a JSON object, not {_json_type(err['input'])}"
     elif err["type"] == "union_tag_invalid":
         message = f"unknown type {err['ctx']['tag']!r}; expected one of {err['ctx']['expected_tags']}"
@@ -363,7 +368,8 @@ def _invalid(exc: ValidationError, data: Any) -> InvalidRequestError:
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+             dict: "a JSON object"}
     return names.get(type(value), type(value).__name__)
 
 
