@@ -266,6 +266,45 @@ def test_a_worker_silent_with_requests_to_answer_is_killed_and_started_again(tin
         backend.close()
 
 
+def test_a_worker_stopped_with_its_server_is_not_taken_as_hung(tiny_model_dir, monkeypatch):
+    """Ctrl-Z stops the server and its worker, fg goes on: the watch, stopped too, woke to a silence as long as
+    the stop and killed a worker that was fine. A check that comes late starts the worker's span anew."""
+    from mashbox.server import worker as module
+
+    stopped, real = threading.Event(), time.sleep
+
+    class Clock:  # the watch's clock: its sleep waits out the server's stop
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            real(seconds)
+            while stopped.is_set():
+                real(0.01)
+
+    monkeypatch.setattr(module, "time", Clock)
+    backend = WorkerBackend(str(tiny_model_dir), {"ctx": 512, "slots": 4, "quiet": True}, hang_s=2.0)
+    try:
+        assert backend.wait(60) == "ready", backend.error
+        pid = backend.worker_pid
+
+        async def stopped_and_resumed():
+            streamed = backend.astream(chat("Tell me everything.", max_tokens=200))
+            await anext(streamed)
+            stopped.set()
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(3)
+            stopped.clear()  # the watch goes on first, its worker still stopped for a moment
+            await asyncio.sleep(0.1)
+            os.kill(pid, signal.SIGCONT)
+            return await asyncio.wait_for(collect(streamed), 60)
+
+        rest = asyncio.run(stopped_and_resumed())
+        assert rest[-1].reason == "length" and backend.worker_restarts == 0 and backend.worker_pid == pid
+    finally:
+        backend.close()
+
+
 def test_metrics_count_an_answer_before_its_client_has_it(worker):
     """A scrape straight after a non-streamed answer returns already counts its prompt tokens and
     its prefix-cache hits (the worker sends its figures before the request's last event)."""

@@ -82,6 +82,7 @@ class Incarnation:
     outbox: queue.SimpleQueue[Command | None] = field(default_factory=queue.SimpleQueue)
     ready: bool = False
     failed: str | None = None
+    hung: bool = False  # killed by the backend for saying nothing while it had requests to answer
 
 
 @dataclass(slots=True, eq=False)
@@ -353,7 +354,8 @@ class WorkerBackend:
                 self._state = "failed"
                 self._lose_all(self._error, final=True)
             else:
-                log.warning("worker %s %s; starting it again", worker.process.pid, _exit(worker.process.exitcode))
+                how = "was killed as hung" if worker.hung else _exit(worker.process.exitcode)
+                log.warning("worker %s %s; starting it again", worker.process.pid, how)
                 self._reloads += again
                 self._restarts += 1
                 self._lost, self._stats = self.stats() or self._lost, None
@@ -364,16 +366,22 @@ class WorkerBackend:
 
     def _watch(self) -> None:
         """Kill a ready worker that has said nothing for ``hang_s`` with requests to answer (its reader then
-        sees it gone, and a new one starts); checked ten times in that span."""
+        sees it gone, and a new one starts); checked ten times in that span. A check that comes late (the
+        server stopped too: Ctrl-Z, then fg) starts the worker's span anew: it was stopped with it."""
+        every = self._hang_s / 10
         while not self._closed:
-            time.sleep(self._hang_s / 10)
+            slept = time.monotonic()
+            time.sleep(every)
             with self._lock:
+                if time.monotonic() - slept > 2 * every + 1.0:
+                    self._heard = time.monotonic()
                 worker, silent = self._worker, time.monotonic() - self._heard
                 hung = worker.ready and self._pending and silent > self._hang_s and not self._closed
             if hung and worker.process.is_alive():
                 log.error("worker %s has said nothing for %.0f s with %d requests to answer: taken as hung (stopped, "
                           "or deadlocked), killed and started again (--hang-timeout)", worker.process.pid, silent,
                           len(self._pending))
+                worker.hung = True
                 worker.process.kill()
                 self._heard = time.monotonic()  # said once; the new worker's silence counts anew
 
