@@ -528,6 +528,8 @@ def test_empty_prompt_is_refused_naming_the_field(tiny_engine):
     ({"cache_disk_gib": True}, "cache_disk_gib: must be a number"),
     ({"cache_disk_gib": 1e300}, "cache_disk_gib: must be a number from 0 to"),  # an OverflowError at load
     ({"cache_ram_mib": 10**20}, "cache_ram_mib: must be from 0 to"),
+    ({"max_tokens": 5}, "max_tokens: is a request's field, not an Engine option: give it to each call"),  # not
+    # "did you mean `step_tokens`?"
 ])
 def test_every_bad_engine_setting_is_a_config_error_naming_it(setting, words):
     """``except MashboxError`` catches them all (they were ValueError, TypeError or torch's RuntimeError)."""

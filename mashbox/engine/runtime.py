@@ -32,7 +32,7 @@ from mashbox.engine.model.memory import check_fits, kv_bytes_per_token, room
 from mashbox.engine.model.packed import Packer
 from mashbox.engine.model.runner import ModelRunner
 from mashbox.engine.model.weights import Weights
-from mashbox.engine.request import EngineRequest, Message
+from mashbox.engine.request import EngineRequest, Message, SamplingParams
 from mashbox.engine.sched.disk_cache import PageStore
 from mashbox.engine.sched.draft import Drafts
 from mashbox.engine.sched.scheduler import Scheduler
@@ -403,6 +403,7 @@ def _release(core: EngineCore) -> None:
     core.runner = None  # type: ignore[assignment]
 
 
+REQUEST_FIELDS = frozenset(f.name for f in fields(SamplingParams)) | {"max_completion_tokens", "tools", "messages"}
 PREDICTED_CHARS = 16  # characters of a prediction read per token the answer may have: its tokens hold fewer
 COUNTED_CHARS = 1 << 21  # a prompt too long for the context is counted up to about this many characters (a
 # tenth of a second or so); a longer one is refused from its lower bound
@@ -417,6 +418,9 @@ def _configured(model: Any, config: Any, options: dict[str, Any]) -> EngineConfi
         raise ConfigError(f"model: must be a catalog id or a path (got {model!r})")
     known = [f.name for f in fields(EngineConfig)]
     for name in options:
+        if name in REQUEST_FIELDS:  # "did you mean `step_tokens`?" misled where a request's field was meant
+            raise ConfigError(f"{name}: is a request's field, not an Engine option: give it to each call, e.g. "
+                              f"engine.chat(messages=..., {name}=...)")
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}"
