@@ -565,6 +565,46 @@ def test_stop_strings_end_the_text_and_never_a_call_inside_its_tags(tiny_model_d
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Looked up."
 
 
+@pytest.mark.parametrize("stop", ["\n", "}", "Paris", '"days"'])
+@pytest.mark.parametrize("chunks", [
+    ["Sure.", "<tool_call", ">\n", '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}',
+     "\n</tool_call>"],
+    ["{", '"name": "get_weather", "arguments": {"city": "Paris",', ' "days": 2}}']],
+    ids=["a token that ends the tag and begins the call", "a call without tags"])
+def test_no_stop_string_cuts_a_call_however_its_text_comes(chunks, stop):
+    """qwen2.5-coder writes a forced call's tag with a token `>\n`, and its calls in auto mode without tags:
+    the stop "\n" cut the first before the markup saw the tag, and every stop met in the second cut it."""
+    from mashbox.engine.core import Stream
+    from mashbox.engine.request import SamplingParams
+    from mashbox.engine.sched.sequence import Sequence
+    from mashbox.engine.text.stop import StopMatcher
+
+    class Chunks:  # a detokenizer that gives these texts, one a token
+        def __init__(self) -> None:
+            self.left = iter(chunks)
+
+        def push(self, token: int) -> str:
+            return next(self.left)
+
+        def flush(self) -> str:
+            return ""
+
+    class Held(list):  # the stream's channel: what it holds
+        hold = list.append
+
+    seq = Sequence("s", [1], SamplingParams(stop=(stop,)), 64)
+    events = Held()
+    stream = Stream(seq, Chunks(), StopMatcher((stop,)), Markup(names=frozenset({"get_weather"})), channel=events)
+    for token in range(len(chunks)):
+        stream.push(token)
+        assert not stream.ended, (stop, token)
+    events += stream.markup.flush()
+    calls = [e for e in events if type(e).__name__ == "ToolCallStart"]
+    assert [c.name for c in calls] == ["get_weather"], events
+    arguments = "".join(e.arguments for e in events if type(e).__name__ == "ToolCallDelta")
+    assert json.loads(arguments) == {"city": "Paris", "days": 2}
+
+
 CHATML_CALLS = ("{% for m in messages %}{% if m.role != 'system' or loop.first or late %}<|im_start|>{{ m['role'] }}\n"
                 "{{ m['content'] }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
                 "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"

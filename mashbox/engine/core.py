@@ -80,14 +80,38 @@ class Stream:
             self.seq.forced.extend(budget.close_ids(self.markup.held))  # held: what of </think> came (</)
 
     def _marked(self, text: str) -> list[Event]:
-        """``text`` through the stop strings, then the markup; a call's text (inside its tags) is no text, so no
-        stop string applies to it (a stop such as "}" ended answers mid-call, and the call was dropped)."""
-        if self.markup.state == "call":
+        """``text`` through the stop strings, then the markup. A call is no text: no stop string applies inside
+        its tags, nor to one begun without them once the markup knows it for one (its ``{"name"``); a token
+        that may end an opening tag goes a character at a time, so that what follows the tag in it (the
+        newline a forced call's grammar writes with ``>``) is the call's. (A stop such as "}" or "\n" ended
+        answers mid-call, and dropped the call.)"""
+        if self._in_call():
             return self.markup.push(text)
+        if not self._may_open_call(text):
+            return self._text(text)
+        events: list[Event] = []
+        for at, char in enumerate(text):
+            if self._in_call():
+                return events + self.markup.push(text[at:])
+            events += self._text(char)
+        return events
+
+    def _text(self, text: str) -> list[Event]:
         events = self.markup.push(self.stop.push(text))
-        if self.markup.state == "call":  # a call began: what the stops held back after its tag is the call's
+        if self._in_call():  # a call began: what the stops held back is the call's
             events += self.markup.push(self.stop.release())
         return events
+
+    def _may_open_call(self, text: str) -> bool:
+        """Whether a call may begin within ``text``: an opening tag (or a part the markup holds), or JSON where
+        the markup watches for a call without tags."""
+        markup, bare = self.markup, self.markup.bare
+        opening = markup.calls.open if markup.calls else ""
+        tagged = bool(opening) and (bool(markup.held) or opening[0] in text)
+        return tagged or (bare is not None and bare.open and (bool(bare.text) or any(c in text for c in "{[`")))
+
+    def _in_call(self) -> bool:
+        return self.markup.state == "call" or self.markup.open_call() is not None
 
     @property
     def ended(self) -> bool:
