@@ -245,6 +245,15 @@ def test_a_worker_silent_with_requests_to_answer_is_killed_and_started_again(tin
         assert asyncio.run(collect(backend.astream(chat("Hi.", max_tokens=4))))[-1].reason == "length"
         assert backend.worker_restarts == 0 and backend.worker_pid == first
 
+        async def read_slowly():  # a client that stops reading: the worker, its answer sent, owes nothing
+            streamed = backend.astream(chat("Count to ten.", max_tokens=8))
+            await anext(streamed)
+            await asyncio.sleep(3)
+            return await collect(streamed)
+
+        assert asyncio.run(read_slowly())[-1].reason == "length"
+        assert backend.worker_restarts == 0 and backend.worker_pid == first, "a worker that owed nothing was killed"
+
         async def stopped_mid_stream():
             streamed = backend.astream(chat("Tell me everything.", max_tokens=400))
             await anext(streamed)

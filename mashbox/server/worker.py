@@ -92,6 +92,7 @@ class Pending:
     command: Submit | Count
     channel: Channel[Reply | WorkerLost] = field(default_factory=Channel)
     retried: bool = False
+    answered: bool = False  # the worker sent its last reply (a Finish, a count, an error): it owes nothing more
 
 
 class WorkerBackend:
@@ -222,7 +223,7 @@ class WorkerBackend:
         with self._lock:
             if self._closed or self._state == "failed":  # no worker will answer: 503, as while loading
                 raise EngineClosedError(self._error or "the server is shutting down")
-            if not self._pending:  # an idle worker says nothing: its silence counts from here
+            if not self._owed():  # an idle worker says nothing: its silence counts from here
                 self._heard = time.monotonic()
             pending = self._pending[command.request_id] = Pending(command)
             self._worker.outbox.put(command)
@@ -321,6 +322,8 @@ class WorkerBackend:
         held = []
         for reply in replies:
             if (pending := self._pending.get(reply.request_id)) is not None:
+                last = not isinstance(reply, EventMsg) or isinstance(reply.event, Finish)
+                pending.answered = pending.answered or last
                 pending.channel.hold(reply)
                 held.append(pending.channel)
         Channel.wake_all(held)
@@ -375,15 +378,18 @@ class WorkerBackend:
             with self._lock:
                 if time.monotonic() - slept > 2 * every + 1.0:
                     self._heard = time.monotonic()
-                worker, silent = self._worker, time.monotonic() - self._heard
-                hung = worker.ready and self._pending and silent > self._hang_s and not self._closed
+                worker, silent, owed = self._worker, time.monotonic() - self._heard, self._owed()
+                hung = worker.ready and owed and silent > self._hang_s and not self._closed
             if hung and worker.process.is_alive():
                 log.error("worker %s has said nothing for %.0f s with %d requests to answer: taken as hung (stopped, "
-                          "or deadlocked), killed and started again (--hang-timeout)", worker.process.pid, silent,
-                          len(self._pending))
+                          "or deadlocked), killed and started again (--hang-timeout)", worker.process.pid, silent, owed)
                 worker.hung = True
                 worker.process.kill()
                 self._heard = time.monotonic()  # said once; the new worker's silence counts anew
+
+    def _owed(self) -> int:
+        """Requests sent to the worker whose last reply has not come (one whose client reads slowly owes none)."""
+        return sum(not pending.answered for pending in self._pending.values())
 
     def _announce(self) -> None:
         """Queue the state as it is now (lock held): every change reaches the terminal."""
