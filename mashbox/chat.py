@@ -52,8 +52,8 @@ def run(engine: Any, system: str | None, options: dict[str, Any], interactive: b
         signal.signal(signal.SIGTERM, _terminated)
         _line_editing()
         _say(f"chatting with {engine.model_id} (ctx {engine.ctx}). {HELP}.")
-    for line in _lines(interactive):
-        if line.startswith("/"):
+    for line, quoted in _lines(interactive):
+        if line.startswith("/") and not quoted:  # a block is a question, whatever it begins with (// in code)
             if _command(line, conversation) == "exit":
                 break
             continue
@@ -75,8 +75,9 @@ def _tolerant_streams() -> None:
         sys.stdout.reconfigure(errors="backslashreplace")
 
 
-def _lines(interactive: bool) -> Iterator[str]:
-    """The questions: a line each, or the lines between two QUOTES as one (pasted code, say)."""
+def _lines(interactive: bool) -> Iterator[tuple[str, bool]]:
+    """The questions: a line each, or the lines between two QUOTES as one (pasted code, say), and whether
+    it was quoted so."""
     block: list[str] | None = None  # the lines of a question begun with QUOTES, until a line ends with them
     while True:
         try:
@@ -85,7 +86,7 @@ def _lines(interactive: bool) -> Iterator[str]:
             if interactive:
                 print()  # the prompt's line ends cleanly
             if block is not None and (question := _joined(block)):
-                yield question  # a block left open at the end is still a question
+                yield question, True  # a block left open at the end is still a question
             return
         except KeyboardInterrupt:  # at the prompt: a new prompt, as in a shell (a block begun is dropped)
             print()
@@ -96,14 +97,14 @@ def _lines(interactive: bool) -> Iterator[str]:
             block, text = [], text.lstrip()[len(QUOTES):]
         if block is None:
             if text.strip():
-                yield text.strip()
+                yield text.strip(), False
             continue
         ends = text.rstrip().endswith(QUOTES)
         block.append(text.rstrip()[: -len(QUOTES)] if ends else text)
         if ends:
             question, block = _joined(block), None
             if question:
-                yield question
+                yield question, True
 
 
 def _joined(lines: list[str]) -> str:

@@ -106,12 +106,13 @@ def test_lines_between_triple_quotes_are_one_question(tiny_engine, monkeypatch, 
     sent, chat_of = [], tiny_engine.chat
     monkeypatch.setattr(tiny_engine, "chat", lambda **kw: sent.append(kw["messages"][-1]["content"]) or chat_of(**kw))
     lines = ['"""', "Fix this:", "", "def f(x):", "    return x+  ", '"""', "/help", "hi", '  """one"""',
-             '"""  two', "lines", 'x"""', '"""', "   ", '"""', '"""', "  left open"]
+             '"""  two', "lines", 'x"""', '"""', "   ", '"""', '"""// a comment', 'code"""', '"""', "  left open"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
     assert chat.run(tiny_engine, None, {"max_tokens": 2, "temperature": 0}, interactive=False) == 0
     out, err = capsys.readouterr()
-    assert sent == ["Fix this:\n\ndef f(x):\n    return x+", "hi", "one", "  two\nlines\nx", "  left open"]
-    assert out.count(chat.SEPARATOR + "\n") == 5 and f"mashbox: {chat.HELP}" in err and "unknown" not in err
+    assert sent == ["Fix this:\n\ndef f(x):\n    return x+", "hi", "one", "  two\nlines\nx", "// a comment\ncode",
+                    "  left open"]  # a block is a question whatever it begins with: not the command //
+    assert out.count(chat.SEPARATOR + "\n") == 6 and f"mashbox: {chat.HELP}" in err and "unknown" not in err
 
 
 def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkeypatch, capsys):
