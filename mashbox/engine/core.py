@@ -48,7 +48,7 @@ class ThinkBudget:
 class Stream:
     """One request's way out: its text state machines and its channel.
 
-    Tokens pass the detokenizer, then stop strings (not inside a call's tags), then the markup machine
+    Tokens pass the detokenizer, then stop strings (not inside a call: ``_marked``), then the markup machine
     (reasoning and tool calls), and leave as events, held in the channel until
     the engine wakes the readers of all of a step's streams at once. In auto mode the
     guard then constrains the rest of a call that the markup sees begun.

@@ -264,7 +264,7 @@ class Grammars:
         """The grammar is written only where none is kept for these tools (its text takes 20-30 ms for 100)."""
         named = self._source.token_id(self.calls.args or None) is not None  # the model's own form
         listed = self.calls.listed
-        key = ("forced", named, many, tags, listed, json.dumps([(t.name, t.parameters) for t in tools]))
+        key = ("forced", named, many, tags, listed, _made_of(tools))
         if named:
             return Constraint(self.matchers, key, grammar=lambda: named_grammar(tools, many, tags))
         return Constraint(self.matchers, key, grammar=lambda: tool_grammar(tools, many, tags[:2], listed))
@@ -338,9 +338,8 @@ class CallGuard:
         at = written.rfind(text.encode())
         if at < 0:
             return None
-        tools = json.dumps([(t.name, t.parameters) for t in self.tools])  # what the grammar is made of, but its form
         try:
-            constraint = Constraint(self.matchers, (form, tools), strict=False,
+            constraint = Constraint(self.matchers, (form, _made_of(self.tools)), strict=False,
                                     grammar=lambda: self.starts[form] + calls_body(self.tools, FLEXIBLE_JSON, KEYS))
         except InvalidRequestError:  # a schema llguidance cannot enforce: the call stays free
             return None
@@ -359,6 +358,11 @@ def _said(error: str) -> str:
             said.append(line.strip())
     text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(said)) if said else error
     return re.sub(r"/\$defs/tool\d+", "", text)  # where mashbox keeps a tool's schema: the tool's own root
+
+
+def _made_of(tools: Iterable[Tool]) -> str:
+    """What of ``tools`` a calls grammar is made of (their names and parameters), as a key of ``Matchers``."""
+    return json.dumps([(t.name, t.parameters) for t in tools])
 
 
 class Matchers:
