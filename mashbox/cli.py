@@ -286,31 +286,30 @@ def _mib(text: str) -> int:
     return int(text)
 
 
-def _gib(text: str) -> float:
+def _number(text: str) -> float:
+    """``text`` as a number; NaN, which no range holds, where it is none."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = -1
+        return math.nan
+
+
+def _gib(text: str) -> float:
+    value = _number(text)
     if not 0 <= value <= MOST_CACHE_GIB:
         raise argparse.ArgumentTypeError(f"must be a number of GiB, 0 to {MOST_CACHE_GIB} (got {text!r})")
     return value
 
 
 def _hours(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0
+    value = _number(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of hours, more than 0 (got {text!r})")
     return value
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1
+    value = _number(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more (got {text!r})")
     return value
