@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mashbox.engine.events import Usage
+
 
 class MashboxError(Exception):
     """Base of every error mashbox raises on purpose."""
@@ -58,7 +63,12 @@ class ModelLoadError(MashboxError):
 
 
 class EngineClosedError(MashboxError):
-    """The engine was closed: it answers nothing more. Make a new ``Engine``."""
+    """The engine was closed: it answers nothing more. Make a new ``Engine``. ``usage`` is the tokens of the
+    request it closed under, where they are known (a task stopped by its server stopping counts them)."""
+
+    def __init__(self, message: str, *, usage: Usage | None = None) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 class NotReadyError(MashboxError):

@@ -510,6 +510,7 @@ def test_sigterm_ends_a_running_task_saved_with_its_output_and_says_the_server_s
         "the server stopped while this task was running (the server is shutting down); create it again")}
     assert [item["status"] for item in task["output"]] == ["incomplete"]
     assert task["output"][0]["message_content"][0]["text"].strip()
+    assert task["usage"]["input_tokens"] > 0 and task["usage"]["output_tokens"] > 0, task["usage"]  # it was null
 
 
 def _limited(soft: int, hard: int):

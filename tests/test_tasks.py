@@ -1086,13 +1086,15 @@ def test_an_engine_that_closes_mid_step_fails_the_task_as_stopped_and_keeps_what
         yield Queued(10)
         yield Started(0)
         yield TextDelta("Rome was")
-        raise EngineClosedError("the server is shutting down")
+        raise EngineClosedError("the server is shutting down", usage=Usage(12, 2, cached_tokens=4))
 
     task = asyncio.run(run_async(prepare({"user_message_content": "Rome?"}, generate)))
     assert task.status == "failed" and task.error.code == -32012, task.error
     assert task.error.message == ("the server stopped while this task was running (the server is shutting down); "
                                   "create it again")
     assert [(o.status, o.message_content[0].text) for o in task.output] == [("incomplete", "Rome was")]
+    assert task.usage["input_tokens"] == 12 and task.usage["output_tokens"] == 2, task.usage  # it was None: lost
+    assert task.usage["input_tokens_details"]["cached_tokens"] == 4
 
 
 def test_an_engine_closed_before_it_took_the_task_refuses_it():
@@ -1151,6 +1153,7 @@ def test_an_in_process_server_stopping_under_a_task_fails_it_as_stopped(tiny_mod
     assert task.status == "failed" and task.error.code == -32012, task.error
     assert "(the server is shutting down)" in task.error.message
     assert [o.status for o in task.output] == ["incomplete"]
+    assert task.usage["input_tokens"] > 0 and task.usage["output_tokens"] > 0, task.usage  # its usage was lost
 
 
 def test_a_schema_with_a_schema_property_is_the_schema_not_its_wrapper():

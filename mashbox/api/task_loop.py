@@ -215,6 +215,8 @@ class TaskLoop:
                     raise  # the engine never took the task: its create is refused, as a route's request is
                 for event in translator.interrupt():
                     yield event
+                if exc.usage is not None:  # the tokens of the generation it stopped
+                    self._count(exc.usage)
                 self.task.error = RpcError(code=SERVER_STOPPED, message=f"the server stopped while this task was "
                                                                         f"running ({exc}); create it again")
                 yield self.status("failed")

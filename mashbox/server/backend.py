@@ -27,6 +27,16 @@ log = logging.getLogger("mashbox.server")
 State = Literal["loading", "ready", "failed"]
 
 
+STOPPING = "the server is shutting down"
+
+
+def stopped(event: Event) -> None:
+    """Raise ``EngineClosedError`` with the request's usage so far if ``event`` is the Finish its engine's close
+    ended it with (the server stopping), which is not the request's own answer."""
+    if isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED:
+        raise EngineClosedError(STOPPING, usage=event.usage)
+
+
 @dataclass(slots=True, frozen=True)
 class Change:
     """A backend's state as it changed to it: what the terminal reports."""
@@ -134,8 +144,7 @@ class InProcessBackend:
 
     async def astream(self, request: EngineRequest) -> AsyncIterator[Event]:
         async for event in self._ready().astream(request):
-            if isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED:
-                raise EngineClosedError("the server is shutting down")  # as the worker's backend says it
+            stopped(event)
             yield event
 
     def abort(self, request_id: str) -> None:

@@ -40,10 +40,11 @@ from mashbox.engine.load.catalog import served_id
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
 from mashbox.errors import EngineClosedError
-from mashbox.server.backend import Change, State
+from mashbox.server.backend import STOPPING, Change, State, stopped
 from mashbox.server.settings import HANG_S
 from mashbox.server.worker_child import serve
 from mashbox.server.worker_messages import (
+    SETTLE_S,
     Abort,
     Halt,
     Command,
@@ -165,6 +166,7 @@ class WorkerBackend:
             while not done:
                 event = await self._next_event(pending)
                 done = isinstance(event, Finish)
+                stopped(event)
                 yield event
         finally:
             self._forget(pending, abort=not done)
@@ -204,17 +206,21 @@ class WorkerBackend:
             return self._state
 
     def close(self) -> None:
-        """Stop the worker: ``Stop``, then terminate and kill after ``stop_timeout`` s (at once while it
-        loads)."""
+        """Stop the worker: ``Stop``, which closes its engine, whose requests still running end with their
+        usage so far (a task so stopped keeps its count) where that comes within ``SETTLE_S``; then terminate
+        and kill after ``stop_timeout`` s (at once while it loads)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             worker = self._worker
-            self._lose_all("the server is shutting down", final=True)
             self._changed.notify_all()
         worker.outbox.put(Stop())
         worker.outbox.put(None)
+        if worker.ready:
+            self._settle(time.monotonic() + SETTLE_S)
+        with self._lock:
+            self._lose_all(STOPPING, final=True)
         _stop(worker.process, self._stop_timeout if worker.ready else 0)  # a loading worker reads no Stop
 
     # -- requests ------------------------------------------------------------
@@ -222,7 +228,7 @@ class WorkerBackend:
     def _open(self, command: Submit | Count) -> Pending:
         with self._lock:
             if self._closed or self._state == "failed":  # no worker will answer: 503, as while loading
-                raise EngineClosedError(self._error or "the server is shutting down")
+                raise EngineClosedError(self._error or STOPPING)
             if not self._owed():  # an idle worker says nothing: its silence counts from here
                 self._heard = time.monotonic()
             pending = self._pending[command.request_id] = Pending(command)
@@ -249,6 +255,14 @@ class WorkerBackend:
             pending.retried = True
             self._worker.outbox.put(pending.command)
         return True
+
+    def _settle(self, deadline: float) -> None:
+        """Wait until the worker has sent every request's last reply, or until ``deadline``."""
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._owed():
+                    return
+            time.sleep(0.01)
 
     def _forget(self, pending: Pending, abort: bool) -> None:
         with self._lock:

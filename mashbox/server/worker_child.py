@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent import futures
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from mashbox.engine.request import EngineRequest
 from mashbox.errors import ConfigError, EngineClosedError, MashboxError
 from mashbox.server import logs
 from mashbox.server.worker_messages import (
+    SETTLE_S,
     STATS_EVERY,
     Abort,
     Halt,
@@ -126,7 +128,8 @@ class Worker:
                 self._handle(command)
         finally:
             done.set()
-            self._engine.close()
+            self._engine.close()  # each stream still running ends with its usage so far, sent before the pump stops
+            futures.wait(list(self._streams.values()), timeout=SETTLE_S)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._pump.join(timeout=5)
 

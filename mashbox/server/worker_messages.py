@@ -126,6 +126,7 @@ class StatsSnapshot:
 
 
 STATS_EVERY = 0.2
+SETTLE_S = 0.5  # seconds a stopping worker has to send its requests' last events (a step's time; a long chunk's)
 Reply = Ready | Failed | Events | Error | Counted | StatsSnapshot
 
 
