@@ -183,6 +183,7 @@ def test_a_failure_after_output_ends_the_stream_with_an_error_event(flaky, caplo
     assert [name for name, _ in responses[-3:-1]] == ["error", "response.failed"] and responses[-1][1] == "[DONE]"
     failed = json.loads(responses[-2][1])["response"]
     assert failed["id"] == json.loads(responses[0][1])["response"]["id"] and failed["status"] == "failed"
+    assert json.loads(responses[-3][1])["request_id"] == failed["id"]  # as the contract says of every route's
     assert backend.runs == 3
 
 

@@ -233,7 +233,7 @@ class Translator:
         return [e for change in self._blocks.feed(event) for e in self._on(change)]
 
     def error(self, message: str) -> list[EventBase]:
-        error = ErrorEvent.of(self._next(), message)
+        error = ErrorEvent.of(self._next(), message, self._id)
         failed = self._snapshot("failed", ResponseError(message=message))
         return [error, ResponseLifecycle(type="response.failed", sequence_number=self._next(), response=failed)]
 

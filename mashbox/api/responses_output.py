@@ -260,7 +260,8 @@ class ErrorPayload(OutModel):
 
 
 class ErrorEvent(EventBase):
-    """The error both ways: flat (the OpenAI SDK) and under ``error`` (Open Responses)."""
+    """The error both ways: flat (the OpenAI SDK) and under ``error`` (Open Responses), with the response's id
+    as ``request_id`` (as the other routes' error events carry theirs)."""
 
     keep_none = frozenset({"param"})
 
@@ -269,10 +270,12 @@ class ErrorEvent(EventBase):
     message: str
     param: str | None = None
     error: ErrorPayload
+    request_id: str
 
     @classmethod
-    def of(cls, sequence_number: int, message: str) -> ErrorEvent:
-        return cls(sequence_number=sequence_number, message=message, error=ErrorPayload(message=message))
+    def of(cls, sequence_number: int, message: str, request_id: str) -> ErrorEvent:
+        return cls(sequence_number=sequence_number, message=message, error=ErrorPayload(message=message),
+                   request_id=request_id)
 
 
 StreamEvent = Annotated[
