@@ -10,6 +10,7 @@ from translation import USER
 from mashbox.api import base
 from mashbox.api.base import OutModel, RequestModel, engine_request, parse, plain
 from mashbox.api.blocks import BlockTracker
+from mashbox.api.anthropic_messages import MessagesRequest
 from mashbox.api.openai_chat import ChatRequest
 from mashbox.api.openai_completions import CompletionRequest
 from mashbox.api.openai_responses import ResponsesRequest
@@ -88,16 +89,25 @@ def test_ignored_fields_lists_extras_and_accepted_ignored_fields():
 def test_stream_options_not_read_are_reported(request_class, body):
     """Unstreamed, the options are not read (OpenAI: a 400); streamed, a key they do not know is not either."""
     options = {"include_usage": True, "include_obfuscation": False}
-    assert parse(request_class, {**body, "stream_options": options}).ignored_fields() == ["stream_options"]
+    assert parse(request_class, {**body, "stream_options": options}).ignored_fields() == [
+        "stream_options", "stream_options.include_obfuscation"]
     streamed = parse(request_class, {**body, "stream": True, "stream_options": options})
     assert streamed.ignored_fields() == ["stream_options.include_obfuscation"]
     asked = parse(request_class, {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert asked.ignored_fields() == []
 
 
-def test_ignored_fields_skips_nested_extras():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]
-    assert parse(ChatRequest, {"messages": messages}).ignored_fields() == []
+def test_ignored_fields_name_nested_extras_with_a_value():
+    """A key of a nested part no field reads was dropped unsaid (Codex's ``text.verbosity``): named by its path,
+    ``[]`` for any item of a list; one with no value is not."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}, "zz": 1}]}]
+    assert parse(ChatRequest, {"messages": messages}).ignored_fields() == ["messages[].content[].zz"]
+    body = {"input": "hi", "text": {"verbosity": "low"}, "reasoning": {"effort": "low", "zap": 1},
+            "tools": [{"type": "web_search", "external_web_access": False}]}  # left out whole: named as a whole
+    assert parse(ResponsesRequest, body).ignored_fields() == ["reasoning.zap", "text.verbosity", "tools[web_search]"]
+    thinking = {"type": "enabled", "budget_tokens": 1024, "display": "x"}
+    assert parse(MessagesRequest, {"messages": USER, "max_tokens": 5, "thinking": thinking}).ignored_fields() == [
+        "thinking.display"]
 
 
 class _Out(OutModel):

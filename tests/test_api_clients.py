@@ -65,7 +65,8 @@ def test_claude_code_turn_two():
     assert "x-anthropic-billing-header" not in engine.messages[0].content
     assert engine.messages[3].tool_calls[0].name == "Read"
     assert engine.messages[4].tool_call_id == engine.messages[3].tool_calls[0].id
-    assert request.ignored_fields() == ["context_management", "metadata", "output_config.effort"]
+    assert request.ignored_fields() == ["context_management", "messages[].content[].cache_control", "metadata",
+                                        "output_config.effort", "system[].cache_control"]
     assert engine.sampling.max_tokens == 32000
 
 

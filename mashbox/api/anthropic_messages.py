@@ -52,7 +52,6 @@ from mashbox.api.base import (
     json_object,
     new_id,
     prefixed,
-    unread_fields,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.engine.events import Event, Finish, Usage
@@ -187,6 +186,9 @@ class AnthropicTool(Part):
     def usable(self) -> bool:
         return self.type in (None, "custom") or client_tool(self.type) is not None
 
+    def left_out(self) -> bool:
+        return not self.usable()
+
     def engine_tool(self) -> Tool:
         description, schema = client_tool(self.type) or ("", {})
         return Tool(self.name or "", self.description or description, self.input_schema or schema)
@@ -245,7 +247,7 @@ class CountTokensRequest(RequestModel):
     thinking: ThinkingConfig | None = None
 
     def _more_ignored(self) -> list[str]:
-        return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()] + unread_fields("messages", self.messages)
+        return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()]
 
     @model_validator(mode="after")
     def _choice_runs_here(self) -> CountTokensRequest:

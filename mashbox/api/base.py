@@ -49,6 +49,11 @@ class Part(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
+    def left_out(self) -> bool:
+        """Whether the request's translation leaves this part out whole (a tool that runs on the provider's side),
+        reported by its own name: its keys are not."""
+        return False
+
 
 class StreamOptions(Part):
     """OpenAI's ``stream_options`` (Chat and Completions): ``include_usage`` adds a last object with the usage
@@ -58,22 +63,20 @@ class StreamOptions(Part):
 
 
 def unread_stream_options(stream: bool, options: StreamOptions | None) -> list[str]:
-    """What of ``stream_options`` an answer does not read: all of it when it is not streamed, else the keys it
-    does not know (OpenAI refuses the first with a 400; it is reported here, as any field not acted on)."""
-    if options is None:
-        return []
-    if not stream:
-        return ["stream_options"]
-    return [f"stream_options.{key}" for key in options.model_extra or {}]
+    """``stream_options`` on an answer not streamed, which reads none of it (OpenAI refuses it with a 400; it is
+    reported here, as any field not acted on)."""
+    return ["stream_options"] if options is not None and not stream else []
 
 
 class RequestModel(Part):
-    """A whole request body. Unknown top-level keys are reported by ``ignored_fields``."""
+    """A whole request body. Unknown keys, its parts' too, are reported by ``ignored_fields``."""
 
     accepted_ignored: ClassVar[tuple[str, ...]] = ()
+    echoed: ClassVar[frozenset[str]] = frozenset()  # unknown keys that the protocol's own answers carry, sent back
+    # in the next turn (an output item's id and status): no news to the client, not reported
 
     def ignored_fields(self) -> list[str]:
-        names = set(self.model_extra or {})
+        names = set(self.model_extra or {}) | unread(self) - self.echoed
         names.update(n for n in self.accepted_ignored if getattr(self, n, None) is not None)
         names.update(self._more_ignored())
         return sorted(names)
@@ -276,14 +279,19 @@ def json_object(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def unread_fields(where: str, parts: Any, said: frozenset[str] = frozenset()) -> list[str]:
-    """``where[].key`` for each field with a value that one of ``parts`` (a request's messages or items)
-    has and does not read (an assistant's ``audio``, ``annotations``: not in its prompt), but those the
-    protocol's own answers carry back (``said``: an output item's ``id`` and ``status``)."""
-    if not isinstance(parts, list):
-        return []
-    return sorted({f"{where}[].{k}" for p in parts if isinstance(p, BaseModel)
-                   for k, v in (p.model_extra or {}).items() if v not in (None, "", [], {}) and k not in said})
+def unread(value: Any, where: str = "") -> set[str]:
+    """The path of each key with a value that ``value`` (a request, or a part of one) has and none of its fields
+    reads, its parts' too, at any depth (``messages[].content[].cache_control``: ``[]`` is any item of a list;
+    an assistant message's ``audio``, a tool's ``strict``, Codex's ``text.verbosity``)."""
+    if isinstance(value, (list, tuple)):
+        return set().union(*(unread(item, f"{where}[]") for item in value))
+    if not isinstance(value, BaseModel) or isinstance(value, Part) and value.left_out():
+        return set()
+    path = lambda key: f"{where}.{key}" if where else key
+    names = {path(k) for k, v in (value.model_extra or {}).items() if v not in (None, "", [], {})}
+    for name in type(value).model_fields:
+        names |= unread(getattr(value, name), path(name))
+    return names
 
 
 def parameters_of(schema: dict[str, Any] | None) -> dict[str, Any]:

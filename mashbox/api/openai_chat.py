@@ -27,7 +27,6 @@ from mashbox.api.base import (
     parameters_of,
     prefixed,
     refuse_logprobs,
-    unread_fields,
     unread_stream_options,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
@@ -105,11 +104,15 @@ class FunctionDef(Part):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a call always follows its tool's parameters here (a grammar), as OpenAI's strict
 
 
 class ChatTool(Part):
     type: str = "function"
     function: FunctionDef | None = None
+
+    def left_out(self) -> bool:
+        return self.type != "function"
 
     @model_validator(mode="after")
     def _function_given(self) -> ChatTool:
@@ -179,10 +182,8 @@ class ChatRequest(RequestModel, LogitBias, SamplingFields):
         return value
 
     def _more_ignored(self) -> list[str]:
-        kwargs = self.chat_template_kwargs.model_extra or {} if self.chat_template_kwargs else {}
         skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
-        return (skipped + unread_fields("messages", self.messages) + [f"chat_template_kwargs.{k}" for k in kwargs]
-                + unread_stream_options(self.stream, self.stream_options))
+        return skipped + unread_stream_options(self.stream, self.stream_options)
 
     def thinking(self) -> bool | None:
         kwargs = self.chat_template_kwargs

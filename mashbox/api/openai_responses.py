@@ -36,7 +36,6 @@ from mashbox.api.base import (
     now,
     prefixed,
     refuse_logprobs,
-    unread_fields,
 )
 from mashbox.api.blocks import Block, BlockTracker, Change
 from mashbox.api.responses_items import InputItem, to_messages
@@ -113,11 +112,11 @@ class TextConfig(Part):
         return value
 
 
-ITEM_FIELDS = frozenset({"id", "status"})  # an output item's, sent back in the next turn's input
 
 
 class ResponsesRequest(RequestModel, SamplingFields):
     accepted_ignored = ("store", "client_metadata")
+    echoed = frozenset({"input[].id", "input[].status"})  # an output item's, sent back in the next turn's input
 
     model: str | None = None
     input: str | list[InputItem]
@@ -161,7 +160,7 @@ class ResponsesRequest(RequestModel, SamplingFields):
     def _more_ignored(self) -> list[str]:
         include = [f"include[{entry}]" for entry in self.include or ()]
         summary = ["reasoning.summary"] if self.reasoning and self.reasoning.summary else []
-        return skipped(self.tools, self.tool_choice) + include + summary + unread_fields("input", self.input, ITEM_FIELDS)
+        return skipped(self.tools, self.tool_choice) + include + summary
 
     def tool_map(self) -> ToolMap:
         return ToolMap(self.tools)

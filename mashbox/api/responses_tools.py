@@ -54,6 +54,9 @@ class HostedTool(Part):
 
     type: str
 
+    def left_out(self) -> bool:
+        return True
+
 
 _USABLE = ("function", "custom", "namespace", "local_shell")
 
