@@ -17,7 +17,10 @@ from mashbox.engine.model import quant
 from mashbox.engine.model.runner import ModelRunner
 
 FORMATS = {name: fmt for fmt, (name, _, _) in quant.FORMATS.items() if fmt != quant.MB_Q8}
-SCALE = {"Q4_0": 2e-3, "Q4_1": 2e-3, "Q5_0": 1e-3, "Q5_1": 1e-3, "Q8_0": 2e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 5e-5}
+SCALE = {"Q4_0": 2e-3, "Q4_1": 2e-3, "Q5_0": 1e-3, "Q5_1": 1e-3, "Q8_0": 2e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 5e-5,
+         "Q2_K": 1e-3, "Q3_K": 3e-4, "IQ4_NL": 2e-3}
+UNKERNELED = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,)}  # formats the kernels do not read: where their
+# fp16 scales are in a block (Q2_K's second, its min's, taken off)
 MIDDLE = {"Q4_1": 7.5, "Q5_1": 15.5, "Q4_K": 7.5, "Q5_K": 15.5}  # the mid quant, taken off by the min
 
 
@@ -25,13 +28,15 @@ def random_blocks(name: str, rows: int, k: int, seed: int) -> quant.Blocks:
     """``rows`` x ``k`` weights in format ``name``: random quants, random scales in a sane range, and
     where the format has mins, mins that centre the weights on 0 (as a real model's are); every
     byte a valid block."""
-    fmt = FORMATS[name]
-    _, values, size = quant.FORMATS[fmt]
+    fmt, values, size = _format(name)
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows, k // values, size), generator=g, dtype=torch.uint8)
     d = (torch.rand(rows, k // values, generator=g) + 0.5) * SCALE[name]
     put = lambda at, value: raw[..., at : at + 2].copy_(value.half().unsqueeze(-1).view(torch.uint8))
-    if name == "Q6_K":
+    if name in UNKERNELED:
+        for at, sign in zip(UNKERNELED[name], (1, -0.25)):
+            put(at, sign * d)
+    elif name == "Q6_K":
         put(208, d)
     elif name in ("Q4_K", "Q5_K"):  # each sub-block's 6-bit min equal to its scale: w = d sc (q - middle)
         put(0, d)
@@ -43,6 +48,16 @@ def random_blocks(name: str, rows: int, k: int, seed: int) -> quant.Blocks:
         if name in MIDDLE:
             put(2, -d * MIDDLE[name])
     return quant.Blocks(fmt, raw.view(rows, -1).contiguous(), k)
+
+
+def _format(name: str) -> tuple[int, int, int]:
+    """A format's GGML type, values and bytes a block (gguf-py's, for those the kernels do not read)."""
+    if name in FORMATS:
+        return FORMATS[name], *quant.FORMATS[FORMATS[name]][1:]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType[name]
+    return int(kind), *GGML_QUANT_SIZES[kind]
 
 
 def _scales_k4(sc: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

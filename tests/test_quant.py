@@ -133,6 +133,21 @@ def test_a_gguf_model_runs_from_its_blocks(tmp_path, lib, name, formats):
     blocks_agree(runner, prompts, expected)
 
 
+def test_formats_without_kernels_run_widened_and_are_named(tmp_path, lib, caplog):
+    """A Q3_K_M or Q2_K file (common where memory is short) or an IQ4_NL one: the matrices the kernels do not read
+    are widened to int8 blocks, said in the log, and the model answers as its exact form does."""
+    model = MODELS["llama"]()
+    path = tiny_gguf(tmp_path / "low.gguf", model, "llama", ["Q3_K", "Q2_K", "Q4_K", "IQ4_NL", "Q6_K"])
+    prompts = random_prompts((1, 5, 40, 130, 300, 17))
+    expected = [generate(model, p) for p in prompts]
+    assert len({tuple(e) for e in expected}) == len(prompts)
+    assert greedy(gguf_runner(path, lib, "plain"), prompts) == expected
+    with caplog.at_level(logging.INFO, logger="mashbox.engine"):
+        runner = gguf_runner(path, lib, "gguf")
+    assert "weights in IQ4_NL, Q2_K, Q3_K have no kernel here: widened to int8 blocks at load" in caplog.text
+    blocks_agree(runner, prompts, expected)
+
+
 def test_a_gguf_matrix_stored_as_floats_is_said_to_be_quantized_at_load(tmp_path, lib, monkeypatch, caplog):
     """An F16/BF16/F32 file's matrices were quantized to int8 blocks without a word (a fallback the log
     names for every other format)."""
