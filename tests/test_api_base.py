@@ -110,6 +110,21 @@ def test_ignored_fields_name_nested_extras_with_a_value():
         "thinking.display"]
 
 
+def test_items_the_server_wrote_sent_back_name_nothing():
+    """An answer's own items, sent back as the next turn's input or a task's history, carry keys no input field
+    reads (an item's id, status, a call's language, a local shell action's type): they are no news to the client."""
+    from mashbox.api.responses_output import FunctionCallOut, LocalShellActionOut, LocalShellCallOut
+    from mashbox.api.task_items import CreateTask, ToolCallOut
+
+    shell = LocalShellCallOut(id="lsh_1", status="completed", call_id="c1", action=LocalShellActionOut(command=["ls"]))
+    call = FunctionCallOut(id="fc_1", status="completed", call_id="c2", name="f", arguments="{}")
+    assert parse(ResponsesRequest, {"input": [shell.dump(), call.dump()]}).ignored_fields() == []
+    done = ToolCallOut(id="tc_1", status="completed", call_id="c1", name="get_weather", arguments="{}")
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {}}}
+    task = {"stream": False, "user_message_content": "", "history_messages": [done.dump()], "client_tools": [tool]}
+    assert parse(CreateTask, task).ignored_fields() == []
+
+
 class _Out(OutModel):
     keep_none: ClassVar[frozenset[str]] = frozenset({"kept"})
     kept: int | None = None

@@ -284,13 +284,15 @@ def unread(value: Any, where: str = "") -> set[str]:
     reads, its parts' too, at any depth (``messages[].content[].cache_control``: ``[]`` is any item of a list;
     an assistant message's ``audio``, a tool's ``strict``, Codex's ``text.verbosity``)."""
     if isinstance(value, (list, tuple)):
-        return set().union(*(unread(item, f"{where}[]") for item in value))
+        where = f"{where}[]"
+        return set().union(*(unread(item, where) for item in value if isinstance(item, (BaseModel, list, tuple))))
     if not isinstance(value, BaseModel) or isinstance(value, Part) and value.left_out():
         return set()
     path = lambda key: f"{where}.{key}" if where else key
     names = {path(k) for k, v in (value.model_extra or {}).items() if v not in (None, "", [], {})}
-    for name in type(value).model_fields:
-        names |= unread(getattr(value, name), path(name))
+    for name, field in vars(value).items():  # the declared fields' values (the extras are apart)
+        if isinstance(field, (BaseModel, list, tuple)):
+            names |= unread(field, path(name))
     return names
 
 

@@ -104,7 +104,7 @@ class FunctionDef(Part):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # a call always follows its tool's parameters here (a grammar), as OpenAI's strict
+    strict: bool | None = None  # a call follows its tool's parameters here (a grammar), as OpenAI's strict
 
 
 class ChatTool(Part):

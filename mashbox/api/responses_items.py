@@ -66,6 +66,7 @@ class CustomToolCallItem(Part):
 
 
 class LocalShellAction(Part):
+    type: Literal["exec"] = "exec"
     command: list[str] = Field(default_factory=list)
     working_directory: str | None = None
     timeout_ms: int | None = None

@@ -86,6 +86,7 @@ class FunctionDef(Part):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a call follows its tool's parameters here (a grammar), as OpenAI's strict
 
 
 class ToolData(Part):
@@ -126,6 +127,8 @@ KEPT_ID = 1_024  # characters of its session_id and user_id
 class CreateTask(RequestModel):
     accepted_ignored = ("allowed_subagents", "client_id", "env", "workspace_dir", "log_dir", "rollout_save_dir",
                         "return_rollout", "include_compress_model_rollout", "include_subagent_rollout")
+    echoed = frozenset(f"{turns}[].{key}" for turns in ("history_messages", "thought_messages")
+                       for key in ("id", "status", "language"))  # an output item's, sent back as history
 
     user_message_content: Content
     stream: StrictBool  # required, as the spec has it (the in-process Engine.task defaults it to false)
