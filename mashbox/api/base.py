@@ -282,7 +282,7 @@ def json_object(text: str) -> dict[str, Any]:
 def unread(value: Any, where: str = "") -> set[str]:
     """The path of each key with a value that ``value`` (a request, or a part of one) has and none of its fields
     reads, its parts' too, at any depth (``messages[].content[].cache_control``: ``[]`` is any item of a list;
-    an assistant message's ``audio``, a tool's ``strict``, Codex's ``text.verbosity``)."""
+    an assistant message's ``audio``, Codex's ``text.verbosity``)."""
     if isinstance(value, (list, tuple)):
         where = f"{where}[]"
         return set().union(*(unread(item, where) for item in value if isinstance(item, (BaseModel, list, tuple))))

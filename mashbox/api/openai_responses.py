@@ -112,8 +112,6 @@ class TextConfig(Part):
         return value
 
 
-
-
 class ResponsesRequest(RequestModel, SamplingFields):
     accepted_ignored = ("store", "client_metadata")
     echoed = frozenset({"input[].id", "input[].status"})  # an output item's, sent back in the next turn's input
