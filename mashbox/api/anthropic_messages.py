@@ -247,7 +247,7 @@ class CountTokensRequest(RequestModel):
     thinking: ThinkingConfig | None = None
 
     def _more_ignored(self) -> list[str]:
-        return [f"tools[{t.type}]" for t in self.tools or () if not t.usable()]
+        return [f"tools[{t.type}]" for t in self.tools or () if t.left_out()]
 
     @model_validator(mode="after")
     def _choice_runs_here(self) -> CountTokensRequest:

@@ -182,7 +182,7 @@ class ChatRequest(RequestModel, LogitBias, SamplingFields):
         return value
 
     def _more_ignored(self) -> list[str]:
-        skipped = [f"tools[{t.type}]" for t in self.tools or () if t.type != "function"]
+        skipped = [f"tools[{t.type}]" for t in self.tools or () if t.left_out()]
         return skipped + unread_stream_options(self.stream, self.stream_options)
 
     def thinking(self) -> bool | None:

@@ -192,7 +192,7 @@ def echo_tool(tool: Any) -> dict[str, Any]:
 def skipped(tools: list[Any] | None, choice: ToolChoice | None) -> list[str]:
     """What of the tools is not used: the hosted tools (skipped), a custom tool's lark grammar (shown to the
     model only), and a ``tool_choice`` that names a hosted tool (it is ``auto`` here)."""
-    unused = [f"tools[{t.type}]" for t in tools or () if isinstance(t, HostedTool)]
+    unused = [f"tools[{t.type}]" for t in tools or () if t.left_out()]
     inner = [i for t in tools or () for i in (t.tools if isinstance(t, NamespaceTool) else [t])]
     unused += [f"tools[{t.name}].format" for t in inner if _unheld(t)]
     if isinstance(choice, ToolChoiceObject) and choice.type not in _CHOOSABLE:
