@@ -207,9 +207,16 @@ class Engine(Runtime):
         return await local_tasks.run_async(self._task_loop(request, fields, "atask"))
 
     def _task_loop(self, request: Any, fields: dict[str, Any], name: str) -> local_tasks.TaskLoop:
-        loop = local_tasks.prepare(_merge(request, fields, CreateTask, name), self.astream, self.abort)
+        loop = local_tasks.prepare(_merge(request, fields, CreateTask, name), self._task_stream, self.abort)
         _warn_ignored(loop.req.ignored_fields(), stacklevel=4)  # the caller's line, past _task_loop and task
         return loop
+
+    async def _task_stream(self, request: EngineRequest) -> AsyncIterator[Event]:
+        """A task's generation: one that this engine's close ended raises, its usage with it, so that the task fails
+        stopped (-32012) with its tokens counted, as the server's do; a cancel's or pause's abort is the loop's."""
+        async for event in self.astream(request):
+            _closed(event)
+            yield event
 
 
 def _check(method: str, event: Event) -> None:
@@ -224,10 +231,14 @@ def _check(method: str, event: Event) -> None:
 def _stopped(event: Event) -> None:
     """A request stopped from outside while its caller still reads it (the engine closed, or ``abort``)
     raises, streamed or not: its answer is not whole, and must not look finished."""
+    _closed(event)
     if isinstance(event, Finish) and event.reason == "abort":
-        if event.error == CLOSED:
-            raise EngineClosedError("the engine was closed before this request finished")
         raise GenerationError("the request was aborted before it finished")
+
+
+def _closed(event: Event) -> None:
+    if isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED:
+        raise EngineClosedError("the engine was closed before this request finished", usage=event.usage)
 
 
 def _translated(translator: Any, events: Iterator[Event], tells_cache: bool) -> Iterator[Any]:

@@ -1156,6 +1156,30 @@ def test_an_in_process_server_stopping_under_a_task_fails_it_as_stopped(tiny_mod
     assert task.usage["input_tokens"] > 0 and task.usage["output_tokens"] > 0, task.usage  # its usage was lost
 
 
+def test_an_engine_closed_under_its_own_task_fails_it_as_stopped(tiny_model_dir):
+    """``Engine.task`` closed under a running task: it failed -32603 "generation failed", its usage lost; it fails
+    -32012 as a server's task does, its item incomplete and its tokens counted."""
+    from mashbox import Engine
+
+    engine = Engine(str(tiny_model_dir), ctx=512, slots=1, quiet=True)
+
+    async def run() -> list:
+        seen = []
+        async for event in await engine.atask(user_message_content="Tell a long story.", stream=True,
+                                              inference_args={"max_tokens": 400}):
+            if event.type == "task.output_text.delta" and not any(e.type == event.type for e in seen):
+                threading.Thread(target=engine.close).start()  # at the first text, from another thread
+            seen.append(event)
+        return seen
+
+    events = asyncio.run(run())
+    task = events[-1].task
+    assert events[-1].type == "task.failed" and task.error.code == -32012, task.error
+    assert "the engine was closed" in task.error.message
+    assert [o.status for o in task.output] == ["incomplete"]
+    assert task.usage["input_tokens"] > 0 and task.usage["output_tokens"] > 0, task.usage
+
+
 def test_a_schema_with_a_schema_property_is_the_schema_not_its_wrapper():
     from mashbox.api.task_items import CreateTask
 
