@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from mashbox.chat import HELP
 from mashbox.engine.config import MOST_CACHE_GIB
-from mashbox.engine.load.catalog import catalog, looks_like_path
+from mashbox.engine.load.catalog import catalog, check_named, looks_like_path
 from mashbox.errors import ConfigError, MashboxError
 from mashbox.server.settings import HANG_S
 
@@ -56,13 +56,15 @@ class Parser(argparse.ArgumentParser):
 
 def _with_command(argv: list[str]) -> list[str]:
     """``argv`` with the default command, chat, where it names none: nothing, chat's flags (``mashbox
-    --max-tokens 8``) or a model (a catalog id, or what reads as a path) first. Another word stays, to be
-    refused as no command."""
+    --max-tokens 8``) or a model (a catalog id, a file or folder, or what reads as a path) first. Another word
+    stays, to be refused as no command; a command after chat's flags is refused as out of place."""
     first = argv[0] if argv else "-"
     if first in COMMANDS or first in ("-h", "--help", "--version"):
         return argv
-    if first.startswith("-") or first in catalog() or looks_like_path(first):  # a missing path is chat's to say
-        return ["chat", *argv]
+    if first.startswith("-") and (command := next((a for a in argv if a in COMMANDS), None)):
+        build_parser().error(f"{command} comes first: `mashbox {command} ...` (the flags before it are chat's)")
+    if first.startswith("-") or first in catalog() or looks_like_path(first) or os.path.exists(first):
+        return ["chat", *argv]  # a missing path is chat's to say
     return argv
 
 
@@ -207,8 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cluster(args)
         return chat(args)
     except ConfigError as err:  # a setting refused before any allocation
-        print(f"mashbox: {err}", file=sys.stderr)
-        return 2
+        return _refused(err)
     except MashboxError as err:
         print(f"mashbox: {err}", file=sys.stderr)
         return 1
@@ -317,6 +318,8 @@ def _seconds(text: str) -> float:
 
 def _folder(name: str, path: Path) -> None:
     """Make ``path`` a folder this process can write in, or raise ValueError naming ``name``."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}: {path} cannot be a folder here (it is there, and is no folder)")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -332,9 +335,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         launch = _launch(args)
     except ValueError as err:
-        print(f"mashbox: {err}", file=sys.stderr)
-        return 2
+        return _refused(err)
     return serve(launch, stop)
+
+
+def _refused(err: Exception) -> int:
+    """Say a refused setting in one line, by its flag (``--cache-dir``, not the field ``cache_dir``); exit 2."""
+    message = str(err)
+    field, colon, rest = message.partition(": ")
+    flag = "--" + field.replace("_", "-")
+    if colon and field.isidentifier() and flag in _flags(build_parser()):
+        message = f"{flag}: {rest}"
+    print(f"mashbox: {message}", file=sys.stderr)
+    return 2
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag of ``parser`` and of its commands."""
+    found = {flag for action in parser._actions for flag in action.option_strings}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found |= {flag for command in action.choices.values() for flag in _flags(command)}
+    return found
 
 
 def _launch(args: argparse.Namespace) -> Launch:
@@ -355,6 +377,7 @@ def _launch(args: argparse.Namespace) -> Launch:
 
         _folder("the disk prefix cache (choose its folder with --cache-dir or MASHBOX_CACHE, or none with "
                 "--cache-disk 0)", cache_dir() / "prefixes")
+    check_named(args.model)  # an unknown id or a missing path: exit 1 at once, before the server listens
     return Launch(args.model, _settings(args), _engine_options(args), args.in_process)
 
 
@@ -370,8 +393,7 @@ def cluster(args: argparse.Namespace) -> int:
         # a bad flag or value stops here (exit 2), not in each replica: the first one's checked as it would run
         _launch(build_parser().parse_args(["run", *replica_args(run_args, members[0])]))
     except ValueError as err:
-        print(f"mashbox: {err}", file=sys.stderr)
-        return 2
+        return _refused(err)
     return Cluster(members, args.host.strip("[]"), args.port, run_args, haproxy).run()
 
 
@@ -417,7 +439,6 @@ def chat(args: argparse.Namespace) -> int:
         EngineConfig(model=args.model, **engine_options)
         SamplingParams(**options)
     except ValueError as err:
-        print(f"mashbox: {err}", file=sys.stderr)
-        return 2
+        return _refused(err)
     with Engine(args.model, **engine_options, quiet=not interactive) as engine:
         return run(engine, args.system, options, interactive)

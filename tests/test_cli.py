@@ -28,6 +28,22 @@ def test_a_word_that_is_no_command_nor_model_is_refused_naming_the_commands():
     assert missing.returncode == 1 and "no-such-model.gguf" in missing.stderr and "invalid choice" not in missing.stderr
 
 
+def test_a_command_after_chats_flags_is_refused_as_out_of_place():
+    """`mashbox --max-tokens 5 run` was chat with a model named `run` ("Unknown model 'run'")."""
+    for command in ("run", "models"):
+        done = mashbox("--max-tokens", "5", command)
+        said = f"mashbox: {command} comes first: `mashbox {command} ...` (the flags before it are chat's)"
+        assert done.returncode == 2 and done.stderr == f"{said} (see mashbox --help)\n", done.stderr
+
+
+def test_a_model_folder_named_without_a_slash_is_chats_model(tmp_path):
+    """`mashbox folder` was refused as no command ("invalid choice"), where `mashbox ./folder` was chat's model."""
+    (tmp_path / "folder").mkdir()
+    done = subprocess.run([sys.executable, "-m", "mashbox", "folder"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1 and "is a directory without config.json" in done.stderr, done.stderr
+
+
 def test_unknown_model_is_one_clear_error():
     done = mashbox("chat", "no-such-model")
     assert done.returncode == 1
@@ -36,10 +52,10 @@ def test_unknown_model_is_one_clear_error():
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--slots", "0"], "mashbox: slots: must be between 1 and 1024 (got 0)"),
-    (["--ctx", "8"], "mashbox: ctx: must be >= 16 (got 8)"),
-    (["--temperature", "9"], "mashbox: temperature: must be between 0 and 4"),
-    (["--max-tokens", "0"], "mashbox: max_tokens: must be >= 1 (got 0)"),
+    (["--slots", "0"], "mashbox: --slots: must be between 1 and 1024 (got 0)"),
+    (["--ctx", "8"], "mashbox: --ctx: must be >= 16 (got 8)"),
+    (["--temperature", "9"], "mashbox: --temperature: must be between 0 and 4"),
+    (["--max-tokens", "0"], "mashbox: --max-tokens: must be >= 1 (got 0)"),
 ])
 def test_a_bad_chat_setting_is_one_line_and_exit_2_before_loading(flags, words):
     done = mashbox("chat", *flags, stdin="hi\n")

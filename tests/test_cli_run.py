@@ -192,11 +192,15 @@ def test_ctrl_c_stops_the_server_and_its_worker(tiny_model_dir):
     assert gone(pid)
 
 
-def test_a_model_that_does_not_load_is_an_error(tmp_path):
-    process = mashbox(str(tmp_path / "no-such-model"), "--port", str(free_port()))
+@pytest.mark.parametrize(("model", "words"), [("{tmp}/no-such-model", "does not exist"),
+                                             ("no-such-model", "Unknown model 'no-such-model'. Known ids:")])
+def test_a_model_that_cannot_be_had_is_refused_before_the_server_listens(tmp_path, model, words):
+    """An unknown id or a missing path was found only by the worker: the server listened and said it was serving
+    the model ("loading..."), then stopped, exit 1; now it is said at once, in one line."""
+    process = mashbox(model.format(tmp=tmp_path), "--port", str(free_port()))
     _, err = process.communicate(timeout=120)
     assert process.returncode == 1
-    assert "does not exist" in err and "Traceback" not in err
+    assert words in err and "serving" not in err and len(err.splitlines()) == 1, err
 
 
 def test_a_worker_killed_while_loading_is_said_in_one_line_and_exits_1(tiny_model_dir):
@@ -294,14 +298,16 @@ def _worker_pid_if_loading(port):
     (["--sampling", "temperature=0.7", "--sampling", "temperature=0.1"],
      "mashbox run: argument --sampling: temperature given twice"),
     (["--sampling", "top_k=5,top_k=6"], "mashbox run: argument --sampling: top_k given twice"),
-    (["--cache-dir", "/proc/no-such-folder"], "mashbox: cache_dir: /proc/no-such-folder cannot be a folder here"),
-    (["--cache-dir", "/dev/null"], "mashbox: cache_dir: /dev/null cannot be a folder here"),
+    (["--cache-dir", "/proc/no-such-folder"], "mashbox: --cache-dir: /proc/no-such-folder cannot be a folder here"),
+    (["--cache-dir", "/dev/null"], "mashbox: --cache-dir: /dev/null cannot be a folder here (it is there, and is no "
+                                   "folder)"),  # it said "(File exists)"
     (["--slots", "abc"], "mashbox run: argument --slots: invalid int value: 'abc' (see mashbox run --help)"),
     (["--sampling", "top_p=2"], "mashbox run: argument --sampling: top_p: must be in (0, 1]"),
     (["--tasks-ttl", "inf"], "mashbox run: argument --tasks-ttl: must be a number of hours, more than 0"),
     (["--hang-timeout", "-1"], "mashbox run: argument --hang-timeout: must be a number of seconds, 0 or more"),
-    (["--allow-origin", "notanorigin"], "mashbox: allow_origin: 'notanorigin' is no origin"),
-    (["--allow-origin", "http://localhost:3000/app"], "mashbox: allow_origin: 'http://localhost:3000/app' is no origin"),
+    (["--allow-origin", "notanorigin"], "mashbox: --allow-origin: 'notanorigin' is no origin"),
+    (["--allow-origin", "http://localhost:3000/app"],
+     "mashbox: --allow-origin: 'http://localhost:3000/app' is no origin"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_loading(flags, words):
     """Refused at once in one line (argparse's usage block is not printed), never after loading began."""
@@ -330,7 +336,7 @@ def test_a_default_tasks_db_that_cannot_be_made_is_said_before_loading(tmp_path)
     process = mashbox("--port", str(free_port()), "--cache-disk", "0", env=env)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith(f"mashbox: tasks_db: {tmp_path}/afile/cache/tasks.sqlite3 cannot hold the tasks"), err
+    assert err.startswith(f"mashbox: --tasks-db: {tmp_path}/afile/cache/tasks.sqlite3 cannot hold the tasks"), err
     assert "--tasks-db" in err
 
 
@@ -343,7 +349,7 @@ def test_a_tasks_db_that_cannot_hold_the_tasks_is_one_line_and_exit_2(tmp_path):
                  "/proc/tasks.sqlite3"):
         process = mashbox("--port", str(free_port()), "--tasks-db", path)
         _, err = process.communicate(timeout=60)
-        assert process.returncode == 2 and err.startswith(f"mashbox: tasks_db: {path} cannot hold the tasks"), err
+        assert process.returncode == 2 and err.startswith(f"mashbox: --tasks-db: {path} cannot hold the tasks"), err
         assert len(err.splitlines()) == 1
     fresh = tmp_path / "new" / "tasks.sqlite3"
     task_store.check(fresh)

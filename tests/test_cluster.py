@@ -603,8 +603,9 @@ def test_a_killed_replica_ends_its_streams_and_is_back_only_once_healthy(cluster
     (["--", "--slots", "0"], "slots"),
     # the server's own checks too (each replica refused them after HAProxy and all of them started: exit 1)
     (["--", "--api-key-file", "/no/such/keys"], "api key file /no/such/keys: cannot read it"),
-    (["--", "--allow-origin", "foo"], "allow_origin: 'foo' is no origin"),
-    (["--", "--cache-dir", "/etc/passwd"], "cache_dir: /etc/passwd cannot be a folder here"),
+    (["--", "--allow-origin", "foo"], "--allow-origin: 'foo' is no origin"),
+    (["--", "--cache-dir", "/etc/passwd"], "--cache-dir: /etc/passwd cannot be a folder here (it is there, and is no "
+                                           "folder)"),
 ])
 def test_bad_cluster_flags_are_one_line_and_exit_2(flags, words):
     process = subprocess.run([sys.executable, "-m", "mashbox", "cluster", "--port", str(free_port()), *flags],
@@ -626,7 +627,7 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_anything_starts(held):
         process = subprocess.run([sys.executable, "-m", "mashbox", "cluster", "--port", str(port), "--first-port",
                                   str(first), "--replicas", "2"], capture_output=True, text=True, timeout=60)
     words = (f"port: {port} is in use on 127.0.0.1" if held == "balancer"
-             else f"first_port: replica r2's port {first + 1} is in use")
+             else f"--first-port: replica r2's port {first + 1} is in use")
     assert process.returncode == 2 and words in process.stderr and len(process.stderr.splitlines()) == 1, process.stderr
     assert "--first-port" in process.stderr or held == "balancer"
     assert time.monotonic() - began < 20, "refused before any replica started"

@@ -143,12 +143,19 @@ def installed(entry: CatalogEntry) -> bool:
 
 def resolve(model: str, *, cache: Path | None = None) -> ModelSource:
     """Resolve a catalog id, an HF model directory or a ``.gguf`` path; raise ModelLoadError."""
+    check_named(model)
     entries = catalog()
     if model in entries:
         return _resolve_entry(entries[model], cache or cache_dir())
-    path = Path(model).expanduser()
-    if path.exists():
-        return _resolve_path(path)
+    return _resolve_path(Path(model).expanduser())
+
+
+def check_named(model: str) -> None:
+    """Raise ModelLoadError unless ``model`` is a catalog id or a path that exists: nothing is read, so a
+    server refuses a model it cannot have before it listens."""
+    entries = catalog()
+    if model in entries or Path(model).expanduser().exists():
+        return
     if looks_like_path(model):
         raise ModelLoadError(
             f"Model path '{model}' does not exist. Give an existing .gguf file, an HF model "
