@@ -153,7 +153,7 @@ def _answer(engine: Any, conversation: Conversation, options: dict[str, Any], th
     if stream is None:
         return None
     text: list[str] = []
-    cut = thought = False
+    cut = thought = stopped = False
     try:
         for chunk in stream:
             choice = chunk.choices[0] if chunk.choices else None
@@ -171,10 +171,14 @@ def _answer(engine: Any, conversation: Conversation, options: dict[str, Any], th
     except KeyboardInterrupt:
         stream.close()  # the request stops and its slot is freed
         print(" [stopped]", end="")
+        stopped = True
     except MashboxError as err:  # the answer failed: said, and the chat goes on
         print(flush=True)
         _say(f"the answer failed: {err}")
+        stopped = True
     print(flush=True)
+    if not (text or thought or stopped):  # else a blank line, as if nothing had happened
+        _say("the model answered nothing (it ended its answer at once)")
     return "".join(text)
 
 

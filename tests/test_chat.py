@@ -128,6 +128,19 @@ def test_a_refused_question_is_said_and_a_cut_answer_says_so(tiny_engine, monkey
     assert out.count("[cut: --max-tokens 3]") == 2 and out.count(chat.SEPARATOR) == 2
 
 
+def test_an_empty_answer_is_said_not_left_a_blank_line(tiny_engine, monkeypatch, capsys):
+    """An answer the model ended at once (here, a stop string its first character) printed as a blank line."""
+    first = tiny_engine.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=4).choices[0].message.content
+    assert first
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4, "stop": [first[0]]}, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "mashbox: the model answered nothing (it ended its answer at once)" in err, (out, err)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert chat.run(tiny_engine, None, {"max_tokens": 4}, interactive=False) == 0
+    assert "answered nothing" not in capsys.readouterr().err
+
+
 def test_an_answer_cut_by_the_context_says_so_not_max_tokens(tiny_engine, monkeypatch, capsys):
     """ctx 512: a question that leaves a few tokens of room is answered up to the end of the context, which
     is what cut it, not --max-tokens."""
