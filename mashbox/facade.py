@@ -39,7 +39,7 @@ from mashbox.api.params import (
 )
 from mashbox.api.protocols import PROTOCOLS, prepare, start_usage
 from mashbox.api.task_items import CreateTask
-from mashbox.engine.events import CLOSED, Event, Finish, Queued
+from mashbox.engine.events import Event, Finish, Queued, closed
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.runtime import Job, Runtime
 from mashbox.errors import (
@@ -237,7 +237,7 @@ def _stopped(event: Event) -> None:
 
 
 def _closed(event: Event) -> None:
-    if isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED:
+    if closed(event):
         raise EngineClosedError("the engine was closed before this request finished", usage=event.usage)
 
 

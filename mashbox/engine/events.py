@@ -118,3 +118,8 @@ class Finish:
 
 
 Event = Queued | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
+
+
+def closed(event: Event) -> bool:
+    """Whether ``event`` is the Finish an engine's close ended a request with: not the request's own answer."""
+    return isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED

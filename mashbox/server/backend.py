@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from mashbox.engine.events import CLOSED, Event, Finish
+from mashbox.engine.events import Event, closed
 from mashbox.engine.info import ModelInfo
 from mashbox.engine.request import EngineRequest
 from mashbox.engine.stats import EngineStats
@@ -33,7 +33,7 @@ STOPPING = "the server is shutting down"
 def stopped(event: Event) -> None:
     """Raise ``EngineClosedError`` with the request's usage so far if ``event`` is the Finish its engine's close
     ended it with (the server stopping), which is not the request's own answer."""
-    if isinstance(event, Finish) and event.reason == "abort" and event.error == CLOSED:
+    if closed(event):
         raise EngineClosedError(STOPPING, usage=event.usage)
 
 

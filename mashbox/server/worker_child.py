@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent import futures
-from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -114,7 +113,7 @@ class Worker:
         self._send_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._pump = threading.Thread(target=self._loop.run_forever, name="mashbox-pump", daemon=True)
-        self._streams: dict[int, Future[None]] = {}
+        self._streams: dict[int, futures.Future[None]] = {}
         self._outgoing: list[EventMsg] = []  # the pump thread's events not yet sent
         self._stats_sent: Any = None  # the last snapshot sent
         self._engine_stopped = False  # after an internal error: this worker ends and the server starts another

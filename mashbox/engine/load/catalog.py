@@ -143,18 +143,20 @@ def installed(entry: CatalogEntry) -> bool:
 
 def resolve(model: str, *, cache: Path | None = None) -> ModelSource:
     """Resolve a catalog id, an HF model directory or a ``.gguf`` path; raise ModelLoadError."""
-    check_named(model)
     entries = catalog()
     if model in entries:
         return _resolve_entry(entries[model], cache or cache_dir())
+    check_named(model)
     return _resolve_path(Path(model).expanduser())
 
 
 def check_named(model: str) -> None:
     """Raise ModelLoadError unless ``model`` is a catalog id or a path that exists: nothing is read, so a
     server refuses a model it cannot have before it listens."""
+    if Path(model).expanduser().exists():
+        return
     entries = catalog()
-    if model in entries or Path(model).expanduser().exists():
+    if model in entries:
         return
     if looks_like_path(model):
         raise ModelLoadError(
